@@ -1,0 +1,125 @@
+"""The `armserve` command line: `generate` (and, as they land, serve / chat / bench / quantize / info)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-cache-space", type=float, default=None,
+                   help="KV cache size in GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    template = args.chat_template
+    if template:
+        import os
+
+        if os.path.isfile(template):
+            with open(template) as f:
+                template = f.read()
+    return dict(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_space=args.kv_cache_space,
+        seed=args.seed,
+        chat_template=template,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n", type=int, default=1)
+
+
+def sampling_params(args: argparse.Namespace):
+    from armserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from armserve.llm import LLM
+    from armserve.model_loader import bundled_model_path
+
+    params = sampling_params(args)  # fail on bad flags before loading the model
+    model = args.model or bundled_model_path()
+    llm = LLM(model, **engine_kwargs(args))
+    prompts = args.prompt or ["The capital of France is"]
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
+        for c in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text,
+                                  "token_ids": c.token_ids, "finish_reason": c.finish_reason}))
+            else:
+                shown = out.prompt if out.prompt is not None else prompts[0]
+                print(f"--- {shown!r} [{c.index}] ({c.finish_reason})\n{c.text}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="armserve", description="LLM inference and serving on CPUs")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate completions offline")
+    g.add_argument("--model", default=None, help="HF folder or GGUF file (default: bundled SmolLM2)")
+    g.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="one JSON object per completion")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # our errors all derive from ValueError and name the problem
+        print(f"armserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Engine configuration: vLLM's engine-argument names, validated up front."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+DEFAULT_KV_CACHE_SPACE_GIB = 4.0
+
+
+class ConfigError(ValueError):
+    """An engine argument is invalid; the message names it."""
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively (AVX512-BF16/AMX on x86, BF16 on ARM)."""
+    cap = ""
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # older torch
+        pass
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                low = line.lower()
+                if low.startswith("flags") or low.startswith("features"):
+                    flags = low
+                    break
+    except OSError:
+        pass
+    words = set(flags.replace(":", " ").split())
+    if {"avx512_bf16", "amx_bf16"} & words:
+        return True
+    if "bf16" in words:  # aarch64 /proc/cpuinfo "Features" line
+        return True
+    return cap.upper() in {"AVX512_BF16", "AMX"}
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
+    """Map a user dtype to a torch dtype. `auto` is bfloat16 on CPUs with native BF16, else float32."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        return dtype
+    key = str(dtype).lower()
+    if key == "auto":
+        # NOTE: a float16 checkpoint also runs as bfloat16/float32 here: CPUs have no fast fp16 GEMM
+        # in PyTorch, and bfloat16 keeps fp16's range problems away.
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    if key not in _DTYPES:
+        raise ConfigError(
+            f"unknown dtype {dtype!r}; expected one of auto, float32, bfloat16, float16"
+        )
+    return _DTYPES[key]
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs besides the model weights.
+
+    `max_model_len` of None takes the model's own context length. `kv_cache_space` is in GiB
+    (default from `ARMSERVE_KVCACHE_SPACE`, else 4).
+    """
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int = 256
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_space: float | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    served_model_name: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_space is None:
+            env = os.environ.get("ARMSERVE_KVCACHE_SPACE")
+            if env:
+                try:
+                    self.kv_cache_space = float(env)
+                except ValueError:
+                    raise ConfigError(f"ARMSERVE_KVCACHE_SPACE must be a number of GiB, got {env!r}")
+            else:
+                self.kv_cache_space = DEFAULT_KV_CACHE_SPACE_GIB
+        if not self.kv_cache_space > 0:
+            raise ConfigError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        resolve_dtype(self.dtype)  # fail early on an unknown dtype
+
+    def finalize(self, model_max_len: int) -> None:
+        """Fill the limits that depend on the model, once it is known."""
+        if self.max_model_len is None:
+            self.max_model_len = model_max_len
+        elif self.max_model_len > model_max_len:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} exceeds the model's context length {model_max_len}"
+            )
+        if self.max_num_batched_tokens is None:
+            # NOTE: chunked prefill is always on; 2048 keeps a step's activations small on CPU
+            # while a long prompt still moves in a few steps.
+            self.max_num_batched_tokens = max(2048, self.max_num_seqs)

@@ -1,0 +1,161 @@
+"""Turns a scheduled step into tensors, runs the model over the paged KV cache and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from armserve.engine.sampler import (
+    LogprobsTensors,
+    Sampler,
+    build_sampling_batch,
+    compute_logprobs_tensors,
+)
+from armserve.engine.scheduler import SchedulerOutput
+from armserve.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
+
+
+def kv_cache_num_blocks(config, kv_cache_space_gib: float, block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks of `block_size` tokens fit in `kv_cache_space_gib` for this model."""
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    elem = torch.tensor([], dtype=dtype).element_size()
+    bytes_per_block = 2 * config.num_hidden_layers * block_size * n_kv * head_dim * elem
+    return int(kv_cache_space_gib * (1 << 30)) // bytes_per_block
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: list[int | None]  # one per scheduled request; None for a mid-prompt chunk
+    logprobs: list[tuple[list[int], list[float], int] | None]  # (token ids, logprobs, rank) per request
+    prompt_logprobs: dict[str, LogprobsTensors]  # request id -> this chunk's prompt logprobs
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        cfg = model.config
+        self.vocab_size = cfg.vocab_size
+        attn_layers = model.attention_layers()
+        a0 = attn_layers[0]
+        # One allocation for all layers; torch.empty touches no pages until they are written.
+        self.kv_cache = torch.empty(
+            2, len(attn_layers), num_blocks * block_size, a0.num_kv_heads, a0.head_dim, dtype=dtype
+        )
+        for i, attn in enumerate(attn_layers):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
+        self.sampler = Sampler()
+
+    # ---- input preparation ------------------------------------------------------------------
+
+    def _prepare(self, out: SchedulerOutput):
+        """Order rows decodes-first and build ids, positions and attention metadata."""
+        bs = self.block_size
+        decodes = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens == 1]
+        prefills = [i for i, s in enumerate(out.scheduled) if s.num_new_tokens > 1]
+        order = decodes + prefills
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        row_end: list[int] = [0] * len(out.scheduled)  # last row of each scheduled request
+        chunk_meta = []
+        for i in order:
+            s = out.scheduled[i]
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            q_start = len(ids)
+            ids.extend(req.all_token_ids[start:end])
+            pos.extend(range(start, end))
+            blocks = s.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            row_end[i] = len(ids) - 1
+            if s.num_new_tokens > 1:
+                chunk_meta.append((q_start, s.num_new_tokens, start, end, blocks))
+        input_ids = torch.tensor(ids, dtype=torch.long)
+        positions = torch.tensor(pos, dtype=torch.long)
+        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=len(decodes))
+        if decodes:
+            ctx = [out.scheduled[i].request.num_computed_tokens + 1 for i in decodes]
+            max_ctx = max(ctx)
+            blocks = torch.zeros(len(decodes), -(-max_ctx // bs), dtype=torch.long)
+            for r, i in enumerate(decodes):
+                b = out.scheduled[i].block_ids[: -(-ctx[r] // bs)]
+                blocks[r, : len(b)] = torch.tensor(b, dtype=torch.long)
+            offs = torch.arange(max_ctx)
+            md.decode_slots = blocks[:, offs // bs] * bs + offs % bs
+            md.decode_context_lens = torch.tensor(ctx, dtype=torch.long)
+        for q_start, q_len, start, end, blocks in chunk_meta:
+            p = torch.arange(end)
+            bt = torch.tensor(blocks[: -(-end // bs)], dtype=torch.long)
+            md.prefills.append(
+                PrefillChunk(
+                    q_start=q_start,
+                    q_len=q_len,
+                    context_len=end,
+                    slots=bt[p // bs] * bs + p % bs,
+                    positions=positions[q_start:q_start + q_len],
+                    fresh=start == 0,
+                )
+            )
+        return input_ids, positions, md, row_end, order
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        input_ids, positions, md, row_end, order = self._prepare(out)
+        set_attention_metadata(md)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            set_attention_metadata(None)
+
+        sched = out.scheduled
+        sample_idx = [i for i, s in enumerate(sched) if s.samples]
+        sampled: list[int | None] = [None] * len(sched)
+        logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(sched)
+        if sample_idx:
+            rows = torch.tensor([row_end[i] for i in sample_idx], dtype=torch.long)
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            reqs = [sched[i].request for i in sample_idx]
+            batch = build_sampling_batch(
+                [r.params for r in reqs],
+                [r.prompt_token_ids for r in reqs],
+                [r.output_token_ids for r in reqs],
+                [r.generator for r in reqs],
+                self.vocab_size,
+            )
+            so = self.sampler(logits, batch)
+            tokens = so.sampled_token_ids.tolist()
+            lp = so.logprobs
+            if lp is not None:
+                lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
+            for j, i in enumerate(sample_idx):
+                sampled[i] = tokens[j]
+                k = reqs[j].params.logprobs
+                if lp is not None and k is not None:
+                    logprobs[i] = (lp_ids[j][: k + 1], lp_vals[j][: k + 1], lp_ranks[j])
+
+        prompt_logprobs: dict[str, LogprobsTensors] = {}
+        for i, s in enumerate(sched):
+            req = s.request
+            k = req.params.prompt_logprobs
+            if k is None or req.num_computed_tokens >= req.num_prompt_tokens:
+                continue
+            # Rows of this chunk that predict a prompt token (the last prompt row predicts output).
+            start = req.num_computed_tokens
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first_row = row_end[i] - (s.num_new_tokens - 1)
+            h = hidden[first_row:first_row + (end - start)]
+            targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], dtype=torch.long)
+            prompt_logprobs[req.request_id] = compute_logprobs_tensors(self.model.compute_logits(h), targets, k)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)

@@ -1,0 +1,91 @@
+"""One request's state as the scheduler and the KV cache see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from armserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+class Request:
+    """A single sequence being generated.
+
+    The scheduler has no prefill/decode phases: it only compares `num_computed_tokens` with
+    `num_tokens` (prompt + generated). A request with `num_computed_tokens < num_prompt_tokens`
+    is prefilling (maybe in chunks); once all tokens but the newest are computed it decodes.
+    """
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
+        "max_tokens", "status", "num_computed_tokens", "num_cached_tokens", "stop_reason",
+        "arrival_time", "generator", "block_hashes", "num_preemptions", "prompt_logprobs_done",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        # NOTE: prompt + output in one list, so block hashing and recompute after preemption
+        # never need to concatenate.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit on first schedule; -1 = not yet looked up
+        self.stop_reason: int | str | None = None
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+        self.block_hashes: list[int] = []  # chained hash of each full block of all_token_ids
+        self.num_preemptions = 0
+        self.prompt_logprobs_done = 0  # prompt positions whose logprobs were already returned
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished

@@ -1,0 +1,351 @@
+"""Batched token sampling: penalties, temperature, top-k/top-p/min-p and logprobs, in tensors.
+
+The engine builds one `SamplingBatch` per step for the rows that need a sampled token
+(`build_sampling_batch`) and calls `Sampler()(logits, batch)`. Everything is batched
+tensor math; the only Python loop is over rows that carry their own seeded generator,
+so that a seeded request draws the same noise whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from armserve.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy (same threshold as SamplingParams.greedy).
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingBatch:
+    """Per-step sampling parameters of B rows, as tensors (built by `build_sampling_batch`).
+
+    Optional tensors are None when no row needs that step, so the sampler can skip it.
+    """
+
+    temperature: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled
+    top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled
+    min_p: torch.Tensor | None  # [B] float32, 0.0 where disabled
+    presence_penalty: torch.Tensor | None  # [B] float32
+    frequency_penalty: torch.Tensor | None  # [B] float32
+    repetition_penalty: torch.Tensor | None  # [B] float32
+    prompt_token_ids: torch.Tensor | None  # [B, Lp] int64, padded with vocab_size
+    output_token_ids: torch.Tensor | None  # [B, Lo] int64, padded with vocab_size
+    # (row, token ids to forbid) for rows that have not reached min_tokens yet.
+    min_tokens_mask: list[tuple[int, list[int]]] = field(default_factory=list)
+    # row -> the request's own generator (random rows of requests with a seed).
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    all_greedy: bool = False
+    all_random: bool = False
+    max_num_logprobs: int | None = None  # max of params.logprobs over rows, None if no row asks
+
+    @property
+    def no_penalties(self) -> bool:
+        return self.repetition_penalty is None
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of one chosen/target token per row plus the top-k alternatives."""
+
+    token_ids: torch.Tensor  # [N, k+1] int64: column 0 = chosen/target token, then top-k
+    logprobs: torch.Tensor  # [N, k+1] float32
+    ranks: torch.Tensor  # [N] int64: 1-based rank of the chosen/target token in the vocab
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token of every row and, when asked for, their logprobs."""
+
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # k = batch.max_num_logprobs
+
+
+def _pad_2d(rows: list[list[int]], pad: int) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.int64).reshape(
+        len(rows), width
+    )
+
+
+def build_sampling_batch(
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+) -> SamplingBatch:
+    """Gather the parameters of B rows into a `SamplingBatch`.
+
+    `output_token_ids[i]` are the tokens generated so far by row i (used for penalties and
+    min_tokens); `generators[i]` is the request's seeded generator or None.
+    """
+    n = len(params)
+    greedy = [p.greedy for p in params]
+    temperature = torch.tensor(
+        [0.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32
+    )
+    # Filters only matter for random rows; greedy rows get the "disabled" value so a
+    # batch of greedy rows with e.g. top_k set does not pay for sorting.
+    top_k_list = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for p, g in zip(params, greedy)]
+    top_p_list = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+    min_p_list = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+    top_k = torch.tensor(top_k_list, dtype=torch.int64) if any(k < vocab_size for k in top_k_list) else None
+    top_p = torch.tensor(top_p_list, dtype=torch.float32) if any(p < 1.0 for p in top_p_list) else None
+    min_p = torch.tensor(min_p_list, dtype=torch.float32) if any(p > 0.0 for p in min_p_list) else None
+
+    # Penalties apply to greedy rows as well (as in vLLM).
+    use_penalties = any(
+        p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0 for p in params
+    )
+    presence = frequency = repetition = prompt_ids = output_ids = None
+    if use_penalties:
+        presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32)
+        frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32)
+        repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32)
+        # Only rows with a repetition penalty look at the prompt; others get an empty row
+        # so a long prompt of an unpenalised row does not widen the padded tensor.
+        prompt_ids = _pad_2d(
+            [list(ids) if p.repetition_penalty != 1.0 else [] for p, ids in zip(params, prompt_token_ids)],
+            vocab_size,
+        )
+        output_ids = _pad_2d([list(ids) for ids in output_token_ids], vocab_size)
+
+    min_tokens_mask: list[tuple[int, list[int]]] = []
+    for i, (p, out) in enumerate(zip(params, output_token_ids)):
+        if p.min_tokens and len(out) < p.min_tokens:
+            stop_ids = sorted(t for t in p.all_stop_token_ids if 0 <= t < vocab_size)
+            if stop_ids:
+                min_tokens_mask.append((i, stop_ids))
+
+    gens = {i: g for i, (g, is_greedy) in enumerate(zip(generators, greedy)) if g is not None and not is_greedy}
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingBatch(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        prompt_token_ids=prompt_ids,
+        output_token_ids=output_ids,
+        min_tokens_mask=min_tokens_mask,
+        generators=gens,
+        all_greedy=all(greedy),
+        all_random=not any(greedy),
+        max_num_logprobs=max(wanted) if wanted else None,
+    )
+
+
+def apply_min_tokens_mask(logits: torch.Tensor, mask: list[tuple[int, list[int]]]) -> torch.Tensor:
+    """Set the forbidden (stop) tokens of rows below min_tokens to -inf, in place."""
+    if not mask:
+        return logits
+    rows = [r for r, ids in mask for _ in ids]
+    cols = [t for _, ids in mask for t in ids]
+    logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+    return logits
+
+
+def _token_bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, L] ids padded with vocab_size -> [B, vocab_size] occurrence counts."""
+    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int32)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
+    return counts[:, :vocab_size]  # drop the padding bin
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    output_token_ids: torch.Tensor,
+    presence_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    repetition_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """Apply the three penalties in place and return `logits`.
+
+    Repetition penalty (CTRL/HF style) covers prompt and output tokens: a positive logit
+    is divided by it, a negative one multiplied. Presence and frequency (OpenAI style)
+    cover output tokens only: logit -= frequency * count + presence * (count > 0).
+    """
+    vocab_size = logits.shape[1]
+    output_counts = _token_bin_counts(output_token_ids, vocab_size)
+    seen = output_counts > 0
+    if prompt_token_ids.shape[1]:
+        seen |= _token_bin_counts(prompt_token_ids, vocab_size) > 0
+    rep = repetition_penalty.unsqueeze(1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits.copy_(torch.where(seen, penalised, logits))
+    logits -= frequency_penalty.unsqueeze(1) * output_counts
+    logits -= presence_penalty.unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+# Top-p first looks for its cut-off among this many most likely tokens: a topk of that
+# width is several times cheaper on CPU than sorting a 50k vocabulary (and a sort would
+# also need a scatter back). Only rows whose nucleus is wider fall back to a full sort.
+_TOP_P_WINDOW = 512
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Mask in place everything below each row's k-th largest logit (ties are kept)."""
+    vocab_size = logits.shape[1]
+    enabled = top_k < vocab_size
+    if not bool(enabled.any()):
+        return
+    # Disabled rows (k == V) must not force a full-width topk for everyone.
+    max_k = int(top_k[enabled].max())
+    top_vals = logits.topk(max_k, dim=-1).values
+    kth = top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
+    kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
+    logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def _top_p_cutoff(logits: torch.Tensor, top_p: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the smallest logit top-p keeps ([N, 1]), searched among the `window` most
+    likely tokens, and whether that window was wide enough to contain the cut ([N])."""
+    vocab_size = logits.shape[1]
+    window = min(window, vocab_size)
+    vals = logits.topk(window, dim=-1).values  # descending
+    probs = (vals - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    # Like HF: a token goes when it and all less likely tokens hold <= 1 - p of the mass.
+    tail_mass = 1.0 - (probs.cumsum(dim=-1) - probs)
+    keep = tail_mass > (1.0 - top_p).unsqueeze(1)
+    keep[:, 0] = True  # the most likely token always survives
+    n_keep = keep.sum(dim=-1)  # tail_mass only decreases, so `keep` is a prefix
+    cutoff = vals.gather(1, (n_keep - 1).unsqueeze(1))
+    sufficient = (n_keep < window) | (window == vocab_size)
+    return cutoff, sufficient
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Mask in place the low-probability tail of the rows with top_p < 1."""
+    rows = torch.nonzero(top_p < 1.0).squeeze(1)
+    if rows.numel() == 0:
+        return
+    every_row = rows.numel() == logits.shape[0]
+    sub = logits if every_row else logits[rows]
+    sub_p = top_p if every_row else top_p[rows]
+    cutoff, sufficient = _top_p_cutoff(sub, sub_p, _TOP_P_WINDOW)
+    if not bool(sufficient.all()):
+        wide = torch.nonzero(~sufficient).squeeze(1)
+        cutoff[wide] = _top_p_cutoff(sub[wide], sub_p[wide], sub.shape[1])[0]
+    # A threshold instead of a scatter of sorted positions; ties at the cut are kept.
+    sub.masked_fill_(sub < cutoff, float("-inf"))
+    if not every_row:
+        logits[rows] = sub
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """Return a copy of `logits` [B, V] with the tokens filtered out by top-k, then top-p
+    (on the top-k renormalised distribution), then min-p set to -inf.
+
+    `top_k` [B] (>= vocab size or <= 0 disables a row), `top_p` [B] (1.0 disables),
+    `min_p` [B] (0.0 disables); any may be None. At least the most likely token always
+    survives. Tokens tied with the last kept one are kept too.
+    """
+    vocab_size = logits.shape[1]
+    out = logits.clone()
+    if top_k is not None:
+        _apply_top_k(out, torch.where(top_k <= 0, vocab_size, top_k).clamp(1, vocab_size))
+    if top_p is not None:
+        _apply_top_p(out, top_p)
+    if min_p is not None:
+        # Threshold relative to the most likely token; renormalisation by the earlier
+        # filters does not change the ratio p_i / p_max, so this equals HF's
+        # MinPLogitsWarper applied after top-k/top-p.
+        probs = out.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        out.masked_fill_(probs < threshold, float("-inf"))
+    return out
+
+
+def compute_logprobs_tensors(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Log-softmax of `logits` [N, V]; the target token's logprob and rank plus the top-k.
+
+    Used for sample logprobs (target = sampled token) and prompt logprobs (target = next
+    prompt token). Ranks are 1-based: 1 + number of tokens strictly more likely.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target_ids = target_ids.to(torch.int64).unsqueeze(1)
+    target_lp = logprobs.gather(1, target_ids)
+    ranks = (logprobs > target_lp).sum(dim=-1) + 1
+    k = min(k, logprobs.shape[1])
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        token_ids = torch.cat([target_ids, top_ids], dim=1)
+        lps = torch.cat([target_lp, top_lp], dim=1)
+    else:
+        token_ids, lps = target_ids, target_lp
+    return LogprobsTensors(token_ids=token_ids, logprobs=lps, ranks=ranks.to(torch.int64))
+
+
+def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Exponential(1) noise [B, V]; rows with a generator draw only from their own, so a
+    seeded row's noise depends only on its generator and V, not on the batch."""
+    # -log(U), U ~ Uniform[0, 1), is Exp(1); on CPU it is several times faster than
+    # Tensor.exponential_. U < 1 so the noise is never 0 (no 0/0 NaN for filtered tokens);
+    # U == 0 gives inf noise, which only makes that token lose.
+    q = torch.empty(shape, dtype=torch.float32)
+    if len(generators) < shape[0]:
+        q.uniform_()  # one batched draw from the global RNG for unseeded rows
+    for row, gen in generators.items():
+        q[row].uniform_(generator=gen)
+    return q.log_().neg_()
+
+
+class Sampler:
+    """Turns the last-position logits of a batch into one token per row (vLLM v1 order)."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """Sample from `logits` [B, V] (not modified). Logprobs, when asked for, are the raw
+        model log-softmax, before penalties, temperature and filtering (like vLLM)."""
+        raw_logits = logits
+        # Work on a float32 copy: the caller's logits stay untouched.
+        logits = logits.to(torch.float32, copy=True)
+
+        apply_min_tokens_mask(logits, batch.min_tokens_mask)
+        if not batch.no_penalties:
+            assert batch.prompt_token_ids is not None and batch.output_token_ids is not None
+            assert batch.presence_penalty is not None and batch.frequency_penalty is not None
+            apply_penalties(
+                logits,
+                batch.prompt_token_ids,
+                batch.output_token_ids,
+                batch.presence_penalty,
+                batch.frequency_penalty,
+                batch.repetition_penalty,  # type: ignore[arg-type]
+            )
+
+        greedy_ids = None if batch.all_random else logits.argmax(dim=-1)
+        if batch.all_greedy:
+            assert greedy_ids is not None
+            sampled = greedy_ids
+        else:
+            # Greedy rows of a mixed batch get temperature 1 here; their result is discarded.
+            temp = torch.where(batch.temperature < _SAMPLING_EPS, 1.0, batch.temperature)
+            logits.div_(temp.unsqueeze(1))
+            if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+                logits = apply_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
+            probs = logits.softmax(dim=-1)
+            # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a sample from p,
+            # without a cumulative sum or a search.
+            random_ids = (probs / _exponential_noise(probs.shape, batch.generators)).argmax(dim=-1)
+            if greedy_ids is None:
+                sampled = random_ids
+            else:
+                sampled = torch.where(batch.temperature < _SAMPLING_EPS, greedy_ids, random_ids)
+
+        lp = None
+        if batch.max_num_logprobs is not None:
+            lp = compute_logprobs_tensors(raw_logits, sampled, batch.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=lp)

@@ -1,0 +1,160 @@
+"""Paged attention over the KV cache for a mixed batch of decodes and prefill chunks.
+
+The model runner publishes one `AttentionMetadata` per step (`set_attention_metadata`), so model
+code stays `forward(positions, hidden_states)`. Token rows of a step are laid out as
+
+    [ decode tokens (one per request) | prefill chunk of req A | prefill chunk of req B | ... ]
+
+KV cache of one layer: `[num_blocks * block_size, num_kv_heads, head_dim]` for K and for V; a
+token's slot is `block_id * block_size + offset` (see kv_cache_manager.py).
+
+This is the PyTorch path: it gathers each request's context from its blocks and calls
+`scaled_dot_product_attention`. The C++ kernels implement the same interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of new tokens that attends to its cached context plus itself."""
+
+    q_start: int  # first row of this chunk in the step's token rows
+    q_len: int
+    context_len: int  # tokens in the cache after this step (cached prefix + chunk)
+    slots: torch.Tensor  # [context_len] cache slots of every context token, in order
+    positions: torch.Tensor  # [q_len] positions of the chunk's tokens
+    fresh: bool  # no cached prefix: K/V can be taken from this step's rows directly
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token is written to
+    num_decodes: int
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padded with slot 0)
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes]
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    # Masks depend on the sliding window, so they are built lazily once per window size
+    # and shared by every layer of the step.
+    _mask_cache: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        key = ("d", window)
+        m = self._mask_cache.get(key)
+        if m is None:
+            lens = self.decode_context_lens
+            cols = torch.arange(self.decode_slots.shape[1])
+            m = cols[None, :] < lens[:, None]
+            if window is not None:
+                # the query sits at position len-1; keys must satisfy q - k < window
+                m &= cols[None, :] > (lens[:, None] - 1 - window)
+            m = m[:, None, None, :]  # [B, 1, 1, L]
+            self._mask_cache[key] = m
+        return m
+
+    def prefill_mask(self, idx: int, window: int | None) -> torch.Tensor | None:
+        key = ("p", idx, window)
+        if key in self._mask_cache:
+            return self._mask_cache[key]
+        p = self.prefills[idx]
+        k_pos = torch.arange(p.context_len)
+        q_pos = p.positions[:, None]
+        m = k_pos[None, :] <= q_pos
+        if window is not None:
+            m &= (q_pos - k_pos[None, :]) < window
+        self._mask_cache[key] = m
+        return m
+
+
+_METADATA: AttentionMetadata | None = None
+
+
+def set_attention_metadata(md: AttentionMetadata | None) -> None:
+    global _METADATA
+    _METADATA = md
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    assert _METADATA is not None, "attention called outside a model-runner step"
+    return _METADATA
+
+
+class Attention(nn.Module):
+    """Writes this step's K/V into the paged cache, then attends. GQA/MQA by head grouping."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+        # Bound by the model runner after the cache is allocated.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq*D]; k, v: [T, Hkv*D] -> [T, Hq*D]."""
+        md = get_attention_metadata()
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = self.k_cache, self.v_cache
+        k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+
+        out = torch.empty_like(q)
+        gqa = self.num_heads != self.num_kv_heads
+        nd = md.num_decodes
+        if nd:
+            kk = k_cache[md.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            vv = v_cache[md.decode_slots].transpose(1, 2)
+            qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
+            o = self._sdpa(qq, kk.to(q.dtype), vv.to(q.dtype), md.decode_mask(self.sliding_window), gqa)
+            out[:nd] = o.squeeze(2)
+        for i, p in enumerate(md.prefills):
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            qq = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, Lq, D]
+            if p.fresh:
+                kk, vv = k[rows], v[rows]
+            else:
+                kk, vv = k_cache[p.slots].to(q.dtype), v_cache[p.slots].to(q.dtype)
+            kk = kk.transpose(0, 1).unsqueeze(0)
+            vv = vv.transpose(0, 1).unsqueeze(0)
+            if p.fresh and self.sliding_window is None and self.logit_softcap is None:
+                o = F.scaled_dot_product_attention(
+                    qq, kk, vv, is_causal=True, scale=self.scale, enable_gqa=gqa
+                )
+            else:
+                o = self._sdpa(qq, kk, vv, md.prefill_mask(i, self.sliding_window), gqa)
+            out[rows] = o.squeeze(0).transpose(0, 1)
+        return out.view(T, self.num_heads * self.head_dim)
+
+    def _sdpa(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
+        if self.logit_softcap is None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=gqa)
+        # Gemma-2 style soft-capped scores: no fused kernel for that, so spell it out.
+        if gqa:
+            rep = self.num_heads // self.num_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        s = torch.matmul(q, k.transpose(-1, -2)).float() * self.scale
+        s = torch.tanh(s / self.logit_softcap) * self.logit_softcap
+        s = s.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)

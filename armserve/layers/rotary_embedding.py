@@ -1,0 +1,105 @@
+"""Rotary position embedding with a precomputed cos/sin table (default, linear and llama3 scaling)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings of a transformers config, old (`rope_theta` + `rope_scaling`) or new
+    (`rope_parameters`) style, as one flat dict with at least `rope_type` and `rope_theta`."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        out = dict(params)
+    else:
+        out = dict(getattr(config, "rope_scaling", None) or {})
+        out["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
+    return out
+
+
+def _inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(params["factor"])
+    if kind == "llama3":
+        factor = float(params["factor"])
+        low = float(params.get("low_freq_factor", 1.0))
+        high = float(params.get("high_freq_factor", 4.0))
+        old_len = float(params["original_max_position_embeddings"])
+        low_wavelen = old_len / low
+        high_wavelen = old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(mid, blended, scaled)
+    raise ValueError(
+        f"rope_type {kind!r} is not supported; supported: default, linear, llama3"
+    )
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q and k in place of a copy.
+
+    `is_neox_style` rotates the two halves of each head (Hugging Face layout); otherwise
+    adjacent pairs (GPT-J layout).
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        params: dict,
+        rotary_dim: int | None = None,
+        is_neox_style: bool = True,
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
+        self.is_neox_style = is_neox_style
+        inv_freq = _inv_freq(self.rotary_dim, params)
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        # [max_position, rotary_dim]: cos and sin of each half, kept in float32.
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rd = self.rotary_dim
+        xr = x[..., :rd].float()
+        if self.is_neox_style:
+            x1, x2 = xr.chunk(2, dim=-1)
+        else:
+            x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        o1 = x1 * cos - x2 * sin
+        o2 = x2 * cos + x1 * sin
+        if self.is_neox_style:
+            out = torch.cat([o1, o2], dim=-1)
+        else:
+            out = torch.stack([o1, o2], dim=-1).flatten(-2)
+        out = out.to(x.dtype)
+        if rd < self.head_dim:
+            out = torch.cat([out, x[..., rd:]], dim=-1)
+        return out
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D]."""
+        T = positions.shape[0]
+        cs = self.cos_sin.index_select(0, positions)
+        half = self.rotary_dim // 2
+        cos = cs[:, None, :half]
+        sin = cs[:, None, half:]
+        q = self._rotate(q.view(T, -1, self.head_dim), cos, sin).view(T, -1)
+        k = self._rotate(k.view(T, -1, self.head_dim), cos, sin).view(T, -1)
+        return q, k

@@ -1,0 +1,140 @@
+"""The offline Python API: `LLM(model).generate(prompts, params)` and `LLM.chat(messages)`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+from armserve.config import EngineConfig
+from armserve.engine.llm_engine import LLMEngine, PromptType
+from armserve.outputs import RequestOutput
+from armserve.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """An offline engine over one model.
+
+    `model` is a Hugging Face folder or a GGUF file. Engine arguments use vLLM's names
+    (`dtype`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`, `block_size`,
+    `enable_prefix_caching`, `seed`) plus `kv_cache_space` in GiB.
+    """
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)  # type: ignore[attr-defined]
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s): {', '.join(sorted(unknown))}; "
+                f"known: {', '.join(sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model'))}"
+            )
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for one or many prompts; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or `{"prompt_token_ids": [...]}`.
+        `sampling_params` is one `SamplingParams` for all prompts or one per prompt.
+        """
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
+                )
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)  # leave the engine as it was
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        convs: list[ChatMessages]
+        if messages and isinstance(messages[0], dict):
+            convs = [messages]  # type: ignore[list-item]
+        else:
+            convs = list(messages)  # type: ignore[arg-type]
+        prompts = [
+            {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template)} for c in convs
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode_chat(
+        self, messages: ChatMessages, add_generation_prompt: bool = True, chat_template: str | None = None
+    ) -> list[int]:
+        tok = self.llm_engine.tokenizer
+        return encode_chat(tok, messages, add_generation_prompt, chat_template)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        start = time.perf_counter()
+        in_tokens = out_tokens = 0
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        results[out.request_id] = out
+                        if bar is not None:
+                            in_tokens += len(out.prompt_token_ids)
+                            out_tokens += sum(len(o.token_ids) for o in out.outputs)
+                            dt = time.perf_counter() - start
+                            bar.set_postfix_str(
+                                f"est. speed input: {in_tokens / dt:.2f} toks/s, output: {out_tokens / dt:.2f} toks/s"
+                            )
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[i] for i in ids]
+
+
+def encode_chat(tokenizer, messages: ChatMessages, add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the chat template (which adds BOS itself)."""
+    template = chat_template or tokenizer.chat_template
+    if not template:
+        raise ValueError("this model has no chat template; pass chat_template=... or use generate()")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+    )
+    return tokenizer.encode(text, add_special_tokens=False)

