@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+MAX_LOGPROBS = 20  # as vLLM: more alternatives per position cost a full sort each
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
 
@@ -38,8 +41,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
-    # Filled by the engine: the stop-token set and the largest stop-string length.
-    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    # Filled by the engine: stop_token_ids plus EOS (unless ignore_eos).
+    _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, init=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -86,6 +89,12 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             bad("prompt_logprobs", "must be an integer >= 0")
+        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
+            bad("logprobs", f"must be <= {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
+            bad("prompt_logprobs", f"must be <= {MAX_LOGPROBS}")
+        if self.stop and not self.detokenize:
+            bad("stop", "needs detokenize=True (stop strings are matched on text)")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

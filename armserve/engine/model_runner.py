@@ -27,6 +27,9 @@ def kv_cache_num_blocks(config, kv_cache_space_gib: float, block_size: int, dtyp
     return int(kv_cache_space_gib * (1 << 30)) // bytes_per_block
 
 
+PROMPT_LOGPROBS_SLICE = 256
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: list[int | None]  # one per scheduled request; None for a mid-prompt chunk
@@ -155,7 +158,16 @@ class ModelRunner:
             if end <= start:
                 continue
             first_row = row_end[i] - (s.num_new_tokens - 1)
-            h = hidden[first_row:first_row + (end - start)]
             targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], dtype=torch.long)
-            prompt_logprobs[req.request_id] = compute_logprobs_tensors(self.model.compute_logits(h), targets, k)
+            # NOTE: in slices, so a long chunk never holds [chunk, vocab] logits at once.
+            parts = []
+            for a in range(0, end - start, PROMPT_LOGPROBS_SLICE):
+                b = min(a + PROMPT_LOGPROBS_SLICE, end - start)
+                logits = self.model.compute_logits(hidden[first_row + a:first_row + b])
+                parts.append(compute_logprobs_tensors(logits, targets[a:b], k))
+            prompt_logprobs[req.request_id] = LogprobsTensors(
+                torch.cat([x.token_ids for x in parts]),
+                torch.cat([x.logprobs for x in parts]),
+                torch.cat([x.ranks for x in parts]),
+            )
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
