@@ -93,6 +93,51 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- serve / chat: the OpenAI-compatible server and its terminal client ----------------------
+
+
+def _add_serving_commands(sub) -> None:
+    """`armserve serve [MODEL]` and `armserve chat` (code in armserve.entrypoints)."""
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    s.add_argument("model", nargs="?", default=None, help="HF folder or GGUF file (default: bundled SmolLM2)")
+    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $ARMSERVE_API_KEY)")
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients use for the model (default: the MODEL argument)")
+    s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="put <think>...</think> text in reasoning_content")
+    s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins (default: *)")
+    s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
+    s.add_argument("--disable-access-log", action="store_true", help="no per-request log line")
+    s.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(s)
+    s.set_defaults(func=_cmd_serve)
+
+    c = sub.add_parser("chat", help="chat with a running armserve (or any OpenAI-compatible) server")
+    c.add_argument("--url", default="http://localhost:8000/v1", help="the server's /v1 base URL")
+    c.add_argument("--model-name", default=None, help="default: the first model the server lists")
+    c.add_argument("--api-key", default=None, help="default: $ARMSERVE_API_KEY or $OPENAI_API_KEY")
+    c.add_argument("--system-prompt", default=None)
+    c.add_argument("--max-tokens", type=int, default=None)
+    c.add_argument("--temperature", type=float, default=None)
+    c.add_argument("-q", "--quick", default=None, metavar="MESSAGE", help="ask one question and exit")
+    c.set_defaults(func=_cmd_chat)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from armserve.entrypoints.api_server import run_server  # FastAPI only when serving
+
+    return run_server(args)
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from armserve.entrypoints.chat_client import run_chat
+
+    return run_chat(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="armserve", description="LLM inference and serving on CPUs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+    _add_serving_commands(sub)
     return parser
 
 

@@ -1,0 +1,217 @@
+"""Request bodies of the OpenAI-compatible API (pydantic), and their mapping to `SamplingParams`.
+
+Field names follow OpenAI's API plus vLLM's extra sampling fields (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`, ...). Unknown fields are accepted and ignored (with a log
+line), as in vLLM, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from armserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("armserve")
+
+MAX_LOGPROBS = 20
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # torch generators take 64-bit seeds; n > 1 adds i
+
+
+class APIError(Exception):
+    """An error returned to the client in OpenAI's JSON shape."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+             503: "service_unavailable"}
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "api_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def warn_ignored_fields(self) -> None:
+        if self.model_extra:
+            logger.warning("ignoring unsupported request field(s): %s", ", ".join(sorted(self.model_extra)))
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage in every chunk
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _SamplingFields(OpenAIBaseModel):
+    """Sampling fields shared by chat and completions."""
+
+    model: str | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    seed: int | None = Field(None, ge=_SEED_MIN, le=_SEED_MAX)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_common(self) -> "_SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported by this server")
+        return self
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises `SamplingParamsError` naming the bad field."""
+        return SamplingParams(
+            n=self.n,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            # None: the engine generates up to max_model_len - prompt length.
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's chat-template controls.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        if self.tools and self.tool_choice not in (None, "none"):
+            raise ValueError("tool calling is not supported by this server (tools need tool_choice 'none')")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format type {self.response_format.get('type')!r} is not supported; "
+                             "only 'text'")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        # max_completion_tokens replaces the deprecated max_tokens (OpenAI); it wins if both are set.
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: list[int] | list[list[int]] | str | list[str]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> "CompletionRequest":
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be an empty list")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: one text or token-id list per prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        # echo with logprobs also returns the prompt's logprobs, as OpenAI's legacy API does.
+        prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    """POST /tokenize: either `prompt` or chat `messages`."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+

@@ -1,0 +1,528 @@
+"""Chat and text completions: request -> prompt token ids -> engine stream -> OpenAI JSON / SSE.
+
+One request's path: validate the body (pydantic) -> `SamplingParams` -> prompt token ids
+(chat template or tokenizer) -> length check -> `AsyncLLM.add_request` (engine errors become
+400s before any byte is sent) -> either collect the deltas into one response or stream them
+as SSE chunks ending in `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from armserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from armserve.entrypoints.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from armserve.entrypoints.reasoning import ReasoningParser
+from armserve.outputs import Logprob, PositionLogprobs, RequestOutput
+from armserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("armserve")
+
+# JSON has no -inf; a token the model rules out gets this instead (as vLLM does).
+_MIN_LOGPROB = -9999.0
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {_dumps(obj)}\n\n"
+
+
+def _finite(x: float) -> float:
+    return x if x > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """An SSE response that closes its engine streams however the response ends.
+
+    NOTE: if the client disconnects before the body generator even starts, the generator's
+    own `finally` never runs; closing here still aborts the requests and frees their blocks.
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
+
+
+async def run_unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """Run a non-streaming handler, cancelling it (and so aborting its engine requests) if the
+    client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def client_gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    return Response(status_code=499)  # nobody reads it; the access log shows the disconnect
+
+
+@dataclass
+class _Choice:
+    """Accumulated state of one completion while collecting or streaming."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class OpenAIServing:
+    """Turns validated API requests into engine requests and engine outputs into responses."""
+
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], reasoning_parser: str | None = None) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_names = served_model_names
+        self.reasoning_parser = reasoning_parser
+        if reasoning_parser is not None:
+            ReasoningParser(reasoning_parser)  # fail at startup on an unknown name
+
+    # ---- shared checks -------------------------------------------------------------------
+
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if requested is None or requested == "":
+            return self.served_model_names[0]
+        if requested not in self.served_model_names:
+            raise APIError(
+                f"The model '{requested}' does not exist; this server serves "
+                f"{', '.join(repr(n) for n in self.served_model_names)}.",
+                404, "model", "model_not_found",
+            )
+        return requested
+
+    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> None:
+        limit = self.engine.max_model_len
+        if num_prompt >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt} "
+                "tokens, which leaves no room to generate. Shorten the prompt.",
+                400, prompt_param, "context_length_exceeded",
+            )
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} were "
+                f"requested ({num_prompt} in the prompt, {max_tokens} for the completion). Lower {max_param} "
+                "or shorten the prompt.",
+                400, max_param, "context_length_exceeded",
+            )
+
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a conversation rendered with the chat template (which adds BOS itself)."""
+        tok = self.tokenizer
+        template = chat_template or tok.chat_template
+        if not template:
+            raise APIError("this model has no chat template; start the server with --chat-template "
+                           "or use /v1/completions", 400, "messages")
+        convo = [_message_dict(m, i) for i, m in enumerate(messages)]
+        try:
+            text = tok.apply_chat_template(
+                convo, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=template,
+                **(chat_template_kwargs or {}),
+            )
+        except APIError:
+            raise
+        except Exception as e:  # jinja raises for e.g. non-alternating roles
+            raise APIError(f"the chat template could not render these messages: {e}", 400, "messages")
+        return tok.encode(text, add_special_tokens=False)
+
+    # ---- chat ------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        body.warn_ignored_fields()
+        model = self.model_name(body.model)
+        params = body.to_sampling_params()
+        ids = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
+                               body.chat_template, body.chat_template_kwargs)
+        max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        self.check_length(len(ids), params.max_tokens, "messages", max_param)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self.engine.add_request(rid, ids, params)
+        created = int(time.time())
+        if body.stream:
+            opts = body.stream_options
+            return EngineStreamingResponse(
+                self._chat_stream(stream, rid, model, created, params, len(ids),
+                                  bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
+                [stream],
+            )
+        return await run_unless_disconnected(raw, self._chat_full(stream, rid, model, created, params, len(ids)))
+
+    async def _chat_full(self, stream: RequestStream, rid: str, model: str, created: int,
+                         params: SamplingParams, num_prompt: int) -> Response:
+        choices, last = await _collect(stream, params.n)
+        out_choices = []
+        for i, c in enumerate(choices):
+            reasoning, content = None, c.text
+            if self.reasoning_parser:
+                reasoning, content = ReasoningParser(self.reasoning_parser).parse(c.text)
+            out_choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": content, "reasoning_content": reasoning,
+                            "tool_calls": []},
+                "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs),
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": out_choices,
+            "usage": _usage(num_prompt, sum(len(c.token_ids) for c in choices), last.num_cached_tokens),
+            "system_fingerprint": None,
+        })
+
+    async def _chat_stream(self, stream: RequestStream, rid: str, model: str, created: int,
+                           params: SamplingParams, num_prompt: int, include_usage: bool,
+                           continuous_usage: bool) -> AsyncIterator[str]:
+        n = params.n
+        parsers = [ReasoningParser(self.reasoning_parser) for _ in range(n)] if self.reasoning_parser else None
+        num_tokens = [0] * n
+        cached = 0
+
+        def chunk(choice: dict[str, Any] | None) -> str:
+            obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                                   "model": model, "choices": [choice] if choice is not None else []}
+            if include_usage:
+                obj["usage"] = _usage(num_prompt, sum(num_tokens), cached) if continuous_usage else None
+            return _sse(obj)
+
+        try:
+            for i in range(n):  # OpenAI's first chunk of each choice carries only the role
+                yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None})
+            async for out in stream:
+                cached = out.num_cached_tokens
+                for c in out.outputs:
+                    num_tokens[c.index] += len(c.token_ids)
+                    delta: dict[str, Any] = {}
+                    if parsers is not None:
+                        reasoning, content = parsers[c.index].feed(c.text)
+                        if c.finish_reason is not None:
+                            r2, c2 = parsers[c.index].finish()
+                            reasoning, content = reasoning + r2, content + c2
+                        if reasoning:
+                            delta["reasoning_content"] = reasoning
+                        if content:
+                            delta["content"] = content
+                    elif c.text:
+                        delta["content"] = c.text
+                    logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
+                    if not delta and c.finish_reason is None and not (logprobs and logprobs["content"]):
+                        continue  # text held back (stop-string prefix, partial UTF-8)
+                    yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if include_usage:
+                final = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": [], "usage": _usage(num_prompt, sum(num_tokens), cached)}
+                yield _sse(final)
+        except EngineDeadError as e:
+            yield _sse(APIError(str(e), 503).body())
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
+                       top_k: int | None) -> dict[str, Any] | None:
+        if logprobs is None or top_k is None:
+            return None
+        content = []
+        for tid, pos in zip(token_ids, logprobs):
+            chosen = pos[tid]
+            text = self._token_text(tid, chosen)
+            top = sorted((lp.rank, t, lp) for t, lp in pos.items() if lp.rank <= top_k)
+            content.append({
+                "token": text, "logprob": _finite(chosen.logprob), "bytes": list(text.encode()),
+                "top_logprobs": [
+                    {"token": (s := self._token_text(t, lp)), "logprob": _finite(lp.logprob), "bytes": list(s.encode())}
+                    for _, t, lp in top
+                ],
+            })
+        return {"content": content}
+
+    def _token_text(self, token_id: int, lp: Logprob | None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    # ---- completions ---------------------------------------------------------------------
+
+    async def completion(self, body: CompletionRequest, raw: Request) -> Response:
+        body.warn_ignored_fields()
+        model = self.model_name(body.model)
+        params = body.to_sampling_params()
+        prompts: list[tuple[str, list[int]]] = []
+        for p in body.prompts():
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p)
+                prompts.append((p, ids))
+            else:
+                prompts.append((self._decode_prompt(p), list(p)))
+            self.check_length(len(prompts[-1][1]), params.max_tokens, "prompt", "max_tokens")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                streams.append(await self.engine.add_request(sub_id, {"prompt": text, "prompt_token_ids": ids},
+                                                             params))
+        except BaseException:
+            for s in streams:  # one bad prompt in a batch: leave nothing running
+                s.close()
+            raise
+        created = int(time.time())
+        if body.stream:
+            opts = body.stream_options
+            return EngineStreamingResponse(
+                self._completion_stream(streams, prompts, rid, model, created, params, body.echo,
+                                        bool(opts and opts.include_usage),
+                                        bool(opts and opts.continuous_usage_stats)),
+                streams,
+            )
+        return await run_unless_disconnected(
+            raw, self._completion_full(streams, prompts, rid, model, created, params, body.echo))
+
+    def _decode_prompt(self, ids: list[int]) -> str:
+        vocab = len(self.tokenizer)
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"prompt token id {bad[0]} is out of range for the vocabulary size {vocab}", 400, "prompt")
+        return self.tokenizer.decode(ids)
+
+    async def _completion_full(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]],
+                               rid: str, model: str, created: int, params: SamplingParams,
+                               echo: bool) -> Response:
+        try:
+            results = await asyncio.gather(*[_collect(s, params.n) for s in streams])
+        finally:
+            for s in streams:
+                s.close()
+        out_choices = []
+        num_generated = cached = 0
+        for p_idx, ((choices, last), (ptext, pids)) in enumerate(zip(results, prompts)):
+            cached += last.num_cached_tokens
+            for i, c in enumerate(choices):
+                num_generated += len(c.token_ids)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
+                                                     len(ptext) if echo else 0)
+                    if echo:
+                        logprobs = _join_legacy(self._prompt_legacy_logprobs(pids, last.prompt_logprobs,
+                                                                             params.logprobs), logprobs)
+                out_choices.append({
+                    "index": p_idx * params.n + i,
+                    "text": (ptext + c.text) if echo else c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": out_choices,
+            "usage": _usage(sum(len(ids) for _, ids in prompts), num_generated, cached),
+            "system_fingerprint": None,
+        })
+
+    async def _completion_stream(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]],
+                                 rid: str, model: str, created: int, params: SamplingParams, echo: bool,
+                                 include_usage: bool, continuous_usage: bool) -> AsyncIterator[str]:
+        n = params.n
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        num_tokens = [0] * (n * len(prompts))
+        text_offset = [0] * (n * len(prompts))
+        echoed = [False] * (n * len(prompts))
+        cached = [0] * len(prompts)
+
+        def chunk(choice: dict[str, Any]) -> str:
+            obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                   "model": model, "choices": [choice]}
+            if include_usage:
+                obj["usage"] = _usage(num_prompt, sum(num_tokens), sum(cached)) if continuous_usage else None
+            return _sse(obj)
+
+        try:
+            async for p_idx, out in _merge_streams(streams):
+                cached[p_idx] = out.num_cached_tokens
+                ptext, pids = prompts[p_idx]
+                for c in out.outputs:
+                    idx = p_idx * n + c.index
+                    num_tokens[idx] += len(c.token_ids)
+                    text = c.text
+                    logprobs = None
+                    if params.logprobs is not None:
+                        logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
+                                                         text_offset[idx])
+                    if echo and not echoed[idx]:
+                        if params.logprobs is not None:
+                            # NOTE: complete by now: the engine fills them before the first token.
+                            plp = self._prompt_legacy_logprobs(pids, out.prompt_logprobs, params.logprobs)
+                            logprobs = _join_legacy(plp, self._legacy_logprobs(
+                                c.token_ids, c.logprobs or [], params.logprobs, len(ptext)))
+                        text = ptext + text
+                        echoed[idx] = True
+                    if logprobs is not None and logprobs["tokens"]:
+                        text_offset[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    if not text and c.finish_reason is None and not (logprobs and logprobs["tokens"]):
+                        continue
+                    yield chunk({"index": idx, "text": text, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": _usage(num_prompt, sum(num_tokens), sum(cached))})
+        except EngineDeadError as e:
+            yield _sse(APIError(str(e), 503).body())
+        finally:
+            for s in streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+    def _legacy_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], top_k: int,
+                         offset: int) -> dict[str, Any]:
+        """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, pos in zip(token_ids, logprobs):
+            chosen = pos[tid]
+            text = self._token_text(tid, chosen)
+            tokens.append(text)
+            token_lps.append(_finite(chosen.logprob))
+            tops.append({self._token_text(t, lp): _finite(lp.logprob)
+                         for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_k}
+                        if top_k > 0 else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_legacy_logprobs(self, ids: list[int], prompt_logprobs: list[PositionLogprobs | None] | None,
+                                top_k: int) -> dict[str, Any]:
+        # The first prompt token has no logprob (nothing precedes it).
+        first = self.tokenizer.decode([ids[0]])
+        rest = self._legacy_logprobs(ids[1:], [p or {} for p in (prompt_logprobs or [None])[1:]], top_k, len(first))
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    d = m.model_dump(exclude_none=True)
+    content = m.content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            kind = part.get("type")
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"messages[{i}]: content part type {kind!r} is not supported (text only)", 400,
+                               "messages")
+            parts.append(part["text"])
+        content = "\n".join(parts)
+    d["content"] = content or ""  # templates concatenate content: None would break them
+    return d
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _join_legacy(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] + b[k] for k in a}
+
+
+async def _collect(stream: RequestStream, n: int) -> tuple[list[_Choice], RequestOutput]:
+    """Read a stream to the end; raises EngineDeadError if the engine stopped meanwhile."""
+    choices = [_Choice() for _ in range(n)]
+    last: RequestOutput | None = None
+    try:
+        async for out in stream:
+            last = out
+            for c in out.outputs:
+                ch = choices[c.index]
+                ch.text += c.text
+                ch.token_ids.extend(c.token_ids)
+                if c.logprobs is not None:
+                    ch.logprobs = (ch.logprobs or []) + list(c.logprobs)
+                if c.finish_reason is not None:
+                    ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+    finally:
+        stream.close()
+    if last is None or any(c.finish_reason == "abort" for c in choices):
+        raise EngineDeadError("the request was aborted (is the server shutting down?)")
+    return choices, last
+
+
+async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams' outputs as they arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
