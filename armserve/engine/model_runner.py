@@ -13,6 +13,7 @@ from armserve.engine.sampler import (
     build_sampling_batch,
     compute_logprobs_tensors,
 )
+from armserve import ops
 from armserve.engine.scheduler import SchedulerOutput
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 
@@ -54,6 +55,9 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         self.sampler = Sampler()
+        # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
+        # switches to the PyTorch path (the reference the kernels are tested against).
+        self.use_kernels = ops.available() and dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     # ---- input preparation ------------------------------------------------------------------
 
@@ -84,6 +88,9 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long)
         positions = torch.tensor(pos, dtype=torch.long)
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), num_decodes=len(decodes))
+        if self.use_kernels:
+            md.kernel_batch = self._kernel_batch(out, order)
+            return input_ids, positions, md, row_end, order
         if decodes:
             ctx = [out.scheduled[i].request.num_computed_tokens + 1 for i in decodes]
             max_ctx = max(ctx)
@@ -108,6 +115,32 @@ class ModelRunner:
                 )
             )
         return input_ids, positions, md, row_end, order
+
+    def _kernel_batch(self, out: SchedulerOutput, order: list[int]):
+        """int32 step layout for the C++ attention kernel (rows in `order`)."""
+        q_start, q_len, ctx = [], [], []
+        row = 0
+        max_blocks = 1
+        for i in order:
+            s = out.scheduled[i]
+            q_start.append(row)
+            q_len.append(s.num_new_tokens)
+            ctx.append(s.request.num_computed_tokens + s.num_new_tokens)
+            row += s.num_new_tokens
+            max_blocks = max(max_blocks, -(-ctx[-1] // self.block_size))
+        tables = torch.zeros(len(order), max_blocks, dtype=torch.int32)
+        for r, i in enumerate(order):
+            b = out.scheduled[i].block_ids[: -(-ctx[r] // self.block_size)]
+            tables[r, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        tensors = (
+            torch.tensor(q_start, dtype=torch.int32),
+            torch.tensor(q_len, dtype=torch.int32),
+            torch.tensor(ctx, dtype=torch.int32),
+            tables,
+        )
+        batch = ops.make_attn_batch(*tensors, self.block_size)
+        batch._keepalive = tensors  # the struct holds raw pointers into these
+        return batch
 
     # ---- one step ----------------------------------------------------------------------------
 

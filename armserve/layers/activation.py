@@ -6,25 +6,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from armserve import ops
+
+
+def act_and_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
+    """PyTorch reference: x = [gate | up] along the last dim -> act(gate) * up."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    if act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none") * up
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up."""
 
+    act = "silu"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        if ops.supports(x):
+            return ops.act_and_mul(x, self.act)
+        return act_and_mul_ref(x, self.act)
 
 
-class GeluAndMul(nn.Module):
+class GeluAndMul(SiluAndMul):
     """x = [gate | up] -> gelu(gate) * up; `approximate="tanh"` for Gemma's gelu_pytorch_tanh."""
 
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
-        self.approximate = approximate
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+        self.act = "gelu_tanh" if approximate == "tanh" else "gelu"
 
 
 def get_act_and_mul(name: str) -> nn.Module:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from armserve import ops
+
 
 @dataclass
 class PrefillChunk:
@@ -37,6 +39,9 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token is written to
     num_decodes: int
+    # C++ kernel path: the whole step in one struct (see ops.make_attn_batch); None on the
+    # PyTorch path, which uses the fields below instead.
+    kernel_batch: object | None = None
     decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padded with slot 0)
     decode_context_lens: torch.Tensor | None = None  # [num_decodes]
     prefills: list[PrefillChunk] = field(default_factory=list)
@@ -111,6 +116,12 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq*D]; k, v: [T, Hkv*D] -> [T, Hq*D]."""
         md = get_attention_metadata()
+        if md.kernel_batch is not None:
+            ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+            return ops.paged_attention(
+                q, self.k_cache, self.v_cache, md.kernel_batch, self.num_heads, self.num_kv_heads,
+                self.head_dim, self.scale, self.sliding_window, self.logit_softcap,
+            )
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -158,3 +169,47 @@ class Attention(nn.Module):
         s = torch.tanh(s / self.logit_softcap) * self.logit_softcap
         s = s.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_start: list[int],
+    q_len: list[int],
+    context_len: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Readable PyTorch reference of the paged-attention kernel, one sequence at a time, in float32.
+
+    q: [T, Hq*D]; caches [slots, Hkv, D]. Sequence s owns rows q_start[s]..+q_len[s]; its queries
+    sit at the last q_len[s] positions of its context_len[s] cached tokens.
+    """
+    T = q.shape[0]
+    out = torch.zeros(T, num_heads, head_dim, dtype=torch.float32)
+    qf = q.reshape(T, num_heads, head_dim).float()
+    rep = num_heads // num_kv_heads
+    for s in range(len(q_start)):
+        ctx, ql = context_len[s], q_len[s]
+        pos = torch.arange(ctx)
+        slots = torch.tensor(block_tables[s], dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [Hq, ctx, D]
+        v = v_cache[slots].float().repeat_interleave(rep, dim=1).transpose(0, 1)
+        rows = slice(q_start[s], q_start[s] + ql)
+        scores = torch.matmul(qf[rows].transpose(0, 1), k.transpose(1, 2)) * scale  # [Hq, ql, ctx]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(ctx - ql, ctx)[:, None]
+        visible = pos[None, :] <= q_pos
+        if sliding_window:
+            visible &= (q_pos - pos[None, :]) < sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[rows] = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1)
+    return out.reshape(T, num_heads * head_dim).to(q.dtype)

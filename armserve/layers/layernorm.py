@@ -5,6 +5,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from armserve import ops
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference: returns (norm(x + residual) * (weight + offset), x + residual)."""
+    if residual is not None:
+        x = x + residual
+    # Computed in float32 like the reference implementations: bf16 variance loses digits.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        out = (xf * (weight.float() + offset)).to(x.dtype)
+    else:
+        out = weight * xf.to(x.dtype)
+    return out, x
+
 
 class RMSNorm(nn.Module):
     """`forward(x, residual)` returns `(norm(x + residual), x + residual)`, so a decoder layer
@@ -19,19 +37,11 @@ class RMSNorm(nn.Module):
         self.offset = offset
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # Computed in float32 like the reference implementations: bf16 variance loses digits.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float() + self.offset if self.offset else self.weight
-        if self.offset:
-            return (xf * w).to(x.dtype)
-        return w * xf.to(x.dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        if ops.supports(x):
+            out = ops.rms_norm(x, self.weight, self.eps, residual, self.offset)
+            return out if residual is None else (out, residual)
+        out, summed = rms_norm_ref(x, self.weight, self.eps, residual, self.offset)
+        return out if residual is None else (out, summed)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from armserve import ops
+
 
 def rope_parameters(config) -> dict:
     """The rope settings of a transformers config, old (`rope_theta` + `rope_scaling`) or new
@@ -73,33 +75,40 @@ class RotaryEmbedding(nn.Module):
         # [max_position, rotary_dim]: cos and sin of each half, kept in float32.
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rd = self.rotary_dim
-        xr = x[..., :rd].float()
-        if self.is_neox_style:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D] (views into a fused qkv are rotated in place)."""
+        if ops.supports(q):
+            ops.rotary(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
+            return q, k
+        return rotary_ref(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
+
+
+def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_dim: int,
+               rotary_dim: int, is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference: new rotated q and k, computed in float32 and rounded to their dtype."""
+    T = positions.shape[0]
+    cs = cos_sin.index_select(0, positions)
+    half = rotary_dim // 2
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xr = x[..., :rotary_dim].float()
+        if is_neox_style:
             x1, x2 = xr.chunk(2, dim=-1)
         else:
             x1, x2 = xr[..., 0::2], xr[..., 1::2]
         o1 = x1 * cos - x2 * sin
         o2 = x2 * cos + x1 * sin
-        if self.is_neox_style:
+        if is_neox_style:
             out = torch.cat([o1, o2], dim=-1)
         else:
             out = torch.stack([o1, o2], dim=-1).flatten(-2)
         out = out.to(x.dtype)
-        if rd < self.head_dim:
-            out = torch.cat([out, x[..., rd:]], dim=-1)
+        if rotary_dim < head_dim:
+            out = torch.cat([out, x[..., rotary_dim:]], dim=-1)
         return out
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D]."""
-        T = positions.shape[0]
-        cs = self.cos_sin.index_select(0, positions)
-        half = self.rotary_dim // 2
-        cos = cs[:, None, :half]
-        sin = cs[:, None, half:]
-        q = self._rotate(q.view(T, -1, self.head_dim), cos, sin).view(T, -1)
-        k = self._rotate(k.view(T, -1, self.head_dim), cos, sin).view(T, -1)
-        return q, k
+    return rotate(q.reshape(T, -1, head_dim)).view(T, -1), rotate(k.reshape(T, -1, head_dim)).view(T, -1)

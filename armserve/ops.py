@@ -1,0 +1,260 @@
+"""Python face of the C++ kernels (csrc/): loading, ISA selection and one wrapper per kernel.
+
+The library is reached through ctypes with raw data pointers, so it needs no torch at build
+time. Each wrapper's PyTorch reference lives beside the layer that uses it (layers/*.py);
+tests compare the two for every ISA variant this CPU can run.
+
+`ARMSERVE_ISA=scalar|avx2|avx512|neon|sve` forces a variant; `ARMSERVE_ISA=torch` turns the
+kernels off (the PyTorch path).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import warnings
+
+import torch
+
+logger = logging.getLogger("armserve")
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ACT_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
+
+_lib: ctypes.CDLL | None = None
+_load_error: str | None = None
+_loaded = False
+
+
+class KernelError(ValueError):
+    """The kernel library cannot do what was asked (unknown or unsupported ISA)."""
+
+
+class AttnBatch(ctypes.Structure):
+    _fields_ = [
+        ("num_seqs", ctypes.c_int32),
+        ("q_start", ctypes.c_void_p),
+        ("q_len", ctypes.c_void_p),
+        ("context_len", ctypes.c_void_p),
+        ("block_tables", ctypes.c_void_p),
+        ("max_blocks", ctypes.c_int32),
+        ("block_size", ctypes.c_int32),
+    ]
+
+
+def openmp_runtimes() -> list[str]:
+    """Paths of the OpenMP runtimes mapped into this process (should be exactly one)."""
+    found = set()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.split()[-1] if line.rstrip().count(" ") >= 5 else ""
+                name = os.path.basename(path)
+                if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
+                    found.add(path)
+    except OSError:
+        pass
+    return sorted(found)
+
+
+def _load_openmp_globally() -> None:
+    """Make the OpenMP runtime torch uses visible to the kernel library's GOMP_* imports.
+
+    NOTE: the library is linked without -lgomp on purpose. Loading a second libgomp next to
+    torch's (the wheels bundle their own, renamed on aarch64) gives two thread pools that
+    oversubscribe the cores, a known cause of single-core runs on ARM.
+    """
+    runtimes = openmp_runtimes()
+    if not runtimes:
+        from ctypes.util import find_library
+
+        name = find_library("gomp")
+        if name is None:
+            raise OSError("no OpenMP runtime (libgomp) found")
+        runtimes = [name]
+    ctypes.CDLL(runtimes[0], mode=ctypes.RTLD_GLOBAL)
+
+
+def _library_path() -> str | None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = sorted(glob.glob(os.path.join(here, "_C*.so")))
+    return paths[0] if paths else None
+
+
+def _setup(lib: ctypes.CDLL) -> None:
+    P, I32, I64, F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+    sig = {
+        "armserve_select_isa": ([ctypes.c_char_p], ctypes.c_int),
+        "armserve_isa": ([], ctypes.c_char_p),
+        "armserve_cpu_features": ([ctypes.c_char_p, ctypes.c_int], None),
+        "armserve_rms_norm": ([I32, P, P, P, P, I64, I64, F, F], None),
+        "armserve_rotary": ([I32, P, P, P, P, I64, I32, I32, I32, I32, I32, I64, I64], None),
+        "armserve_act_and_mul": ([I32, I32, P, P, I64, I64], None),
+        "armserve_reshape_and_cache": ([I32, P, P, P, P, P, I64, I64, I64], None),
+        "armserve_paged_attention": ([I32, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32, F, I64],
+                                     None),
+    }
+    for name, (args, res) in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _load_error, _loaded
+    if _loaded:
+        return _lib
+    _loaded = True
+    want = os.environ.get("ARMSERVE_ISA", "").strip().lower()
+    if want == "torch":
+        _load_error = "disabled by ARMSERVE_ISA=torch"
+        return None
+    path = _library_path()
+    if path is None:
+        _load_error = "armserve/_C*.so is not built (no C++ compiler at install time?)"
+    else:
+        try:
+            _load_openmp_globally()
+            lib = ctypes.CDLL(path)
+            _setup(lib)
+            _lib = lib
+        except OSError as e:
+            _load_error = f"cannot load {path}: {e}"
+    if _lib is None:
+        if want:
+            raise KernelError(f"ARMSERVE_ISA={want} asks for a kernel variant, but {_load_error}")
+        warnings.warn(f"armserve: C++ kernels unavailable ({_load_error}); using the slower PyTorch path")
+        return None
+    if want:
+        select_isa(want)
+    return _lib
+
+
+def select_isa(name: str) -> str:
+    """Switch every kernel to variant `name` (or `auto`); returns the variant now in use."""
+    lib = _load()
+    if lib is None:
+        raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    rc = lib.armserve_select_isa(name.encode())
+    if rc == 1:
+        raise KernelError(f"unknown ISA {name!r} on {os.uname().machine}; choose from {', '.join(isas_for_arch())}")
+    if rc == 2:
+        raise KernelError(f"this CPU cannot run the {name!r} kernels (features: {' '.join(cpu_features())})")
+    return isa()
+
+
+def isas_for_arch() -> list[str]:
+    m = os.uname().machine
+    if m in ("x86_64", "AMD64"):
+        return ["scalar", "avx2", "avx512"]
+    if m in ("aarch64", "arm64"):
+        return ["scalar", "neon", "sve"]
+    return ["scalar"]
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def load_error() -> str | None:
+    _load()
+    return _load_error
+
+
+def isa() -> str:
+    """The variant in use, or "torch" when the kernels are off."""
+    lib = _load()
+    return lib.armserve_isa().decode() if lib is not None else "torch"
+
+
+def supported_isas() -> list[str]:
+    """Variants this CPU can run (probing leaves the current choice as it was)."""
+    lib = _load()
+    if lib is None:
+        return []
+    current = isa()
+    ok = [n for n in isas_for_arch() if lib.armserve_select_isa(n.encode()) == 0]
+    lib.armserve_select_isa(current.encode())
+    return ok
+
+
+def cpu_features() -> list[str]:
+    lib = _load()
+    if lib is None:
+        return []
+    buf = ctypes.create_string_buffer(512)
+    lib.armserve_cpu_features(buf, 512)
+    return buf.value.decode().split()
+
+
+def supports(t: torch.Tensor) -> bool:
+    """True when the kernels are on and handle `t`'s dtype (the layers' fast-path test)."""
+    lib = _lib if _loaded else _load()
+    return lib is not None and t.dtype in _DTYPE_CODES
+
+
+# ---- wrappers -------------------------------------------------------------------------------
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             offset: float = 0.0) -> torch.Tensor:
+    """norm(x (+ residual)) * (weight + offset); with `residual`, it is updated in place to x + residual."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    _lib.armserve_rms_norm(_DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), _ptr(residual),
+                           weight.data_ptr(), x.numel() // dim, dim, eps, offset)
+    return out
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_dim: int,
+           rot_dim: int, neox: bool) -> None:
+    """RoPE in place on q [T, nq*hd] and k [T, nk*hd] (row-strided views are fine)."""
+    T = positions.shape[0]
+    _lib.armserve_rotary(_DTYPE_CODES[q.dtype], positions.data_ptr(), q.data_ptr(), k.data_ptr(),
+                         cos_sin.data_ptr(), T, q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, rot_dim,
+                         int(neox), q.stride(0), k.stride(0))
+
+
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """[..., 2d] = [gate | up] -> act(gate) * up."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    _lib.armserve_act_and_mul(_DTYPE_CODES[x.dtype], _ACT_CODES[act], out.data_ptr(), x.data_ptr(),
+                              x.numel() // (2 * d), d)
+    return out
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write rows of k/v ([T, hk*hd], row-strided views are fine) into cache slots."""
+    assert k.stride(0) == v.stride(0) and k.stride(1) == 1
+    _lib.armserve_reshape_and_cache(_DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
+                                    v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1],
+                                    k.stride(0))
+
+
+def make_attn_batch(q_start: torch.Tensor, q_len: torch.Tensor, context_len: torch.Tensor,
+                    block_tables: torch.Tensor, block_size: int) -> AttnBatch:
+    """The step layout for `paged_attention`; the int32 tensors must outlive it."""
+    return AttnBatch(q_start.shape[0], q_start.data_ptr(), q_len.data_ptr(), context_len.data_ptr(),
+                     block_tables.data_ptr(), block_tables.shape[1], block_size)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
+                    num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                    sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention of q rows ([T, hq*hd], row-strided views are fine) over their cached context."""
+    assert q.stride(1) == 1
+    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
+    _lib.armserve_paged_attention(_DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                                  v_cache.data_ptr(), ctypes.byref(batch), num_heads, num_kv_heads, head_dim,
+                                  scale, sliding_window or 0, softcap or 0.0, q.stride(0))
+    return out

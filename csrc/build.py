@@ -1,0 +1,81 @@
+"""How the kernel library is compiled: one object per ISA variant, each with its own flags.
+
+Used by setup.py (native build during `pip install`) and directly for cross builds:
+
+    python csrc/build.py --cxx aarch64-linux-gnu-g++ --arch aarch64 --out /tmp/arm/_C.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+COMMON = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-Wall", "-Wno-unknown-pragmas", "-Wno-maybe-uninitialized"]
+# The reference variant must stay scalar: it is what every SIMD variant is checked against.
+SCALAR = ["-fno-tree-vectorize"]
+
+VARIANTS = {
+    "x86_64": {
+        "kernels_scalar.cpp": SCALAR,
+        "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+        "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+        "dispatch.cpp": [],
+    },
+    "aarch64": {
+        "kernels_scalar.cpp": ["-march=armv8-a"] + SCALAR,
+        "kernels_neon.cpp": ["-march=armv8-a"],
+        "kernels_sve.cpp": ["-march=armv8.2-a+sve"],
+        "dispatch.cpp": ["-march=armv8-a"],
+    },
+}
+# NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
+# runtime PyTorch already loaded (armserve/ops.py loads it globally first), so the process has
+# one OpenMP thread pool, not two fighting over the cores.
+LINK = ["-shared"]
+
+
+def normalize_arch(machine: str) -> str:
+    return {"amd64": "x86_64", "x86_64": "x86_64", "arm64": "aarch64", "aarch64": "aarch64"}.get(
+        machine.lower(), machine.lower()
+    )
+
+
+def sources(arch: str) -> list[tuple[str, list[str]]]:
+    """(source path, extra flags) for every translation unit of `arch`."""
+    if arch not in VARIANTS:
+        return [(os.path.join(HERE, "kernels_scalar.cpp"), SCALAR), (os.path.join(HERE, "dispatch.cpp"), [])]
+    return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
+
+
+def build(cxx: str, arch: str, out: str, extra_sources: list[tuple[str, list[str]]] = (), jobs: int = 2) -> None:
+    """Compile every variant (in parallel) and link `out`."""
+    build_dir = os.path.join(os.path.dirname(os.path.abspath(out)), f".build-{arch}")
+    os.makedirs(build_dir, exist_ok=True)
+    objs, procs = [], []
+    for src, flags in list(sources(arch)) + list(extra_sources):
+        obj = os.path.join(build_dir, os.path.basename(src) + ".o")
+        objs.append(obj)
+        procs.append(subprocess.Popen([cxx, *COMMON, *flags, "-I", HERE, "-c", src, "-o", obj]))
+        if len(procs) >= jobs:
+            _wait(procs.pop(0))
+    for p in procs:
+        _wait(p)
+    subprocess.check_call([cxx, *LINK, *objs, "-o", out])
+
+
+def _wait(p: subprocess.Popen) -> None:
+    if p.wait() != 0:
+        raise subprocess.CalledProcessError(p.returncode, p.args)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cxx", default=os.environ.get("CXX", "g++"))
+    ap.add_argument("--arch", default=normalize_arch(os.uname().machine))
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    build(args.cxx, args.arch, args.out)
+    print(args.out)

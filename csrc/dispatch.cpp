@@ -1,0 +1,202 @@
+// Run-time choice of the kernel variant from the CPU's features (cpuid on x86, HWCAP on
+// aarch64), overridable with ARMSERVE_ISA for testing, and the exported C entry points.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "kernels.h"
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP_SVE
+#define HWCAP_SVE (1 << 22)
+#endif
+#ifndef HWCAP2_SVE2
+#define HWCAP2_SVE2 (1 << 1)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1 << 14)
+#endif
+#ifndef PR_SVE_GET_VL
+#define PR_SVE_GET_VL 51
+#endif
+#endif
+
+namespace {
+
+struct Features {
+  bool avx2 = false, fma = false, f16c = false, avx512 = false, avx512_bf16 = false, avx512_vnni = false,
+       amx = false;
+  bool neon = false, dotprod = false, bf16 = false, i8mm = false, sve = false, sve2 = false;
+  int sve_bits = 0;
+};
+
+Features detect() {
+  Features f;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = __builtin_cpu_supports("fma");
+  f.f16c = true;  // every AVX2 CPU has F16C; checked below through cpuid anyway
+  unsigned a, b, c, d;
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(1), "c"(0));
+  f.f16c = (c >> 29) & 1;
+  f.avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  f.avx512_vnni = __builtin_cpu_supports("avx512vnni");
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(1));
+  f.avx512_bf16 = f.avx512 && ((a >> 5) & 1);
+  __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  f.amx = (d >> 24) & 1;  // AMX-TILE
+#elif defined(__aarch64__) && defined(__linux__)
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f.neon = true;  // AdvSIMD is mandatory on aarch64 Linux
+  f.dotprod = hw & HWCAP_ASIMDDP;
+  f.sve = hw & HWCAP_SVE;
+  f.sve2 = hw2 & HWCAP2_SVE2;
+  f.bf16 = hw2 & HWCAP2_BF16;
+  f.i8mm = hw2 & HWCAP2_I8MM;
+  if (f.sve) {
+    const int vl = prctl(PR_SVE_GET_VL);
+    if (vl > 0) f.sve_bits = (vl & 0xffff) * 8;
+  }
+#endif
+  return f;
+}
+
+const Features& features() {
+  static const Features f = detect();
+  return f;
+}
+
+const KernelTable* best() {
+  const Features& f = features();
+#if defined(__x86_64__)
+  if (f.avx512) return armserve_table_avx512();
+  if (f.avx2 && f.fma && f.f16c) return armserve_table_avx2();
+#elif defined(__aarch64__)
+  if (f.sve) return armserve_table_sve();
+  return armserve_table_neon();
+#endif
+  (void)f;
+  return armserve_table_scalar();
+}
+
+// Returns nullptr if `name` is unknown on this architecture or not supported by this CPU.
+const KernelTable* by_name(const char* name, int* unsupported) {
+  const Features& f = features();
+  *unsupported = 0;
+  if (!std::strcmp(name, "scalar")) return armserve_table_scalar();
+#if defined(__x86_64__)
+  if (!std::strcmp(name, "avx2")) {
+    if (f.avx2 && f.fma && f.f16c) return armserve_table_avx2();
+    *unsupported = 1;
+    return nullptr;
+  }
+  if (!std::strcmp(name, "avx512")) {
+    if (f.avx512) return armserve_table_avx512();
+    *unsupported = 1;
+    return nullptr;
+  }
+#elif defined(__aarch64__)
+  if (!std::strcmp(name, "neon")) return armserve_table_neon();
+  if (!std::strcmp(name, "sve")) {
+    if (f.sve) return armserve_table_sve();
+    *unsupported = 1;
+    return nullptr;
+  }
+#endif
+  (void)f;
+  return nullptr;
+}
+
+const KernelTable* g_table = nullptr;
+
+const KernelTable* table() {
+  if (!g_table) g_table = best();
+  return g_table;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Pick a variant: "" or "auto" = best for this CPU. Returns 0 on success, 1 if the name is
+// unknown on this architecture, 2 if this CPU cannot run it.
+int armserve_select_isa(const char* name) {
+  if (!name || !*name || !std::strcmp(name, "auto")) {
+    g_table = best();
+    return 0;
+  }
+  int unsupported = 0;
+  const KernelTable* t = by_name(name, &unsupported);
+  if (!t) return unsupported ? 2 : 1;
+  g_table = t;
+  return 0;
+}
+
+const char* armserve_isa() { return table()->name; }
+
+// Space-separated list of the CPU features that matter to armserve.
+void armserve_cpu_features(char* buf, int n) {
+  const Features& f = features();
+  std::string s;
+  auto add = [&](bool on, const char* name) {
+    if (on) {
+      if (!s.empty()) s += ' ';
+      s += name;
+    }
+  };
+  add(f.avx2, "avx2");
+  add(f.fma, "fma");
+  add(f.f16c, "f16c");
+  add(f.avx512, "avx512");
+  add(f.avx512_bf16, "avx512_bf16");
+  add(f.avx512_vnni, "avx512_vnni");
+  add(f.amx, "amx");
+  add(f.neon, "neon");
+  add(f.dotprod, "dotprod");
+  add(f.bf16, "bf16");
+  add(f.i8mm, "i8mm");
+  add(f.sve, "sve");
+  add(f.sve2, "sve2");
+  if (f.sve_bits) s += " sve_bits=" + std::to_string(f.sve_bits);
+  std::snprintf(buf, n, "%s", s.c_str());
+}
+
+void armserve_rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
+                       int64_t dim, float eps, float w_offset) {
+  table()->rms_norm(dtype, out, x, residual, w, rows, dim, eps, w_offset);
+}
+
+void armserve_rotary(int32_t dtype, const int64_t* positions, void* q, void* k, const float* cos_sin,
+                     int64_t tokens, int32_t nq, int32_t nk, int32_t head_dim, int32_t rot_dim, int32_t neox,
+                     int64_t q_stride, int64_t k_stride) {
+  table()->rotary(dtype, positions, q, k, cos_sin, tokens, nq, nk, head_dim, rot_dim, neox, q_stride, k_stride);
+}
+
+void armserve_act_and_mul(int32_t dtype, int32_t act, void* out, const void* x, int64_t rows, int64_t d) {
+  table()->act_and_mul(dtype, act, out, x, rows, d);
+}
+
+void armserve_reshape_and_cache(int32_t dtype, const void* k, const void* v, void* k_cache, void* v_cache,
+                                const int64_t* slots, int64_t tokens, int64_t row, int64_t src_stride) {
+  table()->reshape_and_cache(dtype, k, v, k_cache, v_cache, slots, tokens, row, src_stride);
+}
+
+void armserve_paged_attention(int32_t dtype, void* out, const void* q, const void* k_cache, const void* v_cache,
+                              const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
+                              int32_t sliding_window, float softcap, int64_t q_stride) {
+  table()->paged_attention(dtype, out, q, k_cache, v_cache, batch, hq, hk, hd, scale, sliding_window, softcap,
+                           q_stride);
+}
+
+}  // extern "C"

@@ -1,0 +1,79 @@
+// AVX-512 (F, BW, VL, DQ) variant (Skylake-SP and later, Zen 4 and later).
+// NOTE: bf16 is widened to fp32 by a 16-bit shift and all math runs in fp32 FMAs, so the same
+// code is exact on CPUs with or without AVX512-BF16.
+#include <immintrin.h>
+
+#include "kernels_impl.h"
+
+namespace {
+using armserve::ScalarOps;
+
+struct IsaAvx512 {
+  static float dot(const float* a, const float* b, int64_t n) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    acc0 = _mm512_add_ps(acc0, acc1);
+    if (i < n) {
+      for (; i + 16 <= n; i += 16) acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+      if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+        acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc0);
+      }
+    }
+    return _mm512_reduce_add_ps(acc0);
+  }
+  static void axpy(float* y, float a, const float* x, int64_t n) {
+    const __m512 va = _mm512_set1_ps(a);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+      _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+    if (i < n) {
+      const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+      _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+    }
+  }
+  static void load(int dtype, const void* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    if (dtype == AS_BF16) {
+      auto s = static_cast<const uint16_t*>(src);
+      for (; i + 16 <= n; i += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+      }
+    } else if (dtype == AS_F16) {
+      auto s = static_cast<const uint16_t*>(src);
+      for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
+    }
+    if (i < n) ScalarOps::load(dtype, static_cast<const char*>(src) + i * (dtype == AS_F32 ? 4 : 2), dst + i, n - i);
+  }
+  static void store(int dtype, const float* src, void* dst, int64_t n) {
+    int64_t i = 0;
+    if (dtype == AS_BF16) {
+      auto d = static_cast<uint16_t*>(dst);
+      const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+      for (; i + 16 <= n; i += 16) {
+        __m512 f = _mm512_loadu_ps(src + i);
+        __m512i u = _mm512_castps_si512(f);
+        __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(bias, _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+        r = _mm512_srli_epi32(r, 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+        r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(r));
+      }
+    } else if (dtype == AS_F16) {
+      auto d = static_cast<uint16_t*>(dst);
+      for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    }
+    if (i < n) ScalarOps::store(dtype, src + i, static_cast<char*>(dst) + i * (dtype == AS_F32 ? 4 : 2), n - i);
+  }
+};
+}  // namespace
+
+extern "C" const KernelTable* armserve_table_avx512() { return armserve::Kernels<IsaAvx512>::table("avx512"); }

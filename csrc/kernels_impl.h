@@ -1,0 +1,422 @@
+// Kernels written once against a small set of per-ISA row primitives.
+//
+// Each ISA translation unit (kernels_<isa>.cpp) defines a struct `Isa` with:
+//   dot(a, b, n)                fp32 dot product
+//   axpy(y, a, x, n)            y += a * x
+//   load(dtype, src, dst, n)    a row of f32/bf16/f16 -> fp32
+//   store(dtype, src, dst, n)   fp32 -> f32/bf16/f16 (round to nearest even)
+// and includes this file, compiled with that ISA's flags. ScalarOps is the reference every ISA
+// falls back to for what it does not specialise; all other loops are plain C++ that the compiler
+// vectorises for the TU's flags.
+//
+// Rounding mirrors the PyTorch path (armserve/layers/*.py) step by step, so bf16/f16 results
+// agree with it to the last bit wherever PyTorch rounds an intermediate.
+//
+// NOTE: everything here sits in an anonymous namespace and uses no std:: templates. Each ISA
+// TU is compiled with different -m flags; an inline function or template instantiation with
+// external linkage would be merged by the linker across TUs, and the scalar path could end up
+// running an AVX-512 copy (SIGILL on CPUs without it).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace armserve {
+namespace {
+
+static inline float fmax2(float a, float b) { return a > b ? a : b; }
+static inline int imin(int a, int b) { return a < b ? a : b; }
+static inline int imax(int a, int b) { return a > b ? a : b; }
+static inline void zero(float* p, int64_t n) { std::memset(p, 0, n * sizeof(float)); }
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t u = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as PyTorch
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+  _Float16 v;
+  std::memcpy(&v, &h, 2);
+  return float(v);
+}
+
+static inline uint16_t f32_to_f16(float f) {
+  _Float16 v = _Float16(f);
+  uint16_t h;
+  std::memcpy(&h, &v, 2);
+  return h;
+}
+
+static inline int dtype_size(int dtype) { return dtype == AS_F32 ? 4 : 2; }
+
+struct ScalarOps {
+  static float dot(const float* a, const float* b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+  }
+  static void axpy(float* y, float a, const float* x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  }
+  static void load(int dtype, const void* src, float* dst, int64_t n) {
+    if (dtype == AS_F32) {
+      std::memcpy(dst, src, n * 4);
+    } else if (dtype == AS_BF16) {
+      auto s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(s[i]);
+    } else {
+      auto s = static_cast<const uint16_t*>(src);
+      for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+    }
+  }
+  static void store(int dtype, const float* src, void* dst, int64_t n) {
+    if (dtype == AS_F32) {
+      std::memcpy(dst, src, n * 4);
+    } else if (dtype == AS_BF16) {
+      auto d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
+    } else {
+      auto d = static_cast<uint16_t*>(dst);
+      for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
+    }
+  }
+};
+
+// Thread-local scratch rows, grown on demand and reused across calls.
+struct Scratch {
+  float* p[6] = {};
+  int64_t n[6] = {};
+  ~Scratch() {
+    for (float* q : p) std::free(q);
+  }
+};
+
+static inline float* scratch(int which, int64_t n) {
+  thread_local Scratch s;
+  if (s.n[which] < n) {
+    std::free(s.p[which]);
+    s.p[which] = static_cast<float*>(std::malloc(n * sizeof(float)));
+    s.n[which] = n;
+  }
+  return s.p[which];
+}
+
+// A heap array freed at scope exit.
+template <class T>
+struct Buffer {
+  T* p;
+  explicit Buffer(int64_t n) : p(static_cast<T*>(std::malloc((n > 0 ? n : 1) * sizeof(T)))) {}
+  ~Buffer() { std::free(p); }
+  T& operator[](int64_t i) { return p[i]; }
+};
+
+static inline int num_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+template <class Isa>
+struct Kernels {
+  // Round a fp32 row through `dtype` and back: PyTorch rounds every intermediate tensor.
+  static void round_trip(int dtype, float* x, int64_t n) {
+    if (dtype == AS_F32) return;
+    uint16_t* tmp = reinterpret_cast<uint16_t*>(scratch(5, n / 2 + 1));
+    Isa::store(dtype, x, tmp, n);
+    Isa::load(dtype, tmp, x, n);
+  }
+
+  static void rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
+                       int64_t dim, float eps, float w_offset) {
+    const int es = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 15))
+    for (int64_t r = 0; r < rows; ++r) {
+      float* v = scratch(0, dim);
+      float* wf = scratch(1, dim);
+      const char* xr = static_cast<const char*>(x) + r * dim * es;
+      Isa::load(dtype, xr, v, dim);
+      if (residual) {
+        char* rr = static_cast<char*>(residual) + r * dim * es;
+        float* rf = scratch(2, dim);
+        Isa::load(dtype, rr, rf, dim);
+        for (int64_t i = 0; i < dim; ++i) v[i] += rf[i];
+        round_trip(dtype, v, dim);
+        Isa::store(dtype, v, rr, dim);
+      }
+      float ss = Isa::dot(v, v, dim);
+      const float inv = 1.0f / std::sqrt(ss / float(dim) + eps);
+      Isa::load(dtype, w, wf, dim);
+      if (w_offset != 0.f) {
+        for (int64_t i = 0; i < dim; ++i) v[i] = v[i] * inv * (wf[i] + w_offset);
+      } else {
+        for (int64_t i = 0; i < dim; ++i) v[i] *= inv;
+        round_trip(dtype, v, dim);
+        for (int64_t i = 0; i < dim; ++i) v[i] *= wf[i];
+      }
+      Isa::store(dtype, v, static_cast<char*>(out) + r * dim * es, dim);
+    }
+  }
+
+  static void rotary(int32_t dtype, const int64_t* positions, void* q, void* k, const float* cos_sin,
+                     int64_t tokens, int32_t nq, int32_t nk, int32_t hd, int32_t rd, int32_t neox, int64_t q_stride,
+                     int64_t k_stride) {
+    const int es = dtype_size(dtype);
+    const int half = rd / 2;
+#pragma omp parallel for schedule(static) if (tokens * (nq + nk) * hd >= (1 << 15))
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* cs = cos_sin + positions[t] * rd;
+      const float* cosv = cs;
+      const float* sinv = cs + half;
+      float* row = scratch(0, rd);
+      float* o = scratch(1, rd);
+      for (int which = 0; which < 2; ++which) {
+        const int nh = which == 0 ? nq : nk;
+        char* base = static_cast<char*>(which == 0 ? q : k) + t * (which == 0 ? q_stride : k_stride) * es;
+        for (int h = 0; h < nh; ++h) {
+          char* head = base + int64_t(h) * hd * es;
+          Isa::load(dtype, head, row, rd);
+          if (neox) {
+            for (int i = 0; i < half; ++i) {
+              const float x1 = row[i], x2 = row[i + half];
+              o[i] = x1 * cosv[i] - x2 * sinv[i];
+              o[i + half] = x2 * cosv[i] + x1 * sinv[i];
+            }
+          } else {
+            for (int i = 0; i < half; ++i) {
+              const float x1 = row[2 * i], x2 = row[2 * i + 1];
+              o[2 * i] = x1 * cosv[i] - x2 * sinv[i];
+              o[2 * i + 1] = x2 * cosv[i] + x1 * sinv[i];
+            }
+          }
+          Isa::store(dtype, o, head, rd);
+        }
+      }
+    }
+  }
+
+  static void act_and_mul(int32_t dtype, int32_t act, void* out, const void* x, int64_t rows, int64_t d) {
+    const int es = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (rows * d >= (1 << 14))
+    for (int64_t r = 0; r < rows; ++r) {
+      float* g = scratch(0, d);
+      float* u = scratch(1, d);
+      const char* xr = static_cast<const char*>(x) + r * 2 * d * es;
+      Isa::load(dtype, xr, g, d);
+      Isa::load(dtype, xr + d * es, u, d);
+      if (act == 0) {
+        for (int64_t i = 0; i < d; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
+      } else if (act == 1) {
+        for (int64_t i = 0; i < d; ++i) g[i] = 0.5f * g[i] * (1.0f + std::erf(g[i] * 0.70710678118654752f));
+      } else {
+        const float c = 0.79788456080286536f;  // sqrt(2 / pi)
+        for (int64_t i = 0; i < d; ++i) {
+          const float z = g[i];
+          g[i] = 0.5f * z * (1.0f + std::tanh(c * (z + 0.044715f * z * z * z)));
+        }
+      }
+      round_trip(dtype, g, d);
+      for (int64_t i = 0; i < d; ++i) g[i] *= u[i];
+      Isa::store(dtype, g, static_cast<char*>(out) + r * d * es, d);
+    }
+  }
+
+  static void reshape_and_cache(int32_t dtype, const void* k, const void* v, void* kc, void* vc,
+                                const int64_t* slots, int64_t tokens, int64_t row, int64_t src_stride) {
+    const int64_t bytes = row * dtype_size(dtype);
+    const int64_t src_bytes = src_stride * dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (tokens * row >= (1 << 16))
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::memcpy(static_cast<char*>(kc) + slots[t] * bytes, static_cast<const char*>(k) + t * src_bytes, bytes);
+      std::memcpy(static_cast<char*>(vc) + slots[t] * bytes, static_cast<const char*>(v) + t * src_bytes, bytes);
+    }
+  }
+
+  // ---- paged attention -----------------------------------------------------------------------
+  //
+  // Work is split into items (sequence, tile of up to QT query positions, KV head, key
+  // partition). Every item computes, for each of its query heads, the running max m, the sum
+  // of exponentials l and the unnormalised output acc over its keys; a second pass merges the
+  // partitions of a tile:  out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M).
+  // Keys are split only when there are too few (sequence, tile, head) items to feed every
+  // thread, i.e. for decode of a few long sequences (flash-decoding).
+  struct Item {
+    int32_t seq, q0, qn, k0, k1, head;
+    int64_t partial;  // offset of this item's partials (floats)
+  };
+
+  static void paged_attention(int32_t dtype, void* out, const void* q, const void* kc, const void* vc,
+                              const AttnBatch* b, int32_t hq, int32_t hk, int32_t hd, float scale,
+                              int32_t window, float softcap, int64_t q_stride) {
+    const int group = hq / hk;
+    const int QT = 16;
+    const int es = dtype_size(dtype);
+    const int nthreads = num_threads();
+
+    int64_t tiles = 0;
+    for (int s = 0; s < b->num_seqs; ++s) tiles += (b->q_len[s] + QT - 1) / QT;
+    const bool split = tiles * hk < 2LL * nthreads;
+    const int P = 256;
+
+    // Upper bound on items: every tile may need ceil(ctx / P) partitions when split.
+    int64_t max_items = 0;
+    for (int s = 0; s < b->num_seqs; ++s)
+      max_items += int64_t((b->q_len[s] + QT - 1) / QT) * hk * (split ? (b->context_len[s] + P - 1) / P + 1 : 1);
+    Buffer<Item> items(max_items);
+    int64_t n_items = 0;
+    int64_t partial_floats = 0;
+    for (int s = 0; s < b->num_seqs; ++s) {
+      const int ql = b->q_len[s], ctx = b->context_len[s];
+      for (int q0 = 0; q0 < ql; q0 += QT) {
+        const int qn = imin(QT, ql - q0);
+        const int p_first = ctx - ql + q0, p_last = p_first + qn - 1;
+        const int lo = window > 0 ? imax(0, p_first - window + 1) : 0;
+        const int hi = p_last + 1;
+        const int step = split ? P : imax(1, hi - lo);
+        for (int h = 0; h < hk; ++h) {
+          for (int k0 = lo; k0 < hi; k0 += step) {
+            items[n_items++] = Item{s, q0, qn, k0, imin(hi, k0 + step), h, partial_floats};
+            partial_floats += int64_t(qn) * group * (hd + 2);
+          }
+        }
+      }
+    }
+    Buffer<float> partials(partial_floats);
+
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      const Item& w = items[it];
+      const int rows = w.qn * group;
+      const int nk = w.k1 - w.k0;
+      const int ql = b->q_len[w.seq], ctx = b->context_len[w.seq];
+      const int32_t* bt = b->block_tables + int64_t(w.seq) * b->max_blocks;
+      float* qf = scratch(0, int64_t(rows) * hd);
+      float* sc = scratch(1, int64_t(rows) * nk);
+      float* kv = scratch(2, hd);
+      float* out_p = partials.p + w.partial;  // [rows][hd + 2]: acc..., m, l
+      for (int i = 0; i < w.qn; ++i) {
+        const int64_t tok = b->q_start[w.seq] + w.q0 + i;
+        for (int g = 0; g < group; ++g) {
+          const int head = w.head * group + g;
+          float* dst = qf + int64_t(i * group + g) * hd;
+          Isa::load(dtype, static_cast<const char*>(q) + (tok * q_stride + int64_t(head) * hd) * es, dst, hd);
+        }
+      }
+      // scores
+      for (int j = w.k0; j < w.k1; ++j) {
+        const int64_t slot = int64_t(bt[j / b->block_size]) * b->block_size + j % b->block_size;
+        Isa::load(dtype, static_cast<const char*>(kc) + (slot * hk + w.head) * int64_t(hd) * es, kv, hd);
+        for (int i = 0; i < w.qn; ++i) {
+          const int pos = ctx - ql + w.q0 + i;
+          const bool visible = j <= pos && (window <= 0 || pos - j < window);
+          for (int g = 0; g < group; ++g) {
+            const int r = i * group + g;
+            float s = -INFINITY;
+            if (visible) {
+              s = Isa::dot(qf + int64_t(r) * hd, kv, hd) * scale;
+              if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
+            }
+            sc[int64_t(r) * nk + (j - w.k0)] = s;
+          }
+        }
+      }
+      // softmax pieces
+      for (int r = 0; r < rows; ++r) {
+        float* srow = sc + int64_t(r) * nk;
+        float m = -INFINITY;
+        for (int j = 0; j < nk; ++j) m = fmax2(m, srow[j]);
+        float l = 0.f;
+        if (m != -INFINITY) {
+          for (int j = 0; j < nk; ++j) {
+            const float e = srow[j] == -INFINITY ? 0.f : std::exp(srow[j] - m);
+            srow[j] = e;
+            l += e;
+          }
+        } else {
+          for (int j = 0; j < nk; ++j) srow[j] = 0.f;
+        }
+        float* o = out_p + int64_t(r) * (hd + 2);
+        zero(o, hd);
+        o[hd] = m;
+        o[hd + 1] = l;
+      }
+      // weighted values
+      for (int j = w.k0; j < w.k1; ++j) {
+        const int64_t slot = int64_t(bt[j / b->block_size]) * b->block_size + j % b->block_size;
+        bool any = false;
+        for (int r = 0; r < rows && !any; ++r) any = sc[int64_t(r) * nk + (j - w.k0)] != 0.f;
+        if (!any) continue;
+        Isa::load(dtype, static_cast<const char*>(vc) + (slot * hk + w.head) * int64_t(hd) * es, kv, hd);
+        for (int r = 0; r < rows; ++r) {
+          const float p = sc[int64_t(r) * nk + (j - w.k0)];
+          if (p != 0.f) Isa::axpy(out_p + int64_t(r) * (hd + 2), p, kv, hd);
+        }
+      }
+    }
+
+    // Merge partitions: items of one (seq, tile, head) are adjacent in `items`.
+    Buffer<int64_t> starts(n_items + 1);
+    int64_t n_groups = 0;
+    for (int64_t i = 0; i < n_items; ++i) {
+      if (i == 0 || items[i].seq != items[i - 1].seq || items[i].q0 != items[i - 1].q0 ||
+          items[i].head != items[i - 1].head)
+        starts[n_groups++] = i;
+    }
+    starts[n_groups] = n_items;
+#pragma omp parallel for schedule(static)
+    for (int64_t gi = 0; gi < n_groups; ++gi) {
+      const int64_t a = starts[gi], z = starts[gi + 1];
+      const Item& w0 = items[a];
+      float* acc = scratch(3, hd);
+      for (int i = 0; i < w0.qn; ++i) {
+        for (int g = 0; g < group; ++g) {
+          const int r = i * group + g;
+          float M = -INFINITY;
+          for (int64_t p = a; p < z; ++p) M = fmax2(M, partials[items[p].partial + int64_t(r) * (hd + 2) + hd]);
+          zero(acc, hd);
+          float L = 0.f;
+          if (M != -INFINITY) {
+            for (int64_t p = a; p < z; ++p) {
+              const float* o = partials.p + items[p].partial + int64_t(r) * (hd + 2);
+              if (o[hd] == -INFINITY) continue;
+              const float f = std::exp(o[hd] - M);
+              L += o[hd + 1] * f;
+              Isa::axpy(acc, f, o, hd);
+            }
+          }
+          const float invL = L > 0.f ? 1.0f / L : 0.f;
+          for (int d = 0; d < hd; ++d) acc[d] *= invL;
+          const int64_t tok = b->q_start[w0.seq] + w0.q0 + i;
+          const int head = w0.head * group + g;
+          Isa::store(dtype, acc, static_cast<char*>(out) + (tok * hq + head) * int64_t(hd) * es, hd);
+        }
+      }
+    }
+  }
+
+  static const KernelTable* table(const char* name) {
+    static const KernelTable t = {name, rms_norm, rotary, act_and_mul, reshape_and_cache, paged_attention};
+    return &t;
+  }
+};
+
+}  // namespace
+}  // namespace armserve

@@ -1,0 +1,70 @@
+// NEON (AdvSIMD) variant: every ARMv8-A server core (Ampere Altra, Graviton2+, Grace).
+// NOTE: bf16 is widened by a 16-bit shift and all math runs in fp32 FMAs, so cores without
+// the BF16 extension (Neoverse N1) take the same exact path.
+#include <arm_neon.h>
+
+#include "kernels_impl.h"
+
+namespace {
+using armserve::ScalarOps;
+
+struct IsaNeon {
+  static float dot(const float* a, const float* b, int64_t n) {
+    float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = vdupq_n_f32(0.f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      acc0 = vfmaq_f32(acc0, vld1q_f32(a + i), vld1q_f32(b + i));
+      acc1 = vfmaq_f32(acc1, vld1q_f32(a + i + 4), vld1q_f32(b + i + 4));
+    }
+    for (; i + 4 <= n; i += 4) acc0 = vfmaq_f32(acc0, vld1q_f32(a + i), vld1q_f32(b + i));
+    float s = vaddvq_f32(vaddq_f32(acc0, acc1));
+    for (; i < n; ++i) s += a[i] * b[i];
+    return s;
+  }
+  static void axpy(float* y, float a, const float* x, int64_t n) {
+    const float32x4_t va = vdupq_n_f32(a);
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_f32(vld1q_f32(y + i), va, vld1q_f32(x + i)));
+    for (; i < n; ++i) y[i] += a * x[i];
+  }
+  static void load(int dtype, const void* src, float* dst, int64_t n) {
+    int64_t i = 0;
+    if (dtype == AS_BF16) {
+      auto s = static_cast<const uint16_t*>(src);
+      for (; i + 8 <= n; i += 8) {
+        uint16x8_t w = vld1q_u16(s + i);
+        vst1q_f32(dst + i, vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(w), 16)));
+        vst1q_f32(dst + i + 4, vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(w), 16)));
+      }
+    } else if (dtype == AS_F16) {
+      auto s = reinterpret_cast<const float16_t*>(src);
+      for (; i + 8 <= n; i += 8) {
+        float16x8_t h = vld1q_f16(s + i);
+        vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(h)));
+        vst1q_f32(dst + i + 4, vcvt_high_f32_f16(h));
+      }
+    }
+    if (i < n) ScalarOps::load(dtype, static_cast<const char*>(src) + i * (dtype == AS_F32 ? 4 : 2), dst + i, n - i);
+  }
+  static void store(int dtype, const float* src, void* dst, int64_t n) {
+    int64_t i = 0;
+    if (dtype == AS_BF16) {
+      auto d = static_cast<uint16_t*>(dst);
+      const uint32x4_t bias = vdupq_n_u32(0x7fff), one = vdupq_n_u32(1), qnan = vdupq_n_u32(0x7fc0);
+      for (; i + 4 <= n; i += 4) {
+        float32x4_t f = vld1q_f32(src + i);
+        uint32x4_t u = vreinterpretq_u32_f32(f);
+        uint32x4_t r = vshrq_n_u32(vaddq_u32(u, vaddq_u32(bias, vandq_u32(vshrq_n_u32(u, 16), one))), 16);
+        r = vbslq_u32(vceqq_f32(f, f), r, qnan);  // lanes that are not equal to themselves are NaN
+        vst1_u16(d + i, vmovn_u32(r));
+      }
+    } else if (dtype == AS_F16) {
+      auto d = reinterpret_cast<float16_t*>(dst);
+      for (; i + 4 <= n; i += 4) vst1_f16(d + i, vcvt_f16_f32(vld1q_f32(src + i)));
+    }
+    if (i < n) ScalarOps::store(dtype, src + i, static_cast<char*>(dst) + i * (dtype == AS_F32 ? 4 : 2), n - i);
+  }
+};
+}  // namespace
+
+extern "C" const KernelTable* armserve_table_neon() { return armserve::Kernels<IsaNeon>::table("neon"); }
