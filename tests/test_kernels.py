@@ -1,0 +1,234 @@
+"""Every C++ kernel against its PyTorch reference, for every ISA variant this CPU can run,
+over random shapes and the float32 / bfloat16 / float16 dtypes.
+
+Also run under QEMU for aarch64 (scripts/ci_arm64.sh) with ARMSERVE_TEST_SMALL=1 (smaller shapes:
+emulated SVE is ~1000x slower than native).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from armserve import ops
+from armserve.layers.activation import act_and_mul_ref
+from armserve.layers.attention import paged_attention_ref
+from armserve.layers.layernorm import rms_norm_ref
+from armserve.layers.rotary_embedding import RotaryEmbedding, rotary_ref
+
+SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Tolerances per dtype: the kernels round exactly where PyTorch rounds, so differences are
+# float32 reassociation (sums in another order) propagated through one final rounding.
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def isas() -> list[str]:
+    assert ops.available(), f"kernels not built: {ops.load_error()}"
+    return ops.supported_isas()
+
+
+@pytest.fixture(params=isas())
+def isa(request):
+    before = ops.isa()
+    ops.select_isa(request.param)
+    yield request.param
+    ops.select_isa(before)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+def test_isa_selection_and_features():
+    names = isas()
+    assert "scalar" in names
+    assert ops.isa() in names
+    with pytest.raises(ops.KernelError, match="unknown ISA"):
+        ops.select_isa("mmx")
+    feats = ops.cpu_features()
+    if os.uname().machine == "x86_64":
+        assert ("avx512" in names) == ("avx512" in feats)
+        assert ("avx2" in names) == ("avx2" in feats and "fma" in feats)
+    assert len(ops.openmp_runtimes()) == 1, ops.openmp_runtimes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 576, 1000] if not SMALL else [64, 100])
+def test_rms_norm(isa, dtype, dim):
+    torch.manual_seed(dim)
+    rows = 7
+    x = torch.randn(rows, dim).to(dtype)
+    w = (torch.rand(dim) + 0.5).to(dtype)
+    res = torch.randn(rows, dim).to(dtype)
+    for offset in (0.0, 1.0):
+        want = rms_norm_ref(x, w, 1e-6, None, offset)[0]
+        close(ops.rms_norm(x, w, 1e-6, None, offset), want, dtype)
+        want_out, want_res = rms_norm_ref(x, w, 1e-6, res, offset)
+        r = res.clone()
+        got = ops.rms_norm(x, w, 1e-6, r, offset)
+        close(got, want_out, dtype)
+        torch.testing.assert_close(r, want_res)  # the residual sum is rounded exactly like PyTorch
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
+def test_act_and_mul(isa, dtype, act):
+    torch.manual_seed(1)
+    for d in ([64, 1536, 77] if not SMALL else [64, 21]):
+        x = (torch.randn(5, 2 * d) * 3).to(dtype)
+        close(ops.act_and_mul(x, act), act_and_mul_ref(x, act), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("neox", [True, False])
+def test_rotary(isa, dtype, neox):
+    torch.manual_seed(2)
+    head_dim = 64
+    for rot_dim, params in [
+        (64, {"rope_type": "default", "rope_theta": 10000.0}),
+        (32, {"rope_type": "default", "rope_theta": 10000.0}),  # partial rotary
+        (64, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ]:
+        rope = RotaryEmbedding(head_dim, 512, params, rotary_dim=rot_dim, is_neox_style=neox)
+        T, nq, nk = 9, 4, 2
+        qkv = torch.randn(T, (nq + 2 * nk) * head_dim).to(dtype)
+        pos = torch.tensor(random.Random(3).sample(range(512), T), dtype=torch.long)
+        q, k, _ = qkv.split([nq * head_dim, nk * head_dim, nk * head_dim], dim=-1)
+        want_q, want_k = rotary_ref(pos, q, k, rope.cos_sin, head_dim, rot_dim, neox)
+        ops.rotary(pos, q, k, rope.cos_sin, head_dim, rot_dim, neox)  # in place on the qkv views
+        close(q, want_q, dtype)
+        close(k, want_k, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache(isa, dtype):
+    torch.manual_seed(4)
+    T, hk, hd = 6, 2, 16
+    kv = torch.randn(T, 3 * hk * hd).to(dtype)  # k and v as strided views of a wider row
+    k, v = kv[:, hk * hd: 2 * hk * hd], kv[:, 2 * hk * hd:]
+    kc = torch.zeros(64, hk, hd, dtype=dtype)
+    vc = torch.zeros(64, hk, hd, dtype=dtype)
+    slots = torch.tensor([3, 17, 0, 63, 40, 41])
+    ops.reshape_and_cache(k, v, kc, vc, slots)
+    assert torch.equal(kc[slots].reshape(T, -1), k) and torch.equal(vc[slots].reshape(T, -1), v)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert kc[untouched].abs().sum() == 0
+
+
+def random_batch(rng: random.Random, block_size: int, num_blocks: int, specs: list[tuple[int, int]]):
+    """Sequences given as (q_len, context_len), with block tables drawn without reuse."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    q_start, q_len, ctx, tables = [], [], [], []
+    row = 0
+    for ql, c in specs:
+        n = -(-c // block_size)
+        tables.append([free.pop() for _ in range(n)])
+        q_start.append(row)
+        q_len.append(ql)
+        ctx.append(c)
+        row += ql
+    return q_start, q_len, ctx, tables, row
+
+
+ATTN_CASES = [
+    # (head_dim, num_heads, num_kv_heads, [(q_len, context_len), ...], sliding_window, softcap)
+    (64, 4, 4, [(1, 1), (1, 37), (1, 300)], None, None),  # decode, MHA, split over the KV length
+    (64, 9, 3, [(5, 5), (1, 20), (7, 40)], None, None),  # mixed prefill chunks with cached prefix, GQA
+    (128, 8, 1, [(16, 16), (3, 70), (1, 513)], None, None),  # MQA
+    (256, 4, 2, [(9, 9), (1, 33)], None, None),
+    (64, 4, 2, [(12, 12), (1, 50), (6, 30)], 8, None),  # sliding window
+    (64, 4, 2, [(4, 10), (1, 18)], None, 30.0),  # Gemma-2 soft-capping
+]
+if SMALL:
+    ATTN_CASES = [
+        (64, 4, 2, [(1, 9), (3, 20)], None, None),
+        (128, 4, 1, [(1, 40)], None, None),
+        (64, 2, 2, [(5, 12)], 4, 20.0),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", range(len(ATTN_CASES)))
+def test_paged_attention(isa, dtype, case):
+    hd, hq, hk, specs, window, softcap = ATTN_CASES[case]
+    rng = random.Random(case)
+    torch.manual_seed(case)
+    block_size, num_blocks = 16, 80
+    q_start, q_len, ctx, tables, T = random_batch(rng, block_size, num_blocks, specs)
+    k_cache = torch.randn(num_blocks * block_size, hk, hd).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, hk, hd).to(dtype)
+    qkv = torch.randn(T, (hq + 2 * hk) * hd).to(dtype)
+    q = qkv[:, : hq * hd]  # a strided view, as in the model
+    scale = hd**-0.5
+    want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, scale,
+                               window, softcap)
+    max_blocks = max(len(t) for t in tables)
+    bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    keep = (i32(q_start), i32(q_len), i32(ctx), bt)
+    batch = ops.make_attn_batch(*keep, block_size)
+    got = ops.paged_attention(q, k_cache, v_cache, batch, hq, hk, hd, scale, window, softcap)
+    close(got, want, dtype)
+
+
+def test_paged_attention_threads_split_long_decode(isa):
+    """One long sequence on every thread (KV split) gives the same result as one thread."""
+    torch.manual_seed(9)
+    hd, hq, hk, block_size = 64, 4, 2, 16
+    ctx = 700 if not SMALL else 100
+    tables = [list(range(-(-ctx // block_size)))]
+    k_cache = torch.randn(len(tables[0]) * block_size, hk, hd)
+    v_cache = torch.randn(len(tables[0]) * block_size, hk, hd)
+    q = torch.randn(1, hq * hd)
+    keep = (torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+            torch.tensor([ctx], dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
+    batch = ops.make_attn_batch(*keep, block_size)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = ops.paged_attention(q, k_cache, v_cache, batch, hq, hk, hd, hd**-0.5)
+        torch.set_num_threads(1)
+        one = ops.paged_attention(q, k_cache, v_cache, batch, hq, hk, hd, hd**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    want = paged_attention_ref(q, k_cache, v_cache, [0], [1], [ctx], tables, block_size, hq, hk, hd, hd**-0.5)
+    close(two, want, torch.float32)
+    close(one, want, torch.float32)
+
+
+def test_engine_greedy_equal_on_every_isa(tiny_llama):
+    """Whole-model check: every variant (and the PyTorch path) yields transformers' tokens."""
+    from armserve import LLM, SamplingParams
+    from armserve.engine import model_runner
+
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_space=0.02)
+    p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = ["the cat sat on", "a b c d e f g h i j k l m n o p q r s t u v"]
+    results = {}
+    before = ops.isa()
+    runner = llm.llm_engine.runner
+    try:
+        for name in isas():
+            ops.select_isa(name)
+            results[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+        runner.use_kernels = False
+        model_runner.ops._lib, saved = None, model_runner.ops._lib  # the PyTorch path everywhere
+        try:
+            results["torch"] = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+        finally:
+            model_runner.ops._lib = saved
+            runner.use_kernels = True
+    finally:
+        ops.select_isa(before)
+    first = next(iter(results.values()))
+    assert all(r == first for r in results.values()), results
