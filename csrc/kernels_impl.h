@@ -51,17 +51,44 @@ static inline uint16_t f32_to_bf16(float f) {
   return uint16_t(u >> 16);
 }
 
+// GCC 12 (Debian 12's aarch64-linux-gnu-g++) has no _Float16 in C++ on aarch64; its __fp16
+// converts with the same IEEE fcvt instructions (round to nearest even).
+#if defined(__aarch64__)
+typedef __fp16 half_t;
+#else
+typedef _Float16 half_t;
+#endif
+
 static inline float f16_to_f32(uint16_t h) {
-  _Float16 v;
+  half_t v;
   std::memcpy(&v, &h, 2);
   return float(v);
 }
 
 static inline uint16_t f32_to_f16(float f) {
-  _Float16 v = _Float16(f);
+  half_t v = half_t(f);
   uint16_t h;
   std::memcpy(&h, &v, 2);
   return h;
+}
+
+// exp(x) to about 1 ulp (Cephes' range reduction and polynomial), branch-free so loops of it
+// vectorise for each TU's ISA; libm's expf is a scalar call. Inputs are clamped to the finite
+// range, so exp_fast(-inf) is ~1e-38, not 0: callers that need exact zeros select them.
+static inline float exp_fast(float x) {
+  x = x < -87.33654f ? -87.33654f : (x > 88.72283f ? 88.72283f : x);
+  // Round to nearest with the 1.5 * 2^23 trick: plain adds vectorise where floorf may not.
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * __builtin_bit_cast(float, (int32_t(n) + 127) << 23);
 }
 
 static inline int dtype_size(int dtype) { return dtype == AS_F32 ? 4 : 2; }
@@ -223,14 +250,16 @@ struct Kernels {
       Isa::load(dtype, xr, g, d);
       Isa::load(dtype, xr + d * es, u, d);
       if (act == 0) {
-        for (int64_t i = 0; i < d; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i]));
+        for (int64_t i = 0; i < d; ++i) g[i] = g[i] / (1.0f + exp_fast(-g[i]));
       } else if (act == 1) {
         for (int64_t i = 0; i < d; ++i) g[i] = 0.5f * g[i] * (1.0f + std::erf(g[i] * 0.70710678118654752f));
       } else {
         const float c = 0.79788456080286536f;  // sqrt(2 / pi)
         for (int64_t i = 0; i < d; ++i) {
           const float z = g[i];
-          g[i] = 0.5f * z * (1.0f + std::tanh(c * (z + 0.044715f * z * z * z)));
+          // tanh(y) = 1 - 2 / (1 + e^(2y))
+          const float t = 1.0f - 2.0f / (1.0f + exp_fast(2.0f * c * (z + 0.044715f * z * z * z)));
+          g[i] = 0.5f * z * (1.0f + t);
         }
       }
       round_trip(dtype, g, d);
@@ -346,7 +375,7 @@ struct Kernels {
         float l = 0.f;
         if (m != -INFINITY) {
           for (int j = 0; j < nk; ++j) {
-            const float e = srow[j] == -INFINITY ? 0.f : std::exp(srow[j] - m);
+            const float e = srow[j] == -INFINITY ? 0.f : exp_fast(srow[j] - m);
             srow[j] = e;
             l += e;
           }

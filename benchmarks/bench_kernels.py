@@ -1,0 +1,175 @@
+"""Micro-benchmark: each C++ kernel against the PyTorch path it replaces, on this machine.
+
+For every kernel family: the PyTorch path (what armserve runs with ARMSERVE_ISA=torch) and the
+kernel on every ISA variant this CPU runs, median of `--runs` timings of `--iters` calls each.
+Decode attention is measured the way the engine calls it: paged, GQA, one query per sequence.
+Also measures this machine's memory copy bandwidth (the decode roofline). Writes the "kernels"
+section of docs/benchmarks.md.
+
+    python benchmarks/bench_kernels.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from report import git_revision, load_average, machine_description, update_section  # noqa: E402
+
+
+def timeit(fn, iters: int, runs: int) -> float:
+    """Median microseconds per call."""
+    fn()
+    samples = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        samples.append((time.perf_counter() - t) / iters * 1e6)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs(runs: int = 5) -> float:
+    """Memory copy bandwidth: bytes read + written per second for a 512 MiB copy."""
+    n = 512 * 2**20 // 4
+    src = torch.ones(n)
+    dst = torch.empty(n)
+    dst.copy_(src)
+    best = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best.append(2 * n * 4 / (time.perf_counter() - t) / 1e9)
+    return statistics.median(best)
+
+
+def attention_cases(dtype: torch.dtype):
+    """(label, PyTorch-path fn, kernel fn) for paged decode attention at several contexts."""
+    from armserve import ops
+    from armserve.layers.attention import Attention, AttentionMetadata, set_attention_metadata
+
+    out = []
+    for label, hq, hk, hd, batch, ctx in [
+        ("SmolLM2 shape (9q/3kv x 64)", 9, 3, 64, 1, 2048),
+        ("TinyLlama shape (32q/4kv x 64)", 32, 4, 64, 1, 2048),
+        ("TinyLlama shape, 16 seqs", 32, 4, 64, 16, 512),
+    ]:
+        bs = 16
+        nb = -(-ctx // bs)
+        num_blocks = batch * nb + 1
+        attn = Attention(hq, hd, hd**-0.5, hk)
+        attn.k_cache = torch.randn(num_blocks * bs, hk, hd).to(dtype)
+        attn.v_cache = torch.randn(num_blocks * bs, hk, hd).to(dtype)
+        perm = torch.randperm(num_blocks - 1)[: batch * nb].view(batch, nb)  # scattered blocks, as in use
+        slots_new = (perm[:, -1] * bs + (ctx - 1) % bs).long()
+        q = torch.randn(batch, hq * hd).to(dtype)
+        k = torch.randn(batch, hk * hd).to(dtype)
+        v = torch.randn(batch, hk * hd).to(dtype)
+        offs = torch.arange(ctx)
+        md_ref = AttentionMetadata(slot_mapping=slots_new, num_decodes=batch)
+        md_ref.decode_slots = perm[:, offs // bs].long() * bs + offs % bs
+        md_ref.decode_context_lens = torch.full((batch,), ctx, dtype=torch.long)
+        keep = (torch.arange(batch, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
+                torch.full((batch,), ctx, dtype=torch.int32), perm.to(torch.int32).contiguous())
+        md_k = AttentionMetadata(slot_mapping=slots_new, num_decodes=batch)
+        md_k.kernel_batch = ops.make_attn_batch(*keep, bs)
+        md_k.kernel_batch._keepalive = keep
+
+        def torch_path(md=md_ref, attn=attn, q=q, k=k, v=v):
+            set_attention_metadata(md)
+            attn(q, k, v)
+
+        def kernel_path(md=md_k, attn=attn, q=q, k=k, v=v):
+            set_attention_metadata(md)
+            attn(q, k, v)
+
+        out.append((f"paged attention decode, {label}, context {ctx}", torch_path, kernel_path))
+    return out
+
+
+def elementwise_cases(dtype: torch.dtype):
+    from armserve import ops
+    from armserve.layers.activation import act_and_mul_ref
+    from armserve.layers.layernorm import rms_norm_ref
+    from armserve.layers.rotary_embedding import RotaryEmbedding, rotary_ref
+
+    out = []
+    for rows in (1, 256):
+        x = torch.randn(rows, 2048).to(dtype)
+        w = torch.rand(2048).to(dtype)
+        r = torch.randn(rows, 2048).to(dtype)
+        out.append((f"RMSNorm + residual, {rows} x 2048", lambda x=x, w=w, r=r: rms_norm_ref(x, w, 1e-5, r),
+                    lambda x=x, w=w, r=r: ops.rms_norm(x, w, 1e-5, r)))
+        g = torch.randn(rows, 2 * 5632).to(dtype)
+        out.append((f"SiLU-and-mul, {rows} x 5632", lambda g=g: act_and_mul_ref(g, "silu"),
+                    lambda g=g: ops.act_and_mul(g, "silu")))
+        rope = RotaryEmbedding(64, 4096, {"rope_type": "default", "rope_theta": 10000.0})
+        qkv = torch.randn(rows, 40 * 64).to(dtype)
+        q, k = qkv[:, : 32 * 64], qkv[:, 32 * 64: 36 * 64]
+        pos = torch.arange(rows)
+        out.append((f"RoPE (neox) 32q+4kv heads x 64, {rows} tokens",
+                    lambda q=q, k=k, p=pos, c=rope.cos_sin: rotary_ref(p, q, k, c, 64, 64, True),
+                    lambda q=q, k=k, p=pos, c=rope.cos_sin: ops.rotary(p, q, k, c, 64, 64, True)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+
+    from armserve import ops
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    assert ops.available(), ops.load_error()
+    isas = ops.supported_isas()
+    load0 = load_average()
+    bw = copy_bandwidth_gbs()
+    rows = []
+    for label, ref, fast in attention_cases(dtype) + elementwise_cases(dtype):
+        t_ref = timeit(ref, args.iters, args.runs)
+        per_isa = {}
+        for name in isas:
+            ops.select_isa(name)
+            per_isa[name] = timeit(fast, args.iters, args.runs)
+        ops.select_isa("auto")
+        rows.append((label, t_ref, per_isa))
+        print(f"{label:70s} torch {t_ref:9.1f} us  " + "  ".join(f"{n} {t:8.1f} us ({t_ref / t:.1f}x)"
+                                                                  for n, t in per_isa.items()), flush=True)
+    lines = [
+        "## Kernels: C++ kernels vs the PyTorch path (issue: CPU kernels)",
+        "",
+        f"Machine: {machine_description()}. {args.threads} thread(s), {args.dtype}; median of {args.runs} runs of "
+        f"{args.iters} calls; load average {load0:.2f} before / {load_average():.2f} after. "
+        f"Measured memory copy bandwidth: **{bw:.1f} GB/s** (read + write, 512 MiB). armserve rev `{git_revision()}`.",
+        "",
+        "The PyTorch path is what armserve runs with `ARMSERVE_ISA=torch` (gather + SDPA for attention). "
+        "Speed-up = PyTorch time / kernel time.",
+        "",
+        "| kernel | PyTorch path (us) | " + " | ".join(f"{n} (us, speed-up)" for n in isas) + " |",
+        "|---|---|" + "---|" * len(isas),
+    ]
+    for label, t_ref, per_isa in rows:
+        lines.append(f"| {label} | {t_ref:.1f} | " + " | ".join(f"{t:.1f} ({t_ref / t:.2f}x)"
+                                                               for t in per_isa.values()) + " |")
+    lines += ["", f"Reproduce: `python benchmarks/bench_kernels.py --threads {args.threads} --dtype {args.dtype}`"]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        update_section("kernels", text)
+
+
+if __name__ == "__main__":
+    main()
