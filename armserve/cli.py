@@ -138,6 +138,34 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args)
 
 
+def cmd_info(args: argparse.Namespace) -> int:
+    from armserve import __version__
+    from armserve.cpu import describe, init_threads
+
+    init_threads()
+    info = describe()
+    info["armserve"] = __version__
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"armserve {info['armserve']}  (torch {info['torch']})")
+    print(f"CPU            {info['cpu']} [{info['machine']}], {info['physical_cores']} physical cores, "
+          f"{info['logical_cpus']} logical CPUs")
+    print(f"features       {' '.join(info['cpu_features']) or '(kernels not loaded)'}")
+    print(f"bfloat16       {'native' if info['native_bf16'] else 'emulated'}; dtype=auto -> {info['auto_dtype']}")
+    print(f"variants       this CPU runs: {', '.join(info['kernel_variants_supported']) or 'none'}")
+    for family, variant in info["kernels"].items():
+        print(f"  {family:18s} {variant}")
+    if info["kernels_unavailable_reason"]:
+        print(f"  (PyTorch path: {info['kernels_unavailable_reason']})")
+    print(f"threads        {info['torch_threads']} (bind: {info['threads_bind'] or 'none'}; "
+          f"running on cores {info['thread_cores']})")
+    for node, cpus in info["numa_nodes"].items():
+        print(f"NUMA node {node}    CPUs {cpus}")
+    print(f"OpenMP         {', '.join(info['openmp_runtimes']) or 'none loaded'}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="armserve", description="LLM inference and serving on CPUs")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     _add_serving_commands(sub)
+
+    i = sub.add_parser("info", help="CPU features, kernel variants, threads and NUMA layout")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    # ---- bench: latency / throughput / serve / plot (code in armserve.benchmarks) ----
+    from armserve.benchmarks import add_bench_commands
+
+    add_bench_commands(sub)
     return parser
 
 

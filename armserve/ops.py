@@ -93,6 +93,8 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_rotary": ([I32, P, P, P, P, I64, I32, I32, I32, I32, I32, I64, I64], None),
         "armserve_act_and_mul": ([I32, I32, P, P, I64, I64], None),
         "armserve_reshape_and_cache": ([I32, P, P, P, P, P, I64, I64, I64], None),
+        "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
+        "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_paged_attention": ([I32, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32, F, I64],
                                      None),
     }
@@ -193,6 +195,27 @@ def supports(t: torch.Tensor) -> bool:
     """True when the kernels are on and handle `t`'s dtype (the layers' fast-path test)."""
     lib = _lib if _loaded else _load()
     return lib is not None and t.dtype in _DTYPE_CODES
+
+
+def bind_threads(cores: list[int]) -> None:
+    """Run one OpenMP thread (PyTorch's too: the runtime is shared) per listed core, pinned."""
+    lib = _load()
+    if lib is None:
+        raise KernelError(f"thread binding needs the C++ library: {_load_error}")
+    arr = (ctypes.c_int32 * len(cores))(*cores)
+    rc = lib.armserve_bind_threads(arr, len(cores))
+    if rc:
+        raise KernelError(f"cannot pin threads to cores {cores} (code {rc})")
+
+
+def thread_cores() -> list[int]:
+    """The core each OpenMP thread is running on right now."""
+    lib = _load()
+    if lib is None:
+        return []
+    arr = (ctypes.c_int32 * 1024)()
+    n = lib.armserve_thread_cores(arr, 1024)
+    return list(arr[:n])
 
 
 # ---- wrappers -------------------------------------------------------------------------------

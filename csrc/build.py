@@ -23,12 +23,14 @@ VARIANTS = {
         "kernels_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
         "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
         "dispatch.cpp": [],
+        "threads.cpp": [],
     },
     "aarch64": {
         "kernels_scalar.cpp": ["-march=armv8-a"] + SCALAR,
         "kernels_neon.cpp": ["-march=armv8-a"],
         "kernels_sve.cpp": ["-march=armv8.2-a+sve"],
         "dispatch.cpp": ["-march=armv8-a"],
+        "threads.cpp": ["-march=armv8-a"],
     },
 }
 # NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
@@ -46,7 +48,8 @@ def normalize_arch(machine: str) -> str:
 def sources(arch: str) -> list[tuple[str, list[str]]]:
     """(source path, extra flags) for every translation unit of `arch`."""
     if arch not in VARIANTS:
-        return [(os.path.join(HERE, "kernels_scalar.cpp"), SCALAR), (os.path.join(HERE, "dispatch.cpp"), [])]
+        return [(os.path.join(HERE, f), flags) for f, flags in
+                [("kernels_scalar.cpp", SCALAR), ("dispatch.cpp", []), ("threads.cpp", [])]]
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 

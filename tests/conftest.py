@@ -9,9 +9,14 @@ import os
 import shutil
 
 import pytest
-import torch
 
-torch.set_num_threads(1)  # 2 shared cores: spinning OpenMP threads only add noise
+# 2 shared cores: spinning OpenMP threads only add noise. Set before torch loads, and the
+# engine respects OMP_NUM_THREADS (armserve/cpu.py).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-tests")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

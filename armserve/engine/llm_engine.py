@@ -74,6 +74,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         t0 = time.time()
+        from armserve.cpu import init_threads
+
+        threads = init_threads()
         torch.manual_seed(config.seed)
         src = model_loader.resolve_model_path(config.model)
         self.model_config = model_loader.load_config(src)
@@ -106,10 +109,14 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_requests_finished = 0
+        from armserve import ops
+
         logger.info(
-            "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %d blocks x %d tokens (%.2f GiB)",
+            "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %d blocks x %d tokens (%.2f GiB), "
+            "kernels %s, %d threads%s",
             config.model, hf.architectures[0], time.time() - t0, str(self.dtype).replace("torch.", ""),
-            self.max_model_len, num_blocks, config.block_size, config.kv_cache_space,
+            self.max_model_len, num_blocks, config.block_size, config.kv_cache_space, ops.isa(),
+            threads["threads"], f" pinned to {threads['bind']}" if threads["bind"] else "",
         )
 
     def _eos_token_ids(self, src: model_loader.ModelSource) -> set[int]:

@@ -1,0 +1,158 @@
+"""This machine's CPU layout (cores, SMT siblings, NUMA nodes) and the engine's thread setup.
+
+Threads: one per *physical* core of the process's CPU set by default (SMT siblings share the
+FPUs and only add contention to GEMMs). `ARMSERVE_THREADS_BIND` pins them, like vLLM's
+`VLLM_CPU_OMP_THREADS_BIND`: a core list such as `0-3,8`, or `auto` for one thread per physical
+core of the first NUMA node. `OMP_NUM_THREADS`, when set, is respected as the thread count.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import platform
+
+logger = logging.getLogger("armserve")
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8,10-11' -> [0, 1, 2, 3, 8, 10, 11]."""
+    cores: list[int] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        if "-" in part:
+            a, b = part.split("-", 1)
+            if not (a.isdigit() and b.isdigit()) or int(a) > int(b):
+                raise ValueError(f"bad core range {part!r} in {text!r}")
+            cores.extend(range(int(a), int(b) + 1))
+        elif part.isdigit():
+            cores.append(int(part))
+        else:
+            raise ValueError(f"bad core {part!r} in {text!r}")
+    return cores
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def allowed_cpus() -> list[int]:
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: list[int] | None = None) -> list[int]:
+    """One logical CPU per physical core (the lowest-numbered sibling), within `cpus`."""
+    cpus = allowed_cpus() if cpus is None else cpus
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for c in cpus:
+        core = _read(f"/sys/devices/system/cpu/cpu{c}/topology/core_id")
+        pkg = _read(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id")
+        key = (pkg or "0", core or str(c))
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def numa_nodes() -> dict[int, list[int]]:
+    """NUMA node -> its logical CPUs (one node with every CPU when sysfs has no NUMA info)."""
+    nodes = {}
+    for path in sorted(glob.glob("/sys/devices/system/node/node[0-9]*")):
+        cpulist = _read(os.path.join(path, "cpulist"))
+        if cpulist:
+            nodes[int(os.path.basename(path)[4:])] = parse_cpu_list(cpulist)
+    return nodes or {0: allowed_cpus()}
+
+
+def cpu_model() -> str:
+    text = _read("/proc/cpuinfo") or ""
+    for line in text.splitlines():
+        if line.lower().startswith(("model name", "cpu model")):
+            return line.split(":", 1)[1].strip()
+    part = [line for line in text.splitlines() if line.startswith("CPU part")]
+    if part:  # aarch64: no model name; the part number identifies the core
+        parts = {"0xd0c": "Neoverse N1", "0xd40": "Neoverse V1", "0xd4f": "Neoverse V2", "0xd49": "Neoverse N2"}
+        code = part[0].split(":", 1)[1].strip()
+        return parts.get(code, f"ARM core {code}")
+    return platform.processor() or platform.machine()
+
+
+_initialised = False
+
+
+def init_threads() -> dict:
+    """Set the engine's thread count and pinning once per process; returns what was done."""
+    global _initialised
+    import torch
+
+    from armserve import ops
+
+    info: dict = {"bind": None}
+    bind = os.environ.get("ARMSERVE_THREADS_BIND", "").strip()
+    if _initialised:
+        info["threads"] = torch.get_num_threads()
+        return info
+    _initialised = True
+    if bind:
+        if bind == "auto":
+            first_node = numa_nodes()[min(numa_nodes())]
+            allowed = set(allowed_cpus())
+            cores = physical_cores([c for c in first_node if c in allowed])
+        else:
+            try:
+                cores = parse_cpu_list(bind)
+            except ValueError as e:
+                raise ValueError(f"ARMSERVE_THREADS_BIND: {e}") from None
+            bad = sorted(set(cores) - set(allowed_cpus()))
+            if bad:
+                raise ValueError(f"ARMSERVE_THREADS_BIND lists cores {bad} that this process may not use "
+                                 f"(allowed: {allowed_cpus()})")
+        torch.set_num_threads(len(cores))
+        if ops.available():
+            ops.bind_threads(cores)
+            info["bind"] = cores
+        else:
+            logger.warning("ARMSERVE_THREADS_BIND ignored: %s", ops.load_error())
+    elif not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(max(1, len(physical_cores())))
+    info["threads"] = torch.get_num_threads()
+    return info
+
+
+def describe() -> dict:
+    """Everything `armserve info` prints, as a dict."""
+    import torch
+
+    from armserve import ops
+    from armserve.config import cpu_has_native_bf16, resolve_dtype
+
+    kernels = ops.isa()
+    return {
+        "machine": platform.machine(),
+        "cpu": cpu_model(),
+        "logical_cpus": len(allowed_cpus()),
+        "physical_cores": len(physical_cores()),
+        "numa_nodes": {n: cpus for n, cpus in numa_nodes().items()},
+        "cpu_features": ops.cpu_features(),
+        "native_bf16": cpu_has_native_bf16(),
+        "auto_dtype": str(resolve_dtype("auto")).replace("torch.", ""),
+        "kernel_variants_supported": ops.supported_isas(),
+        "kernels": {family: kernels for family in
+                    ("paged_attention", "reshape_and_cache", "rms_norm", "rotary", "act_and_mul")},
+        "kernels_unavailable_reason": ops.load_error() if kernels == "torch" else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "threads_bind": os.environ.get("ARMSERVE_THREADS_BIND") or None,
+        "thread_cores": ops.thread_cores(),
+        "openmp_runtimes": ops.openmp_runtimes(),
+    }

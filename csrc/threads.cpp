@@ -1,0 +1,51 @@
+// Pin the OpenMP threads (shared with PyTorch) to a list of cores, one thread per core.
+#include <cstdint>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
+extern "C" {
+
+// Returns 0 on success, or the first errno-like failure (1 = no OpenMP, 2 = setaffinity failed).
+int armserve_bind_threads(const int32_t* cores, int32_t n) {
+#if defined(_OPENMP) && defined(__linux__)
+  omp_set_num_threads(n);
+  int failed = 0;
+#pragma omp parallel num_threads(n)
+  {
+    const int t = omp_get_thread_num();
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cores[t], &set);
+    if (sched_setaffinity(0, sizeof(set), &set) != 0) {
+#pragma omp atomic write
+      failed = 2;
+    }
+  }
+  return failed;
+#else
+  (void)cores;
+  (void)n;
+  return 1;
+#endif
+}
+
+// The core each OpenMP thread runs on now (for `armserve info` and tests).
+int armserve_thread_cores(int32_t* out, int32_t max) {
+#if defined(_OPENMP) && defined(__linux__)
+  int n = omp_get_max_threads();
+  if (n > max) n = max;
+#pragma omp parallel num_threads(n)
+  out[omp_get_thread_num()] = sched_getcpu();
+  return n;
+#else
+  (void)out;
+  (void)max;
+  return 0;
+#endif
+}
+}

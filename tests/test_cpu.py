@@ -1,0 +1,58 @@
+"""CPU layout, thread pinning and `armserve info`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from armserve.cpu import allowed_cpus, parse_cpu_list, physical_cores
+
+
+def run(args: list[str], **env) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.pop("OMP_NUM_THREADS", None)
+    e.update(env)
+    return subprocess.run([sys.executable, "-m", "armserve.cli", *args], capture_output=True, text=True, env=e,
+                          timeout=120)
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
+    with pytest.raises(ValueError, match="bad core"):
+        parse_cpu_list("3-1")
+    with pytest.raises(ValueError, match="bad core"):
+        parse_cpu_list("a")
+
+
+def test_info_reports_the_forced_variant_and_one_openmp_runtime():
+    r = run(["info", "--json"], ARMSERVE_ISA="scalar")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert set(info["kernels"].values()) == {"scalar"}
+    assert "scalar" in info["kernel_variants_supported"]
+    assert len(info["openmp_runtimes"]) == 1
+    assert info["physical_cores"] == len(physical_cores())
+    # Default: one thread per physical core.
+    assert info["torch_threads"] == len(physical_cores())
+
+
+def test_threads_bind_pins_each_thread():
+    core = allowed_cpus()[-1]
+    r = run(["info", "--json"], ARMSERVE_THREADS_BIND=str(core))
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["torch_threads"] == 1 and info["thread_cores"] == [core]
+
+
+def test_threads_bind_rejects_cores_outside_the_cpu_set():
+    r = run(["info"], ARMSERVE_THREADS_BIND="4096")
+    assert r.returncode == 2 and "ARMSERVE_THREADS_BIND" in r.stderr
+
+
+def test_unknown_isa_is_a_clear_error():
+    r = run(["info"], ARMSERVE_ISA="avx9000")
+    assert r.returncode == 2 and "unknown ISA" in r.stderr
