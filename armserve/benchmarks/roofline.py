@@ -1,0 +1,147 @@
+"""This machine's roofline: memory copy bandwidth and matmul peak, and a model's bandwidth limit.
+
+Decode at small batch reads every weight once per step, so a step can not be faster than
+`weight bytes / memory bandwidth`; reporting each decode speed as a share of that limit says how
+much of the machine an engine uses, independent of how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+
+def measure_copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7, threads: int | None = None) -> float:
+    """Median copy bandwidth in GB/s (1e9 bytes/s), counting bytes read plus bytes written (as STREAM's Copy).
+
+    The buffers are far larger than any cache, so this is DRAM bandwidth with `threads` threads.
+    """
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in before timing
+        rates = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            dst.copy_(src)
+            rates.append(2 * src.numel() * 4 / (time.perf_counter() - t) / 1e9)
+        return statistics.median(rates)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def measure_matmul_peak(dtype: str = "float32", n: int = 2048, reps: int = 5, threads: int | None = None) -> float:
+    """Median GFLOP/s of an n x n x n matmul in `dtype` (PyTorch's CPU GEMM, `threads` threads)."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        dt = getattr(torch, dtype)
+        a = torch.randn(n, n).to(dt)
+        b = torch.randn(n, n).to(dt)
+        torch.mm(a, b)  # warm-up: packing buffers, thread pool
+        rates = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            torch.mm(a, b)
+            rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
+        return statistics.median(rates)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def measure_roofline(threads: int | None = None) -> dict[str, Any]:
+    """Copy bandwidth and fp32/bf16 matmul peak of this machine (takes a few seconds)."""
+    threads = threads or os.cpu_count() or 1
+    return {
+        "threads": threads,
+        "copy_bandwidth_gbs": measure_copy_bandwidth(threads=threads),
+        "matmul_gflops": {dt: measure_matmul_peak(dt, threads=threads) for dt in ("float32", "bfloat16")},
+    }
+
+
+def load_or_measure(path: str | None, threads: int | None = None) -> dict[str, Any]:
+    """The roofline saved in `path` (written by an earlier measurement in the same run), else a new one."""
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    roof = measure_roofline(threads)
+    if path:
+        with open(path, "w") as f:
+            json.dump(roof, f, indent=1)
+    return roof
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
+
+
+def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
+    """Bytes of weights one decode step reads for one model: every weight except an untied input
+    embedding (a step reads one row of it).
+
+    `path` is an HF folder (safetensors) or a GGUF file. `dtype` is the dtype the engine computes in;
+    None counts the bytes as stored (right for llama.cpp, which runs a GGUF as it is).
+    """
+    path = os.path.expanduser(path)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        has_output = any(t.name == "output.weight" for t in reader.tensors)
+        total = 0
+        for t in reader.tensors:
+            if t.name == "token_embd.weight" and has_output:
+                continue
+            total += int(t.n_bytes) if dtype is None else int(t.n_elements) * _DTYPE_BYTES[dtype]
+        return total
+    import glob
+
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise ValueError(f"{path}: no *.safetensors files to count weights from")
+    sizes: dict[str, tuple[int, int]] = {}  # name -> (elements, bytes as stored)
+    for fpath in files:
+        with safe_open(fpath, framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                numel = 1
+                for d in sl.get_shape():
+                    numel *= d
+                stored = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I8": 1, "U8": 1}.get(sl.get_dtype(), 4)
+                sizes[name] = (numel, numel * stored)
+    untied = "lm_head.weight" in sizes
+    total = 0
+    for name, (numel, stored) in sizes.items():
+        if untied and name.endswith("embed_tokens.weight"):
+            continue
+        total += stored if dtype is None else numel * _DTYPE_BYTES[dtype]
+    return total
+
+
+def bandwidth_limit(weight_bytes: int, roof: dict[str, Any]) -> float:
+    """Decode steps per second at the bandwidth limit (= tok/s of one sequence)."""
+    return roof["copy_bandwidth_gbs"] * 1e9 / weight_bytes
+
+
+def describe(roof: dict[str, Any]) -> str:
+    mm = roof["matmul_gflops"]
+    return (f"copy bandwidth {roof['copy_bandwidth_gbs']:.1f} GB/s, matmul peak fp32 {mm['float32']:.0f} / "
+            f"bf16 {mm['bfloat16']:.0f} GFLOP/s ({roof['threads']} threads)")
+
+
+def module_weight_bytes(model) -> int:
+    """`weight_bytes_per_token` for a loaded torch module (an untied input embedding left out)."""
+    params = dict(model.named_parameters())  # tied tensors appear once
+    untied = any(n.endswith("lm_head.weight") for n in params)
+    return sum(p.numel() * p.element_size() for n, p in params.items()
+               if not (untied and n.endswith("embed_tokens.weight")))
