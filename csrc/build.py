@@ -24,6 +24,10 @@ VARIANTS = {
         "kernels_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
         "dispatch.cpp": [],
         "threads.cpp": [],
+        "qgemm_scalar.cpp": SCALAR,
+        "qgemm_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+        "qgemm_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
+        "qdispatch.cpp": [],
     },
     "aarch64": {
         "kernels_scalar.cpp": ["-march=armv8-a"] + SCALAR,
@@ -31,6 +35,10 @@ VARIANTS = {
         "kernels_sve.cpp": ["-march=armv8.2-a+sve"],
         "dispatch.cpp": ["-march=armv8-a"],
         "threads.cpp": ["-march=armv8-a"],
+        "qgemm_scalar.cpp": ["-march=armv8-a"] + SCALAR,
+        "qgemm_neon.cpp": ["-march=armv8.2-a+dotprod"],
+        "qgemm_sve.cpp": ["-march=armv8.2-a+sve"],
+        "qdispatch.cpp": ["-march=armv8-a"],
     },
 }
 # NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
@@ -49,7 +57,8 @@ def sources(arch: str) -> list[tuple[str, list[str]]]:
     """(source path, extra flags) for every translation unit of `arch`."""
     if arch not in VARIANTS:
         return [(os.path.join(HERE, f), flags) for f, flags in
-                [("kernels_scalar.cpp", SCALAR), ("dispatch.cpp", []), ("threads.cpp", [])]]
+                [("kernels_scalar.cpp", SCALAR), ("dispatch.cpp", []), ("threads.cpp", []),
+                 ("qgemm_scalar.cpp", SCALAR), ("qdispatch.cpp", [])]]
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 

@@ -1,0 +1,65 @@
+// Quantized-GEMM variant that goes with the kernel variant in use (dispatch.cpp), limited by
+// the integer-dot features it needs: AVX512-VNNI on x86 (else AVX2), dotprod for NEON, SVE.
+#include <cstring>
+
+#include "qgemm.h"
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
+extern "C" const char* armserve_isa();
+
+namespace {
+
+const QKernelTable* pick(const char* isa) {
+#if defined(__x86_64__)
+  if (!std::strcmp(isa, "avx512")) {
+    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return armserve_qtable_avx512();
+    return armserve_qtable_avx2();  // AVX-512 without VNNI (Skylake-SP): AVX2 integer path
+  }
+  if (!std::strcmp(isa, "avx2")) return armserve_qtable_avx2();
+#elif defined(__aarch64__) && defined(__linux__)
+  if (!std::strcmp(isa, "sve")) return armserve_qtable_sve();
+  if (!std::strcmp(isa, "neon") && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP)) return armserve_qtable_neon();
+#endif
+  return armserve_qtable_scalar();
+}
+
+const QKernelTable* qtable() {
+  static const char* for_isa = nullptr;
+  static const QKernelTable* t = nullptr;
+  const char* isa = armserve_isa();
+  if (isa != for_isa) {  // the kernel variant changed (ARMSERVE_ISA, tests)
+    t = pick(isa);
+    for_isa = isa;
+  }
+  return t;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* armserve_qgemm_isa() { return qtable()->name; }
+
+void armserve_quantize_act(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale,
+                           int32_t* gsum) {
+  qtable()->quantize_act(dtype, x, m, k, group, q, scale, gsum);
+}
+
+void armserve_gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
+                  int64_t ldo) {
+  qtable()->gemm_w4(dtype, out, q, ascale, agsum, w, scales, m, n, k, group, ldo);
+}
+
+void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const int8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
+                  int64_t ldo) {
+  qtable()->gemm_w8(dtype, out, q, ascale, agsum, w, scales, m, n, k, group, ldo);
+}
+}

@@ -1,0 +1,47 @@
+// Quantized linear layers: int4 (w4a8) and int8 (w8a8) weights times int8 activations that
+// are quantized per token on the fly. C ABI and the per-ISA table.
+//
+// Packed weight layout (built once at load by armserve/layers/quantized_linear.py):
+//
+//   W4: tiles of 16 output rows. Per tile, per chunk of 8 input columns k0..k0+7, 64 bytes:
+//         byte[r * 4 + j] = u[r][k0 + j] | u[r][k0 + 4 + j] << 4      (r < 16, j < 4)
+//       so the low nibbles of a chunk are a 16 x 4 block of k0..k0+3 and the high nibbles the
+//       block of k0+4..k0+7: one 64-byte vector feeds 16 rows of a 4-wide integer dot product
+//       (VNNI vpdpbusd, NEON/SVE sdot). u is the unsigned 4-bit code, w = s * u - szp.
+//   W8: tiles of 16 rows; per chunk of 4 columns, 64 bytes: byte[r * 4 + j] = q[r][k0 + j] (int8),
+//       w = s * q.
+//   Per tile and group of G columns: 16 floats of scale s, then 16 floats of `corr`:
+//       W4: corr = s * zero-point (szp above), subtracted times the group's activation sum;
+//       W8: corr = s * 128 * sum(q), used by ISAs that offset activations to unsigned bytes.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+extern "C" {
+
+struct QKernelTable {
+  const char* name;
+  // x [M, K] (f32/bf16/f16) -> q int8 [M, K], scale [M] (absmax / 127), gsum int32 [M, K / G].
+  void (*quantize_act)(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q,
+                       float* scale, int32_t* gsum);
+  // out [M, N] (dtype, rows `ldo` elements apart) = the quantized activations times dequant(W)^T;
+  // W's N rows are padded to a multiple of 16 in the packed layout.
+  void (*gemm_w4)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                  const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
+                  int64_t ldo);
+  void (*gemm_w8)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                  const int8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
+                  int64_t ldo);
+};
+
+const QKernelTable* armserve_qtable_scalar();
+#if defined(__x86_64__) || defined(_M_X64)
+const QKernelTable* armserve_qtable_avx2();
+const QKernelTable* armserve_qtable_avx512();  // needs AVX512-VNNI
+#endif
+#if defined(__aarch64__)
+const QKernelTable* armserve_qtable_neon();  // needs the dotprod extension
+const QKernelTable* armserve_qtable_sve();
+#endif
+}

@@ -1,0 +1,83 @@
+// Quantized GEMM with AVX2: vpmaddubsw + vpmaddwd stand in for the VNNI dot product.
+#include <immintrin.h>
+
+#include "qgemm_impl.h"
+
+namespace {
+using armserve::load4;
+
+static inline __m256i dot4(__m256i u8, __m256i s8) {
+  // u8 x s8 pairs summed to int16 (no saturation: |u| <= 127 or <= 15 here), then pairs to int32
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1));
+}
+
+struct QAvx2 {
+  template <int NT>
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+                      int64_t group, float (*acc)[16]) {
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / group; ++g) {
+      __m256i ia[NT][2];
+      for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+        for (int h = 0; h < 2; ++h) {  // rows 0-7, 8-15
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + c * 64 + h * 32));
+          const __m256i lo = _mm256_and_si256(b, nib);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+          for (int i = 0; i < NT; ++i) {
+            ia[i][h] = _mm256_add_epi32(ia[i][h], dot4(lo, _mm256_set1_epi32(load4(q[i] + c * 8))));
+            ia[i][h] = _mm256_add_epi32(ia[i][h], dot4(hi, _mm256_set1_epi32(load4(q[i] + c * 8 + 4))));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_loadu_ps(sc + g * 32 + h * 8), z = _mm256_loadu_ps(sc + g * 32 + 16 + h * 8);
+        for (int i = 0; i < NT; ++i) {
+          facc[i][h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
+          facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(float(gs[i][g])), facc[i][h]);
+        }
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(acc[i], facc[i][0]);
+      _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
+    }
+  }
+
+  template <int NT>
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+                      int64_t group, float (*acc)[16]) {
+    (void)gs;
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / group; ++g) {
+      __m256i ia[NT][2];
+      for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + c * 64 + h * 32));
+          for (int i = 0; i < NT; ++i) {
+            // a * w = |a| * (w * sign(a)): keeps maddubs' unsigned operand within 0..127
+            const __m256i a = _mm256_set1_epi32(load4(q[i] + c * 4));
+            ia[i][h] = _mm256_add_epi32(ia[i][h], dot4(_mm256_abs_epi8(a), _mm256_sign_epi8(w, a)));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_loadu_ps(sc + g * 32 + h * 8);
+        for (int i = 0; i < NT; ++i) facc[i][h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(acc[i], facc[i][0]);
+      _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
+    }
+  }
+};
+}  // namespace
+
+extern "C" const QKernelTable* armserve_qtable_avx2() {
+  return armserve::QKernels<armserve::ScalarOps, QAvx2>::table("avx2");
+}

@@ -1,0 +1,160 @@
+// Quantized GEMM driver, written once; each qgemm_<isa>.cpp supplies a struct with
+//   template <int NT> tile_w4(wt, sc, q[NT], gsum[NT], k, group, acc[NT][16])
+//   template <int NT> tile_w8(wt, sc, q[NT], gsum[NT], k, group, acc[NT][16])
+// computing, for one 16-row weight tile and NT tokens, the 16 dot products before the
+// activation scale. See qgemm.h for the packed layout. Same anonymous-namespace rule as
+// kernels_impl.h: nothing here may be merged across TUs compiled with different flags.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "kernels_impl.h"
+#include "qgemm.h"
+
+namespace armserve {
+namespace {
+
+static inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Portable reference of the tile products, used by the scalar variant and as the fallback.
+struct ScalarQ {
+  template <int NT>
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+                      int64_t group, float (*acc)[16]) {
+    for (int i = 0; i < NT; ++i)
+      for (int r = 0; r < 16; ++r) acc[i][r] = 0.f;
+    for (int64_t g = 0; g < k / group; ++g) {
+      int32_t ia[NT][16] = {};
+      for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+        const uint8_t* b = wt + c * 64;
+        for (int r = 0; r < 16; ++r)
+          for (int j = 0; j < 4; ++j) {
+            const int lo = b[r * 4 + j] & 15, hi = b[r * 4 + j] >> 4;
+            for (int i = 0; i < NT; ++i) ia[i][r] += lo * q[i][c * 8 + j] + hi * q[i][c * 8 + 4 + j];
+          }
+      }
+      const float* s = sc + g * 32;
+      for (int i = 0; i < NT; ++i)
+        for (int r = 0; r < 16; ++r) acc[i][r] += s[r] * float(ia[i][r]) - s[16 + r] * float(gs[i][g]);
+    }
+  }
+
+  template <int NT>
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+                      int64_t group, float (*acc)[16]) {
+    (void)gs;
+    const int8_t* w = reinterpret_cast<const int8_t*>(wt);
+    for (int i = 0; i < NT; ++i)
+      for (int r = 0; r < 16; ++r) acc[i][r] = 0.f;
+    for (int64_t g = 0; g < k / group; ++g) {
+      int32_t ia[NT][16] = {};
+      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c)
+        for (int r = 0; r < 16; ++r)
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < NT; ++i) ia[i][r] += int32_t(w[c * 64 + r * 4 + j]) * q[i][c * 4 + j];
+      const float* s = sc + g * 32;
+      for (int i = 0; i < NT; ++i)
+        for (int r = 0; r < 16; ++r) acc[i][r] += s[r] * float(ia[i][r]);
+    }
+  }
+};
+
+template <class Isa, class IsaQ>
+struct QKernels {
+  static void quantize_act(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale,
+                           int32_t* gsum) {
+    const int es = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
+    for (int64_t t = 0; t < m; ++t) {
+      float* row = scratch(0, k);
+      Isa::load(dtype, static_cast<const char*>(x) + t * k * es, row, k);
+      float amax = 0.f;
+      for (int64_t i = 0; i < k; ++i) {
+        const float a = row[i] < 0.f ? -row[i] : row[i];
+        amax = a > amax ? a : amax;
+      }
+      const float s = amax > 0.f ? amax / 127.0f : 1.0f;
+      const float inv = amax > 0.f ? 127.0f / amax : 1.0f;
+      int8_t* qr = q + t * k;
+      for (int64_t i = 0; i < k; ++i) {
+        // round half to even with the 1.5 * 2^23 trick (|x * inv| <= 127)
+        const float v = (row[i] * inv + 12582912.0f) - 12582912.0f;
+        qr[i] = int8_t(v);
+      }
+      scale[t] = s;
+      for (int64_t g = 0; g < k / group; ++g) {
+        int32_t sum = 0;
+        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += qr[i];
+        gsum[t * (k / group) + g] = sum;
+      }
+    }
+  }
+
+  template <bool W4>
+  static void gemm(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                   const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
+                  int64_t ldo) {
+    const int es = dtype_size(dtype);
+    const int64_t tiles = (n + 15) / 16, ng = k / group;
+    const int64_t tile_bytes = W4 ? 8 * k : 16 * k;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; ++t) {
+      const uint8_t* wt = w + t * tile_bytes;
+      const float* sc = scales + t * ng * 32;
+      const int rows = int(n - t * 16 < 16 ? n - t * 16 : 16);
+      float acc[4][16];
+      float val[16];
+      for (int64_t m0 = 0; m0 < m; m0 += 4) {
+        const int nt = int(m - m0 < 4 ? m - m0 : 4);
+        const int8_t* qs[4];
+        const int32_t* gs[4];
+        for (int i = 0; i < nt; ++i) {
+          qs[i] = q + (m0 + i) * k;
+          gs[i] = agsum + (m0 + i) * ng;
+        }
+        if (nt == 4) {
+          if (W4)
+            IsaQ::template tile_w4<4>(wt, sc, qs, gs, k, group, acc);
+          else
+            IsaQ::template tile_w8<4>(wt, sc, qs, gs, k, group, acc);
+        } else {
+          for (int i = 0; i < nt; ++i) {
+            if (W4)
+              IsaQ::template tile_w4<1>(wt, sc, qs + i, gs + i, k, group, acc + i);
+            else
+              IsaQ::template tile_w8<1>(wt, sc, qs + i, gs + i, k, group, acc + i);
+          }
+        }
+        for (int i = 0; i < nt; ++i) {
+          const float a = ascale[m0 + i];
+          for (int r = 0; r < 16; ++r) val[r] = acc[i][r] * a;
+          Isa::store(dtype, val, static_cast<char*>(out) + ((m0 + i) * ldo + t * 16) * es, rows);
+        }
+      }
+    }
+  }
+
+  static void gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
+                  int64_t ldo) {
+    gemm<true>(dtype, out, q, ascale, agsum, w, scales, m, n, k, group, ldo);
+  }
+
+  static void gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const int8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
+                  int64_t ldo) {
+    gemm<false>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), scales, m, n, k, group, ldo);
+  }
+
+  static const QKernelTable* table(const char* name) {
+    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8};
+    return &t;
+  }
+};
+
+}  // namespace
+}  // namespace armserve

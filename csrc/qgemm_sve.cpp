@@ -1,0 +1,74 @@
+// Quantized GEMM with SVE SDOT, vector-length agnostic: a 64-byte tile chunk (16 rows x 4
+// columns) is walked in pieces of one vector (4 rows at 128-bit SVE, 16 rows at 512-bit).
+#include <arm_sve.h>
+
+#include "qgemm_impl.h"
+
+namespace {
+using armserve::load4;
+
+struct QSve {
+  template <bool W4, int NT>
+  static void tile(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+                   int64_t group, float (*acc)[16]) {
+    const int64_t vb = svcntb() < 64 ? int64_t(svcntb()) : 64;  // bytes of a chunk per piece
+    const svbool_t p8 = svwhilelt_b8(int64_t(0), vb);
+    const svbool_t p32 = svwhilelt_b32(int64_t(0), vb / 4);
+    const int64_t cols = W4 ? 8 : 4;  // columns per 64-byte chunk
+    for (int64_t piece = 0; piece < 64; piece += vb) {
+      svfloat32_t f0 = svdup_f32(0.f), f1 = svdup_f32(0.f), f2 = svdup_f32(0.f), f3 = svdup_f32(0.f);
+      for (int64_t g = 0; g < k / group; ++g) {
+        svint32_t i0 = svdup_s32(0), i1 = svdup_s32(0), i2 = svdup_s32(0), i3 = svdup_s32(0);
+        for (int64_t c = g * group / cols; c < (g + 1) * group / cols; ++c) {
+          const svuint8_t b = svld1_u8(p8, wt + c * 64 + piece);
+          if (W4) {
+            const svint8_t lo = svreinterpret_s8_u8(svand_n_u8_x(p8, b, 0x0f));
+            const svint8_t hi = svreinterpret_s8_u8(svlsr_n_u8_x(p8, b, 4));
+#define ARMSERVE_W4_STEP(I, ACC)                                                              \
+  if (NT > I) {                                                                               \
+    ACC = svdot_s32(ACC, lo, svreinterpret_s8_s32(svdup_n_s32(load4(q[I] + c * 8))));         \
+    ACC = svdot_s32(ACC, hi, svreinterpret_s8_s32(svdup_n_s32(load4(q[I] + c * 8 + 4))));     \
+  }
+            ARMSERVE_W4_STEP(0, i0) ARMSERVE_W4_STEP(1, i1) ARMSERVE_W4_STEP(2, i2) ARMSERVE_W4_STEP(3, i3)
+#undef ARMSERVE_W4_STEP
+          } else {
+            const svint8_t w = svreinterpret_s8_u8(b);
+#define ARMSERVE_W8_STEP(I, ACC) \
+  if (NT > I) ACC = svdot_s32(ACC, w, svreinterpret_s8_s32(svdup_n_s32(load4(q[I] + c * 4))));
+            ARMSERVE_W8_STEP(0, i0) ARMSERVE_W8_STEP(1, i1) ARMSERVE_W8_STEP(2, i2) ARMSERVE_W8_STEP(3, i3)
+#undef ARMSERVE_W8_STEP
+          }
+        }
+        const svfloat32_t s = svld1_f32(p32, sc + g * 32 + piece / 4);
+        const svfloat32_t z = svld1_f32(p32, sc + g * 32 + 16 + piece / 4);
+#define ARMSERVE_FOLD(I, ACC, F)                                                     \
+  if (NT > I) {                                                                      \
+    F = svmla_f32_x(p32, F, s, svcvt_f32_s32_x(p32, ACC));                           \
+    if (W4) F = svmls_n_f32_x(p32, F, z, float(gs[I][g]));                           \
+  }
+        ARMSERVE_FOLD(0, i0, f0) ARMSERVE_FOLD(1, i1, f1) ARMSERVE_FOLD(2, i2, f2) ARMSERVE_FOLD(3, i3, f3)
+#undef ARMSERVE_FOLD
+      }
+      if (NT > 0) svst1_f32(p32, acc[0] + piece / 4, f0);
+      if (NT > 1) svst1_f32(p32, acc[1] + piece / 4, f1);
+      if (NT > 2) svst1_f32(p32, acc[2] + piece / 4, f2);
+      if (NT > 3) svst1_f32(p32, acc[3] + piece / 4, f3);
+    }
+  }
+
+  template <int NT>
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+                      int64_t group, float (*acc)[16]) {
+    tile<true, NT>(wt, sc, q, gs, k, group, acc);
+  }
+  template <int NT>
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+                      int64_t group, float (*acc)[16]) {
+    tile<false, NT>(wt, sc, q, gs, k, group, acc);
+  }
+};
+}  // namespace
+
+extern "C" const QKernelTable* armserve_qtable_sve() {
+  return armserve::QKernels<armserve::ScalarOps, QSve>::table("sve");
+}
