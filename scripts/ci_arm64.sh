@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# aarch64 part of CI, on an x86_64 Debian 12 machine (run as root; see ../shared/ARM.md):
+#   1. toolchain (g++-aarch64-linux-gnu, qemu-user-static, mmdebstrap), an arm64 Debian rootfs with
+#      python3.11, and aarch64 wheels (torch, numpy, pytest, transformers, ...) in a site dir, all
+#      cached under $ARMSERVE_ARM_CACHE (default ~/.cache/armserve-arm) so a second run is fast;
+#   2. cross-builds the kernel library and stages an aarch64 copy of the armserve package;
+#   3. runs tests/test_kernels.py and tests_arm/ under qemu-aarch64-static at -cpu neoverse-n1
+#      (neon + scalar) and max,sve{128,256,512}=on (sve + neon + scalar), checking from pytest's
+#      report that exactly the expected ISA variants were tested and nothing was skipped;
+#   4. end to end, at each of those CPUs: greedy tokens of a tiny random Llama from armserve's engine
+#      with the aarch64 kernels on (every variant the CPU runs), equal to the tokens the x86 run produced.
+# About 9 minutes from cold on a 2-core machine (apt included), 5.5 when cached. The kernel tests
+# run at full size (under a minute per CPU even at SVE-512); ARMSERVE_ARM_SMALL=1 shrinks them
+# (ARMSERVE_TEST_SMALL).
+# Logs: $ARMSERVE_ARM_CACHE/logs/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+T0=$(date +%s)
+t() { echo "[ci_arm64 $(($(date +%s) - T0))s] $*"; }
+
+CACHE=${ARMSERVE_ARM_CACHE:-$HOME/.cache/armserve-arm}
+ROOTFS=$CACHE/rootfs
+SITE=$CACHE/site
+TORCH_VERSION=2.9.1
+CPUS=${ARMSERVE_ARM_CPUS:-"neoverse-n1 max,sve128=on max,sve256=on max,sve512=on"}
+E2E_CPUS=${ARMSERVE_ARM_E2E_CPUS:-$CPUS}
+SMALL=${ARMSERVE_ARM_SMALL:-0}
+# Kernel test files run at every CPU: tests parametrized by an `isa` fixture (ids `[neon-...]`).
+KERNEL_TESTS=${ARMSERVE_ARM_KERNEL_TESTS:-"tests/test_kernels.py"}
+LOGS=$CACHE/logs
+NICE="nice -n 10"  # two cores shared with other people
+export DEBIAN_FRONTEND=noninteractive
+mkdir -p "$CACHE" "$LOGS"
+
+# ---- 1. toolchain, rootfs, wheels ---------------------------------------------------------------
+t "toolchain"
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64-static >/dev/null ||
+  ! command -v mmdebstrap >/dev/null; then
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends g++-aarch64-linux-gnu qemu-user-static mmdebstrap >/dev/null
+fi
+
+# Each cached piece carries a stamp of its recipe; a changed recipe rebuilds it.
+stamp_ok() { [ -f "$1/.armserve-stamp" ] && [ "$(cat "$1/.armserve-stamp")" = "$2" ]; }
+
+ROOTFS_PKGS="python3,libstdc++6,libgomp1"
+ROOTFS_STAMP="bookworm $ROOTFS_PKGS"
+t "arm64 rootfs"
+if ! stamp_ok "$ROOTFS" "$ROOTFS_STAMP"; then
+  rm -rf "$ROOTFS" "$ROOTFS.tmp"
+  $NICE mmdebstrap --quiet --arch=arm64 --variant=extract --include="$ROOTFS_PKGS" bookworm "$ROOTFS.tmp"
+  # Debian ships no .pyc; compiling on the host saves seconds on every emulated start.
+  $NICE python3 -m compileall -q -j0 "$ROOTFS.tmp/usr/lib/python3.11" >/dev/null || true
+  echo "$ROOTFS_STAMP" >"$ROOTFS.tmp/.armserve-stamp"
+  mv "$ROOTFS.tmp" "$ROOTFS"
+fi
+
+# Pure-Python and tokenizer packages at the x86 environment's versions (when it has them), so both
+# sides tokenize and read the checkpoint alike.
+hostver() { python3 -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$1" 2>/dev/null || true; }
+pin() { local v; v=$(hostver "$1"); if [ -n "$v" ]; then echo "$1==$v"; else echo "$1"; fi; }
+WHEELS="numpy pytest filelock typing-extensions>=4.10 sympy>=1.13.3 networkx jinja2 fsspec tqdm gguf
+  $(pin transformers) $(pin tokenizers) $(pin huggingface_hub) $(pin safetensors)"
+WHEELS=$(echo $WHEELS)
+SITE_STAMP="torch==$TORCH_VERSION $WHEELS"
+t "aarch64 wheels"
+if ! stamp_ok "$SITE" "$SITE_STAMP"; then
+  rm -rf "$SITE" "$SITE.tmp"
+  # Every manylinux tag bookworm's glibc 2.36 runs (pip 23 does not widen manylinux_2_28 to older
+  # tags itself, and e.g. tokenizers ships manylinux_2_17 wheels only).
+  PLATFORMS=(--platform manylinux2014_aarch64)
+  for g in $(seq 17 36); do PLATFORMS+=(--platform "manylinux_2_${g}_aarch64"); done
+  PIPX=(python3 -m pip install -q --disable-pip-version-check --no-compile --target "$SITE.tmp" --only-binary=:all:
+    "${PLATFORMS[@]}" --python-version 3.11 --implementation cp --abi cp311)
+  # --no-deps: torch's declared dependencies chase x86-only nvidia packages; its real ones are in $WHEELS.
+  $NICE "${PIPX[@]}" --no-deps "torch==$TORCH_VERSION"
+  rm -rf "$SITE.tmp/bin"  # torch's console scripts; the next install would warn about the clash
+  # shellcheck disable=SC2086
+  $NICE "${PIPX[@]}" $WHEELS
+  $NICE python3 -m compileall -q -j0 "$SITE.tmp" >/dev/null || true
+  echo "$SITE_STAMP" >"$SITE.tmp/.armserve-stamp"
+  mv "$SITE.tmp" "$SITE"
+fi
+
+# ---- 2. cross-build and stage the aarch64 package ------------------------------------------------
+STAGE=$(mktemp -d /tmp/armserve-arm.XXXXXX)
+trap 'rm -rf "$STAGE"' EXIT
+t "cross-build kernels"
+tar -C "$REPO" --exclude='*.so' --exclude=__pycache__ -cf - armserve | tar -C "$STAGE" -xf -
+$NICE python3 csrc/build.py --cxx aarch64-linux-gnu-g++ --arch aarch64 \
+  --out "$STAGE/armserve/_C.cpython-311-aarch64-linux-gnu.so" >/dev/null
+rm -rf "$STAGE/armserve/.build-aarch64"
+python3 -m compileall -q "$STAGE/armserve" >/dev/null || true
+
+# ---- 4a. the x86 side of the end-to-end check ----------------------------------------------------
+t "x86 reference tokens"
+$NICE python3 tests_arm/e2e_reference.py "$STAGE/e2e_reference.json"
+
+# ---- 3 + 4b. tests under emulation ----------------------------------------------------------------
+# PYTHONSAFEPATH: `python -m pytest` must not put the repo (with its x86 _C.so) before $STAGE.
+run_arm() { # cpu log pytest-args...
+  local cpu=$1 log=$2
+  shift 2
+  QEMU_CPU=$cpu ARMSERVE_EXPECT_CPU=$cpu ARMSERVE_TEST_SMALL=$SMALL ARMSERVE_E2E_REFERENCE="$STAGE/e2e_reference.json" \
+    PYTHONSAFEPATH=1 PYTHONPATH="$STAGE:$SITE" PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=2 \
+    $NICE qemu-aarch64-static -L "$ROOTFS" "$ROOTFS/usr/bin/python3.11" \
+    -m pytest -v -rP -p no:cacheprovider -o addopts= "$@" >"$log" 2>&1
+}
+
+FAILED=0
+for cpu in $CPUS; do
+  case $cpu in
+    neoverse-n1) want="scalar neon" ;;
+    *) want="scalar neon sve" ;;
+  esac
+  # shellcheck disable=SC2206
+  tests=($KERNEL_TESTS tests_arm/test_arm_isa.py)
+  case " $E2E_CPUS " in *" $cpu "*) tests+=(tests_arm/test_arm_e2e.py) ;; esac
+  log=$LOGS/pytest-${cpu//[,=]/_}.log
+  t "tests at -cpu $cpu (${tests[*]}), expecting ISAs: $want"
+  status=0
+  # test_engine_greedy_equal_on_every_isa needs transformers' GGUF loading: covered by test_arm_e2e.py.
+  run_arm "$cpu" "$log" "${tests[@]}" -k "not test_engine_greedy_equal_on_every_isa" || status=$?
+  tail -n 1 "$log"
+  if [ $status -ne 0 ]; then
+    grep -E "FAILED|ERROR|Error|assert" "$log" | head -n 60 || true
+    FAILED=1
+    continue
+  fi
+  # The report must show every expected variant exercised (kernel tests are parametrized by ISA),
+  # none that this CPU lacks, and nothing skipped.
+  if grep -qE " SKIPPED| XFAIL| XPASS" "$log"; then
+    echo "tests were skipped at -cpu $cpu:"; grep -E " SKIPPED| XFAIL| XPASS" "$log"; FAILED=1
+  fi
+  for isa in scalar neon sve; do
+    n=$(grep -cE "^tests/test_[a-z0-9_]+\.py::[a-z0-9_]+\[($isa\]|$isa-).* PASSED" "$log" || true)
+    case " $want " in
+      *" $isa "*) [ "$n" -gt 0 ] || { echo "no $isa kernel test passed at -cpu $cpu"; FAILED=1; } ;;
+      *) [ "$n" -eq 0 ] || { echo "$n $isa kernel tests ran at -cpu $cpu, whose CPU lacks it"; FAILED=1; } ;;
+    esac
+    echo "  $isa: $n kernel tests passed"
+  done
+  grep -E "^tests_arm/.* PASSED|^-cpu " "$log" | sed 's/^/  /' || true
+done
+t "done"
+if [ $FAILED -ne 0 ]; then
+  echo "ci_arm64: FAILED"
+  exit 1
+fi
+echo "ci_arm64: all aarch64 checks passed"

@@ -1,0 +1,58 @@
+"""End to end under qemu-aarch64 (scripts/ci_arm64.sh): armserve's engine, with the aarch64 kernels on,
+generates the same greedy tokens for a tiny random Llama as the x86 run did (tests_arm/e2e_reference.py,
+whose JSON ARMSERVE_E2E_REFERENCE names). Every variant this CPU runs is checked, and each must have
+gone through every kernel family, not the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+EXPECT_CPU = os.environ.get("ARMSERVE_EXPECT_CPU", "")
+REFERENCE = os.environ.get("ARMSERVE_E2E_REFERENCE", "")
+if os.uname().machine != "aarch64" or not EXPECT_CPU or not os.path.isfile(REFERENCE):
+    raise RuntimeError("tests_arm/ runs only under qemu-aarch64 from scripts/ci_arm64.sh "
+                       "(ARMSERVE_EXPECT_CPU, ARMSERVE_E2E_REFERENCE)")
+
+import torch  # noqa: E402
+
+from armserve import LLM, SamplingParams, ops  # noqa: E402
+
+KERNELS = ["rms_norm", "rotary", "act_and_mul", "reshape_and_cache", "paged_attention"]
+
+
+def test_greedy_tokens_equal_x86(monkeypatch):
+    with open(REFERENCE) as f:
+        ref = json.load(f)
+    torch.set_num_threads(2)
+    llm = LLM(ref["model"], **ref["engine_args"])
+    assert llm.llm_engine.runner.use_kernels, ops.load_error()
+
+    calls = dict.fromkeys(KERNELS, 0)
+    for name in KERNELS:
+        fn = getattr(ops, name)
+
+        def counted(*a, _fn=fn, _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+
+        monkeypatch.setattr(ops, name, counted)
+
+    params = SamplingParams(temperature=0.0, max_tokens=ref["max_tokens"], ignore_eos=True)
+    isas = ops.supported_isas()
+    assert isas[-1] == ops.isa() and isas[-1] in ("neon", "sve"), (isas, ops.isa())
+    before = ops.isa()
+    try:
+        for isa in reversed(isas):  # the CPU's best variant first
+            ops.select_isa(isa)
+            for k in calls:
+                calls[k] = 0
+            outs = llm.generate(ref["prompts"], params, use_tqdm=False)
+            assert [o.prompt_token_ids for o in outs] == ref["prompt_token_ids"]
+            got = [o.outputs[0].token_ids for o in outs]
+            assert got == ref["token_ids"], (isa, got, ref["token_ids"])
+            assert all(calls.values()), (isa, calls)
+            print(f"-cpu {EXPECT_CPU} {isa}: tokens equal to x86 ({ref['x86_isa']}); kernel calls {calls}")
+    finally:
+        ops.select_isa(before)

@@ -1,0 +1,59 @@
+"""Under qemu-aarch64 (scripts/ci_arm64.sh): the kernel library sees the emulated CPU and dispatches
+on it. ARMSERVE_EXPECT_CPU is the QEMU -cpu string the test runs at; this folder is not part of the
+normal `pytest tests` run (it only makes sense under emulation with the aarch64 build).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+EXPECT_CPU = os.environ.get("ARMSERVE_EXPECT_CPU", "")
+if os.uname().machine != "aarch64" or not EXPECT_CPU:
+    raise RuntimeError("tests_arm/ runs only under qemu-aarch64 from scripts/ci_arm64.sh (ARMSERVE_EXPECT_CPU)")
+
+import torch  # noqa: E402
+
+from armserve import ops  # noqa: E402
+
+
+def expected(cpu: str) -> dict:
+    """What QEMU 7.2's CPU models give: neoverse-n1 is ARMv8.2 with dotprod and no SVE/BF16/I8MM;
+    `max` has everything, SVE at the vector length asked for (512 bits by default)."""
+    name, *props = cpu.split(",")
+    if name == "neoverse-n1":
+        return dict(isas=["scalar", "neon"], best="neon", have={"neon", "dotprod"},
+                    lack={"sve", "sve2", "bf16", "i8mm"}, sve_bits=0)
+    if name == "max":
+        on = [int(m.group(1)) for p in props if (m := re.fullmatch(r"sve(\d+)=on", p))]
+        bits = max(on) if on else 512
+        return dict(isas=["scalar", "neon", "sve"], best="sve", have={"neon", "dotprod", "bf16", "i8mm", "sve", "sve2"},
+                    lack=set(), sve_bits=bits)
+    raise AssertionError(f"no expectation for -cpu {cpu}")
+
+
+def test_library_is_the_aarch64_build():
+    assert ops.available(), ops.load_error()
+    path = ops._library_path()
+    assert path and path.endswith("aarch64-linux-gnu.so"), path
+    assert len(ops.openmp_runtimes()) == 1, ops.openmp_runtimes()  # torch's own libgomp, no second pool
+
+
+def test_features_and_variants_match_the_emulated_cpu():
+    exp = expected(EXPECT_CPU)
+    feats = ops.cpu_features()
+    words = {f for f in feats if "=" not in f}
+    bits = [int(f.split("=")[1]) for f in feats if f.startswith("sve_bits=")]
+    assert exp["have"] <= words, (EXPECT_CPU, feats)
+    assert not (exp["lack"] & words), (EXPECT_CPU, feats)
+    assert bits == ([exp["sve_bits"]] if exp["sve_bits"] else []), (EXPECT_CPU, feats)
+    assert ops.supported_isas() == exp["isas"]
+    assert ops.select_isa("auto") == exp["best"]
+    if "sve" not in exp["isas"]:
+        with pytest.raises(ops.KernelError, match="cannot run"):
+            ops.select_isa("sve")
+        assert ops.isa() == "neon"
+    print(f"-cpu {EXPECT_CPU}: features {' '.join(feats)}; variants {ops.supported_isas()}; "
+          f"torch capability {torch.backends.cpu.get_cpu_capability()}")
