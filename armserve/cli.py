@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="KV cache size in GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype) or int8 (8-bit cache with per-token-per-head scales)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
 
@@ -37,6 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_space=args.kv_cache_space,
+        kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
         chat_template=template,
     )
@@ -138,6 +141,19 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args)
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from armserve.quantize import quantize_model
+
+    qcfg = quantize_model(
+        args.model, args.out, scheme=args.scheme,
+        group_size=args.group_size if args.group_size == "channel" else args.group_size,
+        symmetric=args.symmetric, quantize_lm_head=args.quantize_lm_head,
+        skip_modules=[s for s in args.skip_modules.split(",") if s], dtype=args.dtype,
+    )
+    print(f"wrote {args.out}: {json.dumps(qcfg)}")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from armserve import __version__
     from armserve.cpu import describe, init_threads
@@ -162,7 +178,7 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"running on cores {info['thread_cores']})")
     for node, cpus in info["numa_nodes"].items():
         print(f"NUMA node {node}    CPUs {cpus}")
-    print(f"OpenMP         {', '.join(info['openmp_runtimes']) or 'none loaded'}")
+    print(f"OpenMP         kernels and torch share {info['openmp_runtime'] or 'none'}")
     return 0
 
 
@@ -179,6 +195,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
     _add_serving_commands(sub)
+
+    qz = sub.add_parser("quantize", help="write an int4-weight (w4a8) checkpoint folder")
+    qz.add_argument("model", help="HF folder or GGUF file")
+    qz.add_argument("out", help="output folder (must not exist or be empty)")
+    qz.add_argument("--scheme", default="w4a8", choices=["w4a8"])
+    qz.add_argument("--group-size", default="32", help="32, 64, 128 or channel")
+    qz.add_argument("--symmetric", action="store_true", help="no zero points (codes = q + 8)")
+    qz.add_argument("--quantize-lm-head", action="store_true", help="also quantize the LM head")
+    qz.add_argument("--skip-modules", default="", help="comma-separated name parts kept in --dtype")
+    qz.add_argument("--dtype", default="bfloat16", help="dtype of the tensors that stay unquantized")
+    qz.set_defaults(func=cmd_quantize)
 
     i = sub.add_parser("info", help="CPU features, kernel variants, threads and NUMA layout")
     i.add_argument("--json", action="store_true")

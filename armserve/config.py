@@ -68,12 +68,35 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
     return _DTYPES[key]
 
 
+# KV cache element types. "auto" stores K/V in the model dtype; "int8" stores symmetric int8 with
+# one float32 scale per (token, kv head) (layers/attention.py: quantize_kv_ref).
+KV_CACHE_DTYPES = ("auto", "int8")
+# vLLM's fp8 names, refused with their own message rather than "unknown".
+_FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the KV cache is stored in: the model dtype for `auto`, torch.int8 for `int8`."""
+    key = str(kv_cache_dtype).lower()
+    if key in _FP8_KV_CACHE_DTYPES:
+        raise ConfigError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not supported yet; use 'int8' for an 8-bit KV cache "
+            "(or 'auto' for the model dtype)"
+        )
+    if key == "auto":
+        return model_dtype
+    if key == "int8":
+        return torch.int8
+    raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs besides the model weights.
 
     `max_model_len` of None takes the model's own context length. `kv_cache_space` is in GiB
-    (default from `ARMSERVE_KVCACHE_SPACE`, else 4).
+    (default from `ARMSERVE_KVCACHE_SPACE`, else 4). `kv_cache_dtype` is `auto` (the model dtype)
+    or `int8` (per-token-per-head scaled; nearly twice the tokens of a bfloat16 cache).
     """
 
     model: str
@@ -84,6 +107,10 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_space: float | None = None
+    kv_cache_dtype: str = "auto"
+    # None: as the checkpoint is (GGUF Q4/Q8 blocks and `armserve quantize` output stay
+    # quantized); "none": dequantize every weight to `dtype`.
+    quantization: str | None = None
     seed: int = 0
     tokenizer: str | None = None
     chat_template: str | None = None
@@ -113,6 +140,11 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         resolve_dtype(self.dtype)  # fail early on an unknown dtype
+        if self.quantization not in (None, "none", "auto"):
+            raise ConfigError(
+                f"unknown quantization {self.quantization!r}; use None/'auto' (keep the checkpoint's) or 'none'"
+            )
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the limits that depend on the model, once it is known."""

@@ -154,5 +154,6 @@ def describe() -> dict:
         "torch_threads": torch.get_num_threads(),
         "threads_bind": os.environ.get("ARMSERVE_THREADS_BIND") or None,
         "thread_cores": ops.thread_cores(),
-        "openmp_runtimes": ops.openmp_runtimes(),
+        "openmp_runtime": ops.openmp_library(),
+        "openmp_runtimes_loaded": ops.openmp_runtimes(),
     }

@@ -12,6 +12,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from armserve import gguf_quants
+from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
 from armserve.models import get_model_class
 
 # GGUF `general.architecture` / transformers model_type -> architecture class name
@@ -126,7 +128,24 @@ def checkpoint_dtype(config) -> torch.dtype | None:
 # ---- weight iterators --------------------------------------------------------------------------
 
 
-def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_quantized(f, prefix: str, keys: set[str], quantized_config: bool, dequantize: bool):
+    """An `armserve quantize` weight: nibble-packed codes + scales (+ zero points)."""
+    if not quantized_config:
+        raise ModelLoadError(f"{prefix}.qweight found but config.json has no armserve quantization_config")
+    packed = f.get_tensor(prefix + ".qweight")
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+    scales = f.get_tensor(prefix + ".scales").float()
+    if prefix + ".zeros" in keys:
+        szp = scales * f.get_tensor(prefix + ".zeros").float()
+    else:
+        szp = scales * 8.0  # symmetric: codes are q + 8
+    # NOTE: the group size follows from the shapes (per-channel layers have one group per row).
+    qt = QuantizedTensor("w4", codes.contiguous(), scales, szp, codes.shape[1] // scales.shape[1])
+    return prefix + ".weight", (qt.dequantize() if dequantize else qt)
+
+
+def _iter_safetensors(folder: str, quantized_config: bool = False, dequantize: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -155,8 +174,14 @@ def _iter_safetensors(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         try:
             with safe_open(path, framework="pt") as f:
+                keys = set(f.keys())
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if name.endswith(".qweight"):
+                        yield _read_quantized(f, name[: -len(".qweight")], keys, quantized_config, dequantize)
+                    elif name.endswith((".scales", ".zeros")) and name.rsplit(".", 1)[0] + ".qweight" in keys:
+                        continue  # read with its .qweight
+                    else:
+                        yield name, f.get_tensor(name)
         except ModelLoadError:
             raise
         except Exception as e:  # SafetensorError, OSError on truncated files
@@ -170,7 +195,11 @@ def _unpermute_gguf_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d // n_head // 2, 2, *rest).transpose(1, 2).reshape(d, *rest)
 
 
-def _iter_gguf(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
+# GGUF tensors that feed a linear layer (so may stay quantized); token_embd too, as a tied lm_head.
+_GGUF_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
+
+
+def _iter_gguf(path: str, config, keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     import numpy as np
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -184,6 +213,7 @@ def _iter_gguf(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
     permute = arch in _GGUF_PERMUTED_ARCHS
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         parts = t.name.split(".")
         if parts[0] == "blk":
@@ -196,6 +226,23 @@ def _iter_gguf(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
             if base is None:
                 continue
             name = f"{base}.{parts[1]}"
+        kind = parts[2] if parts[0] == "blk" else parts[0]
+        qt = None
+        if keep_quantized and parts[-1] == "weight" and (kind in _GGUF_LINEAR or kind == "token_embd"):
+            qt = gguf_quants.convert(t.tensor_type.name, t.data)
+        if qt is not None:
+            if permute and kind in ("attn_q", "attn_k"):
+                nh = n_head if kind == "attn_q" else n_kv
+                qt = QuantizedTensor(qt.fmt, _unpermute_gguf_qk(qt.codes, nh), _unpermute_gguf_qk(qt.scales, nh),
+                                     None if qt.szp is None else _unpermute_gguf_qk(qt.szp, nh), qt.group)
+            if kind == "token_embd":
+                # Lookups need float rows; a tied lm_head reads the same table as a quantized GEMM.
+                if not has_output:
+                    yield "lm_head.weight", qt
+                yield name, qt.dequantize()
+            else:
+                yield name, qt
+            continue
         try:
             arr = dequantize(t.data, t.tensor_type)
         except Exception as e:
@@ -209,8 +256,25 @@ def _iter_gguf(path: str, config) -> Iterator[tuple[str, torch.Tensor]]:
 # ---- the model ---------------------------------------------------------------------------------
 
 
-def load_model(src: ModelSource, config, dtype: torch.dtype) -> nn.Module:
-    """Build the model for `config` in `dtype` and fill it from the checkpoint."""
+def armserve_quantization(config) -> dict | None:
+    """The quantization_config written by `armserve quantize`, if this checkpoint has one."""
+    q = getattr(config, "quantization_config", None)
+    if isinstance(q, dict) and q.get("quant_method") == "armserve":
+        return q
+    if q is not None and not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else None
+        if q and q.get("quant_method") == "armserve":
+            return q
+    return None
+
+
+def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None) -> nn.Module:
+    """Build the model for `config` in `dtype` and fill it from the checkpoint.
+
+    Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q6_K, `armserve quantize` output) stay
+    quantized unless `quantization == "none"`.
+    """
+    dequantize = quantization == "none"
     cls = get_model_class(config.architectures[0])
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -218,15 +282,22 @@ def load_model(src: ModelSource, config, dtype: torch.dtype) -> nn.Module:
         model = cls(config)
     finally:
         torch.set_default_dtype(prev)
-    weights = _iter_gguf(src.path if os.path.isfile(src.path) else os.path.join(src.folder, src.gguf_file), config) \
-        if src.is_gguf else _iter_safetensors(src.folder)
+    qcfg = armserve_quantization(config)
+    if src.is_gguf:
+        weights = _iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=not dequantize)
+    else:
+        weights = _iter_safetensors(src.folder, qcfg is not None, dequantize)
+    expected = model.expected_weights()
     loaded = model.load_weights(weights)
-    missing = model.expected_weights() - loaded
+    missing = expected - loaded
     if missing:
         shown = ", ".join(sorted(missing)[:5])
         raise ModelLoadError(
             f"checkpoint {src.path} is missing {len(missing)} weight(s), e.g. {shown}"
         )
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.finalize()  # repack into the kernel layout once
     model.eval()
     return model
 

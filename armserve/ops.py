@@ -67,6 +67,11 @@ def _load_openmp_globally() -> None:
     oversubscribe the cores, a known cause of single-core runs on ARM.
     """
     runtimes = openmp_runtimes()
+    # Other packages bundle their own copy too (sentencepiece does): take PyTorch's.
+    torch_dir = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    ours = [r for r in runtimes if os.path.basename(os.path.dirname(r)) in ("lib", "torch.libs")
+            and r.startswith(torch_dir) and ("/torch/" in r or "/torch.libs/" in r)]
+    runtimes = ours or runtimes
     if not runtimes:
         from ctypes.util import find_library
 
@@ -93,10 +98,18 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_rotary": ([I32, P, P, P, P, I64, I32, I32, I32, I32, I32, I64, I64], None),
         "armserve_act_and_mul": ([I32, I32, P, P, I64, I64], None),
         "armserve_reshape_and_cache": ([I32, P, P, P, P, P, I64, I64, I64], None),
+        "armserve_qgemm_isa": ([], ctypes.c_char_p),
+        "armserve_quantize_act": ([I32, P, I64, I64, I64, P, P, P], None),
+        "armserve_gemm_w4": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
+        "armserve_gemm_w8": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
+        "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
         "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_paged_attention": ([I32, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32, F, I64],
                                      None),
+        "armserve_reshape_and_cache_i8": ([I32, P, P, P, P, P, P, P, I64, I32, I32, I64], None),
+        "armserve_paged_attention_i8": ([I32, P, P, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32,
+                                         F, I64], None),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
@@ -171,6 +184,12 @@ def isa() -> str:
     return lib.armserve_isa().decode() if lib is not None else "torch"
 
 
+def qgemm_isa() -> str:
+    """The quantized-GEMM variant that goes with the current kernel variant."""
+    lib = _load()
+    return lib.armserve_qgemm_isa().decode() if lib is not None else "torch"
+
+
 def supported_isas() -> list[str]:
     """Variants this CPU can run (probing leaves the current choice as it was)."""
     lib = _load()
@@ -206,6 +225,15 @@ def bind_threads(cores: list[int]) -> None:
     rc = lib.armserve_bind_threads(arr, len(cores))
     if rc:
         raise KernelError(f"cannot pin threads to cores {cores} (code {rc})")
+
+
+def openmp_library() -> str | None:
+    """The OpenMP runtime the kernels' threads come from (PyTorch's, so one thread pool)."""
+    lib = _load()
+    if lib is None:
+        return None
+    buf = ctypes.create_string_buffer(4096)
+    return buf.value.decode() if lib.armserve_openmp_library(buf, 4096) == 0 else None
 
 
 def thread_cores() -> list[int]:
@@ -281,3 +309,75 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                   v_cache.data_ptr(), ctypes.byref(batch), num_heads, num_kv_heads, head_dim,
                                   scale, sliding_window or 0, softcap or 0.0, q.stride(0))
     return out
+
+
+def _check_i8_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+                    v_scale: torch.Tensor) -> None:
+    """The int8 kernels index raw memory: refuse anything but the layout they assume."""
+    for name, c, s in (("k", k_cache, k_scale), ("v", v_cache, v_scale)):
+        if c.dtype != torch.int8 or c.dim() != 3 or not c.is_contiguous():
+            raise ValueError(f"{name}_cache must be a contiguous int8 [slots, kv_heads, head_dim] tensor, "
+                             f"got {c.dtype} of shape {tuple(c.shape)}")
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(c.shape[:2]) or not s.is_contiguous():
+            raise ValueError(f"{name}_scale must be a contiguous float32 [slots, kv_heads] = {tuple(c.shape[:2])} "
+                             f"tensor, got {s.dtype} of shape {tuple(s.shape)}")
+
+
+def reshape_and_cache_i8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize rows of k/v ([T, hk*hd], row-strided views are fine) into int8 cache slots and their
+    per-(slot, kv head) scales (see quantize_kv_ref in layers/attention.py)."""
+    _check_i8_cache(k_cache, v_cache, k_scale, v_scale)
+    hk, hd = k_cache.shape[1], k_cache.shape[2]
+    if k.stride(0) != v.stride(0) or k.stride(1) != 1 or k.shape[1] != hk * hd or v.shape != k.shape:
+        raise ValueError(f"k and v must be [T, {hk * hd}] with unit column stride and equal row strides, "
+                         f"got {tuple(k.shape)} / {tuple(v.shape)}")
+    if k.dtype not in _DTYPE_CODES or v.dtype != k.dtype:
+        raise ValueError(f"k/v dtype must be one of float32, bfloat16, float16, got {k.dtype} / {v.dtype}")
+    if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    _lib.armserve_reshape_and_cache_i8(_DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
+                                       v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+                                       slot_mapping.data_ptr(), k.shape[0], hk, hd, k.stride(0))
+
+
+def paged_attention_i8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
+                       v_scale: torch.Tensor, batch: AttnBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+                       scale: float, sliding_window: int | None = None,
+                       softcap: float | None = None) -> torch.Tensor:
+    """`paged_attention` over int8 caches: K/V rows are dequantized (int8 * scale) to fp32 as read."""
+    _check_i8_cache(k_cache, v_cache, k_scale, v_scale)
+    if q.stride(1) != 1 or q.dtype not in _DTYPE_CODES:
+        raise ValueError(f"q must be float32/bfloat16/float16 with unit column stride, got {q.dtype} "
+                         f"strides {q.stride()}")
+    if tuple(k_cache.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"cache rows are {tuple(k_cache.shape[1:])}, expected ({num_kv_heads}, {head_dim})")
+    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
+    _lib.armserve_paged_attention_i8(_DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                                     v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+                                     ctypes.byref(batch), num_heads, num_kv_heads, head_dim, scale,
+                                     sliding_window or 0, softcap or 0.0, q.stride(0))
+    return out
+
+
+def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 activations per token and group: (codes [m, k], scales [m, k // group], group sums)."""
+    x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    scale = torch.empty(m, k // group, dtype=torch.float32)
+    gsum = torch.empty(m, k // group, dtype=torch.int32)
+    _lib.armserve_quantize_act(_DTYPE_CODES[x.dtype], x.data_ptr(), m, k, group, q.data_ptr(), scale.data_ptr(),
+                               gsum.data_ptr())
+    return q, scale, gsum
+
+
+def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+          packed: torch.Tensor, scales: torch.Tensor, n: int, group: int) -> None:
+    """out[:, col:col + n] = acts x W^T for a packed "w4" or "w8" weight (csrc/qgemm.h)."""
+    q, scale, gsum = acts
+    fn = _lib.armserve_gemm_w4 if fmt == "w4" else _lib.armserve_gemm_w8
+    dst = out.data_ptr() + col * out.element_size()
+    fn(_DTYPE_CODES[out.dtype], dst, q.data_ptr(), scale.data_ptr(), gsum.data_ptr(), packed.data_ptr(),
+       scales.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))

@@ -199,4 +199,18 @@ void armserve_paged_attention(int32_t dtype, void* out, const void* q, const voi
                            q_stride);
 }
 
+void armserve_reshape_and_cache_i8(int32_t dtype, const void* k, const void* v, int8_t* k_cache, int8_t* v_cache,
+                                   float* k_scale, float* v_scale, const int64_t* slots, int64_t tokens, int32_t hk,
+                                   int32_t hd, int64_t src_stride) {
+  table()->reshape_and_cache_i8(dtype, k, v, k_cache, v_cache, k_scale, v_scale, slots, tokens, hk, hd, src_stride);
+}
+
+void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const int8_t* k_cache,
+                                 const int8_t* v_cache, const float* k_scale, const float* v_scale,
+                                 const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
+                                 int32_t sliding_window, float softcap, int64_t q_stride) {
+  table()->paged_attention_i8(dtype, out, q, k_cache, v_cache, k_scale, v_scale, batch, hq, hk, hd, scale,
+                              sliding_window, softcap, q_stride);
+}
+
 }  // extern "C"

@@ -43,6 +43,18 @@ struct KernelTable {
   void (*paged_attention)(int32_t dtype, void* out, const void* q, const void* k_cache, const void* v_cache,
                           const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
                           int32_t sliding_window, float softcap, int64_t q_stride);
+  // ---- 8-bit KV cache (appended: the entries above keep their offsets) ----
+  // Quantize each (token, kv head) row of k/v ([T, hk*hd], rows `src_stride` elements apart)
+  // symmetrically into int8 caches [slots, hk, hd] with float32 scales [slots, hk]:
+  //   scale = absmax(row) / 127, q = round_half_even(x / scale) (all zeros when scale == 0).
+  void (*reshape_and_cache_i8)(int32_t dtype, const void* k, const void* v, int8_t* k_cache, int8_t* v_cache,
+                               float* k_scale, float* v_scale, const int64_t* slots, int64_t tokens, int32_t hk,
+                               int32_t hd, int64_t src_stride);
+  // paged_attention over int8 caches: every K/V row is dequantized (q * scale) to fp32 on load.
+  void (*paged_attention_i8)(int32_t dtype, void* out, const void* q, const int8_t* k_cache,
+                             const int8_t* v_cache, const float* k_scale, const float* v_scale,
+                             const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
+                             int32_t sliding_window, float softcap, int64_t q_stride);
 };
 
 const KernelTable* armserve_table_scalar();

@@ -71,6 +71,15 @@ struct IsaAvx2 {
     }
     if (i < n) ScalarOps::store(dtype, src + i, static_cast<char*>(dst) + i * (dtype == AS_F32 ? 4 : 2), n - i);
   }
+  static void load_i8(const int8_t* src, float scale, float* dst, int64_t n) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256i w = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i)));
+      _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(w), vs));
+    }
+    if (i < n) ScalarOps::load_i8(src + i, scale, dst + i, n - i);
+  }
 };
 }  // namespace
 

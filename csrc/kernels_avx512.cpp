@@ -73,6 +73,15 @@ struct IsaAvx512 {
     }
     if (i < n) ScalarOps::store(dtype, src + i, static_cast<char*>(dst) + i * (dtype == AS_F32 ? 4 : 2), n - i);
   }
+  static void load_i8(const int8_t* src, float scale, float* dst, int64_t n) {
+    const __m512 vs = _mm512_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+      _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(w), vs));
+    }
+    if (i < n) ScalarOps::load_i8(src + i, scale, dst + i, n - i);
+  }
 };
 }  // namespace
 

@@ -5,6 +5,7 @@
 //   axpy(y, a, x, n)            y += a * x
 //   load(dtype, src, dst, n)    a row of f32/bf16/f16 -> fp32
 //   store(dtype, src, dst, n)   fp32 -> f32/bf16/f16 (round to nearest even)
+//   load_i8(src, scale, dst, n) an int8 row -> fp32, times its scale (8-bit KV cache)
 // and includes this file, compiled with that ISA's flags. ScalarOps is the reference every ISA
 // falls back to for what it does not specialise; all other loops are plain C++ that the compiler
 // vectorises for the TU's flags.
@@ -124,7 +125,31 @@ struct ScalarOps {
       for (int64_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
     }
   }
+  // int8 -> fp32 is exact, so the one rounding is the multiply: every ISA gets the same bits.
+  static void load_i8(const int8_t* src, float scale, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]) * scale;
+  }
 };
+
+// Symmetric int8 quantization of one (token, kv head) row; returns its scale. Division and
+// round-half-even are IEEE-exact, so every ISA (and the PyTorch reference, quantize_kv_ref)
+// produces the same int8 values. NOTE: __builtin_rintf, not std::nearbyint: the std:: overload is
+// an inline function with external linkage (see the NOTE at the top).
+static inline float quantize_row_i8(const float* x, int8_t* q, int64_t n) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = fmax2(amax, __builtin_fabsf(x[i]));
+  const float scale = amax / 127.0f;
+  if (scale == 0.f) {  // an all-zero row (or one that underflows): store zeros, not 0/0
+    std::memset(q, 0, n);
+    return 0.f;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float r = __builtin_rintf(x[i] / scale);
+    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+    q[i] = int8_t(r);
+  }
+  return scale;
+}
 
 // Thread-local scratch rows, grown on demand and reused across calls.
 struct Scratch {
@@ -279,6 +304,36 @@ struct Kernels {
     }
   }
 
+  // int8 KV cache: quantize each (token, kv head) row of this step's k/v into its cache slot.
+  static void reshape_and_cache_i8(int32_t dtype, const void* k, const void* v, int8_t* kc, int8_t* vc, float* ks,
+                                   float* vs, const int64_t* slots, int64_t tokens, int32_t hk, int32_t hd,
+                                   int64_t src_stride) {
+    const int es = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (tokens * hk * hd >= (1 << 14))
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* row = scratch(0, hd);
+      for (int which = 0; which < 2; ++which) {
+        const char* src = static_cast<const char*>(which == 0 ? k : v) + t * src_stride * es;
+        int8_t* cache = which == 0 ? kc : vc;
+        float* scales = which == 0 ? ks : vs;
+        for (int h = 0; h < hk; ++h) {
+          Isa::load(dtype, src + int64_t(h) * hd * es, row, hd);
+          const int64_t r = slots[t] * hk + h;
+          scales[r] = quantize_row_i8(row, cache + r * hd, hd);
+        }
+      }
+    }
+  }
+
+  // One K or V row of the cache (row = slot * hk + head) as fp32. `scales` non-null means an
+  // int8 cache; the branch is per row of hd elements, so both caches share one attention loop.
+  static void load_kv(int dtype, const void* cache, const float* scales, int64_t row, int32_t hd, float* dst) {
+    if (scales)
+      Isa::load_i8(static_cast<const int8_t*>(cache) + row * hd, scales[row], dst, hd);
+    else
+      Isa::load(dtype, static_cast<const char*>(cache) + row * hd * dtype_size(dtype), dst, hd);
+  }
+
   // ---- paged attention -----------------------------------------------------------------------
   //
   // Work is split into items (sequence, tile of up to QT query positions, KV head, key
@@ -295,6 +350,19 @@ struct Kernels {
   static void paged_attention(int32_t dtype, void* out, const void* q, const void* kc, const void* vc,
                               const AttnBatch* b, int32_t hq, int32_t hk, int32_t hd, float scale,
                               int32_t window, float softcap, int64_t q_stride) {
+    attend(dtype, out, q, kc, vc, nullptr, nullptr, b, hq, hk, hd, scale, window, softcap, q_stride);
+  }
+
+  static void paged_attention_i8(int32_t dtype, void* out, const void* q, const int8_t* kc, const int8_t* vc,
+                                 const float* ks, const float* vs, const AttnBatch* b, int32_t hq, int32_t hk,
+                                 int32_t hd, float scale, int32_t window, float softcap, int64_t q_stride) {
+    attend(dtype, out, q, kc, vc, ks, vs, b, hq, hk, hd, scale, window, softcap, q_stride);
+  }
+
+  // q and out in `dtype`; caches in `dtype`, or int8 with per-(slot, head) scales when ks/vs are set.
+  static void attend(int32_t dtype, void* out, const void* q, const void* kc, const void* vc, const float* ks,
+                     const float* vs, const AttnBatch* b, int32_t hq, int32_t hk, int32_t hd, float scale,
+                     int32_t window, float softcap, int64_t q_stride) {
     const int group = hq / hk;
     const int QT = 16;
     const int es = dtype_size(dtype);
@@ -352,7 +420,7 @@ struct Kernels {
       // scores
       for (int j = w.k0; j < w.k1; ++j) {
         const int64_t slot = int64_t(bt[j / b->block_size]) * b->block_size + j % b->block_size;
-        Isa::load(dtype, static_cast<const char*>(kc) + (slot * hk + w.head) * int64_t(hd) * es, kv, hd);
+        load_kv(dtype, kc, ks, slot * hk + w.head, hd, kv);
         for (int i = 0; i < w.qn; ++i) {
           const int pos = ctx - ql + w.q0 + i;
           const bool visible = j <= pos && (window <= 0 || pos - j < window);
@@ -393,7 +461,7 @@ struct Kernels {
         bool any = false;
         for (int r = 0; r < rows && !any; ++r) any = sc[int64_t(r) * nk + (j - w.k0)] != 0.f;
         if (!any) continue;
-        Isa::load(dtype, static_cast<const char*>(vc) + (slot * hk + w.head) * int64_t(hd) * es, kv, hd);
+        load_kv(dtype, vc, vs, slot * hk + w.head, hd, kv);
         for (int r = 0; r < rows; ++r) {
           const float p = sc[int64_t(r) * nk + (j - w.k0)];
           if (p != 0.f) Isa::axpy(out_p + int64_t(r) * (hd + 2), p, kv, hd);
@@ -442,7 +510,8 @@ struct Kernels {
   }
 
   static const KernelTable* table(const char* name) {
-    static const KernelTable t = {name, rms_norm, rotary, act_and_mul, reshape_and_cache, paged_attention};
+    static const KernelTable t = {name, rms_norm, rotary, act_and_mul, reshape_and_cache, paged_attention,
+                                  reshape_and_cache_i8, paged_attention_i8};
     return &t;
   }
 };

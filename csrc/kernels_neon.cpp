@@ -64,6 +64,15 @@ struct IsaNeon {
     }
     if (i < n) ScalarOps::store(dtype, src + i, static_cast<char*>(dst) + i * (dtype == AS_F32 ? 4 : 2), n - i);
   }
+  static void load_i8(const int8_t* src, float scale, float* dst, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const int16x8_t w = vmovl_s8(vld1_s8(src + i));  // sign-extend 8 -> 16 -> 32 bits
+      vst1q_f32(dst + i, vmulq_n_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), scale));
+      vst1q_f32(dst + i + 4, vmulq_n_f32(vcvtq_f32_s32(vmovl_high_s16(w)), scale));
+    }
+    if (i < n) ScalarOps::load_i8(src + i, scale, dst + i, n - i);
+  }
 };
 }  // namespace
 

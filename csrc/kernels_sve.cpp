@@ -61,6 +61,13 @@ struct IsaSve {
       svst1h_u32(pg, d + i, r);  // truncating store of the low 16 bits
     }
   }
+  static void load_i8(const int8_t* src, float scale, float* dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += svcntw()) {
+      svbool_t pg = svwhilelt_b32(i, n);
+      svint32_t w = svld1sb_s32(pg, src + i);  // sign-extend 8 -> 32 bits
+      svst1_f32(pg, dst + i, svmul_n_f32_x(pg, svcvt_f32_s32_x(pg, w), scale));
+    }
+  }
 };
 }  // namespace
 

@@ -1,5 +1,8 @@
 // Quantized linear layers: int4 (w4a8) and int8 (w8a8) weights times int8 activations that
-// are quantized per token on the fly. C ABI and the per-ISA table.
+// are quantized on the fly per token and per group of G input columns (the weight's group):
+// one scale per 32 activations, as llama.cpp's Q8 activations, because real LLM activations
+// have outlier channels that a single per-token scale would flatten the rest of the row to 0.
+// C ABI and the per-ISA table.
 //
 // Packed weight layout (built once at load by armserve/layers/quantized_linear.py):
 //
@@ -22,7 +25,7 @@ extern "C" {
 
 struct QKernelTable {
   const char* name;
-  // x [M, K] (f32/bf16/f16) -> q int8 [M, K], scale [M] (absmax / 127), gsum int32 [M, K / G].
+  // x [M, K] (f32/bf16/f16) -> q int8 [M, K], scale [M, K / G] (group absmax / 127), gsum int32 [M, K / G].
   void (*quantize_act)(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q,
                        float* scale, int32_t* gsum);
   // out [M, N] (dtype, rows `ldo` elements apart) = the quantized activations times dequant(W)^T;

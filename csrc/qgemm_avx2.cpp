@@ -13,7 +13,8 @@ static inline __m256i dot4(__m256i u8, __m256i s8) {
 
 struct QAvx2 {
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     const __m256i nib = _mm256_set1_epi8(0x0f);
     __m256 facc[NT][2];
@@ -35,8 +36,9 @@ struct QAvx2 {
       for (int h = 0; h < 2; ++h) {
         const __m256 s = _mm256_loadu_ps(sc + g * 32 + h * 8), z = _mm256_loadu_ps(sc + g * 32 + 16 + h * 8);
         for (int i = 0; i < NT; ++i) {
-          facc[i][h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
-          facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(float(gs[i][g])), facc[i][h]);
+          const __m256 sa = _mm256_set1_ps(as[i][g]);
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
+          facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(as[i][g] * float(gs[i][g])), facc[i][h]);
         }
       }
     }
@@ -47,7 +49,8 @@ struct QAvx2 {
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     (void)gs;
     __m256 facc[NT][2];
@@ -67,7 +70,9 @@ struct QAvx2 {
       }
       for (int h = 0; h < 2; ++h) {
         const __m256 s = _mm256_loadu_ps(sc + g * 32 + h * 8);
-        for (int i = 0; i < NT; ++i) facc[i][h] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
+        for (int i = 0; i < NT; ++i)
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[i][g])), _mm256_cvtepi32_ps(ia[i][h]),
+                                       facc[i][h]);
       }
     }
     for (int i = 0; i < NT; ++i) {

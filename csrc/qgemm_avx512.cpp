@@ -9,7 +9,8 @@ using armserve::load4;
 
 struct QAvx512 {
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     const __m512i nib = _mm512_set1_epi8(0x0f);
     __m512 facc[NT];
@@ -28,15 +29,17 @@ struct QAvx512 {
       }
       const __m512 s = _mm512_loadu_ps(sc + g * 32), z = _mm512_loadu_ps(sc + g * 32 + 16);
       for (int i = 0; i < NT; ++i) {
-        facc[i] = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(ia[i]), facc[i]);
-        facc[i] = _mm512_fnmadd_ps(z, _mm512_set1_ps(float(gs[i][g])), facc[i]);
+        const __m512 sa = _mm512_set1_ps(as[i][g]);
+        facc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, sa), _mm512_cvtepi32_ps(ia[i]), facc[i]);
+        facc[i] = _mm512_fnmadd_ps(z, _mm512_set1_ps(as[i][g] * float(gs[i][g])), facc[i]);
       }
     }
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(acc[i], facc[i]);
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     (void)gs;
     // Activations become the unsigned operand by adding 128 (xor of the sign bit); the
@@ -55,7 +58,8 @@ struct QAvx512 {
         }
       }
       const __m512 s = _mm512_loadu_ps(sc + g * 32), z = _mm512_loadu_ps(sc + g * 32 + 16);
-      for (int i = 0; i < NT; ++i) facc[i] = _mm512_add_ps(facc[i], _mm512_fmsub_ps(s, _mm512_cvtepi32_ps(ia[i]), z));
+      for (int i = 0; i < NT; ++i)
+        facc[i] = _mm512_fmadd_ps(_mm512_set1_ps(as[i][g]), _mm512_fmsub_ps(s, _mm512_cvtepi32_ps(ia[i]), z), facc[i]);
     }
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(acc[i], facc[i]);
   }

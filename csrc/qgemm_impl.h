@@ -1,8 +1,8 @@
 // Quantized GEMM driver, written once; each qgemm_<isa>.cpp supplies a struct with
-//   template <int NT> tile_w4(wt, sc, q[NT], gsum[NT], k, group, acc[NT][16])
-//   template <int NT> tile_w8(wt, sc, q[NT], gsum[NT], k, group, acc[NT][16])
-// computing, for one 16-row weight tile and NT tokens, the 16 dot products before the
-// activation scale. See qgemm.h for the packed layout. Same anonymous-namespace rule as
+//   template <int NT> tile_w4(wt, sc, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
+//   template <int NT> tile_w8(wt, sc, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
+// computing, for one 16-row weight tile and NT tokens, the 16 outputs (`as` are each token's
+// per-group activation scales). See qgemm.h for the packed layout. Same anonymous-namespace rule as
 // kernels_impl.h: nothing here may be merged across TUs compiled with different flags.
 #pragma once
 #include <cstdint>
@@ -23,7 +23,8 @@ static inline int32_t load4(const int8_t* p) {
 // Portable reference of the tile products, used by the scalar variant and as the fallback.
 struct ScalarQ {
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     for (int i = 0; i < NT; ++i)
       for (int r = 0; r < 16; ++r) acc[i][r] = 0.f;
@@ -39,12 +40,13 @@ struct ScalarQ {
       }
       const float* s = sc + g * 32;
       for (int i = 0; i < NT; ++i)
-        for (int r = 0; r < 16; ++r) acc[i][r] += s[r] * float(ia[i][r]) - s[16 + r] * float(gs[i][g]);
+        for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * (s[r] * float(ia[i][r]) - s[16 + r] * float(gs[i][g]));
     }
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     (void)gs;
     const int8_t* w = reinterpret_cast<const int8_t*>(wt);
@@ -58,7 +60,7 @@ struct ScalarQ {
             for (int i = 0; i < NT; ++i) ia[i][r] += int32_t(w[c * 64 + r * 4 + j]) * q[i][c * 4 + j];
       const float* s = sc + g * 32;
       for (int i = 0; i < NT; ++i)
-        for (int r = 0; r < 16; ++r) acc[i][r] += s[r] * float(ia[i][r]);
+        for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * s[r] * float(ia[i][r]);
     }
   }
 };
@@ -72,24 +74,25 @@ struct QKernels {
     for (int64_t t = 0; t < m; ++t) {
       float* row = scratch(0, k);
       Isa::load(dtype, static_cast<const char*>(x) + t * k * es, row, k);
-      float amax = 0.f;
-      for (int64_t i = 0; i < k; ++i) {
-        const float a = row[i] < 0.f ? -row[i] : row[i];
-        amax = a > amax ? a : amax;
-      }
-      const float s = amax > 0.f ? amax / 127.0f : 1.0f;
-      const float inv = amax > 0.f ? 127.0f / amax : 1.0f;
+      const int64_t ng = k / group;
       int8_t* qr = q + t * k;
-      for (int64_t i = 0; i < k; ++i) {
-        // round half to even with the 1.5 * 2^23 trick (|x * inv| <= 127)
-        const float v = (row[i] * inv + 12582912.0f) - 12582912.0f;
-        qr[i] = int8_t(v);
-      }
-      scale[t] = s;
-      for (int64_t g = 0; g < k / group; ++g) {
+      for (int64_t g = 0; g < ng; ++g) {
+        const float* xg = row + g * group;
+        float amax = 0.f;
+        for (int64_t i = 0; i < group; ++i) {
+          const float a = xg[i] < 0.f ? -xg[i] : xg[i];
+          amax = a > amax ? a : amax;
+        }
+        const float inv = amax > 0.f ? 127.0f / amax : 1.0f;
         int32_t sum = 0;
-        for (int64_t i = g * group; i < (g + 1) * group; ++i) sum += qr[i];
-        gsum[t * (k / group) + g] = sum;
+        for (int64_t i = 0; i < group; ++i) {
+          // round half to even with the 1.5 * 2^23 trick (|x * inv| <= 127)
+          const int8_t v = int8_t((xg[i] * inv + 12582912.0f) - 12582912.0f);
+          qr[g * group + i] = v;
+          sum += v;
+        }
+        scale[t * ng + g] = amax > 0.f ? amax / 127.0f : 1.0f;
+        gsum[t * ng + g] = sum;
       }
     }
   }
@@ -107,33 +110,31 @@ struct QKernels {
       const float* sc = scales + t * ng * 32;
       const int rows = int(n - t * 16 < 16 ? n - t * 16 : 16);
       float acc[4][16];
-      float val[16];
       for (int64_t m0 = 0; m0 < m; m0 += 4) {
         const int nt = int(m - m0 < 4 ? m - m0 : 4);
         const int8_t* qs[4];
+        const float* as[4];
         const int32_t* gs[4];
         for (int i = 0; i < nt; ++i) {
           qs[i] = q + (m0 + i) * k;
+          as[i] = ascale + (m0 + i) * ng;
           gs[i] = agsum + (m0 + i) * ng;
         }
         if (nt == 4) {
           if (W4)
-            IsaQ::template tile_w4<4>(wt, sc, qs, gs, k, group, acc);
+            IsaQ::template tile_w4<4>(wt, sc, qs, as, gs, k, group, acc);
           else
-            IsaQ::template tile_w8<4>(wt, sc, qs, gs, k, group, acc);
+            IsaQ::template tile_w8<4>(wt, sc, qs, as, gs, k, group, acc);
         } else {
           for (int i = 0; i < nt; ++i) {
             if (W4)
-              IsaQ::template tile_w4<1>(wt, sc, qs + i, gs + i, k, group, acc + i);
+              IsaQ::template tile_w4<1>(wt, sc, qs + i, as + i, gs + i, k, group, acc + i);
             else
-              IsaQ::template tile_w8<1>(wt, sc, qs + i, gs + i, k, group, acc + i);
+              IsaQ::template tile_w8<1>(wt, sc, qs + i, as + i, gs + i, k, group, acc + i);
           }
         }
-        for (int i = 0; i < nt; ++i) {
-          const float a = ascale[m0 + i];
-          for (int r = 0; r < 16; ++r) val[r] = acc[i][r] * a;
-          Isa::store(dtype, val, static_cast<char*>(out) + ((m0 + i) * ldo + t * 16) * es, rows);
-        }
+        for (int i = 0; i < nt; ++i)
+          Isa::store(dtype, acc[i], static_cast<char*>(out) + ((m0 + i) * ldo + t * 16) * es, rows);
       }
     }
   }

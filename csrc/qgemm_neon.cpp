@@ -9,7 +9,8 @@ using armserve::load4;
 
 struct QNeon {
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     const uint8x16_t nib = vdupq_n_u8(0x0f);
     float32x4_t facc[NT][4];
@@ -38,8 +39,8 @@ struct QNeon {
       for (int h = 0; h < 4; ++h) {
         const float32x4_t s = vld1q_f32(sc + g * 32 + h * 4), z = vld1q_f32(sc + g * 32 + 16 + h * 4);
         for (int i = 0; i < NT; ++i) {
-          facc[i][h] = vfmaq_f32(facc[i][h], s, vcvtq_f32_s32(ia[i][h]));
-          facc[i][h] = vfmsq_f32(facc[i][h], z, vdupq_n_f32(float(gs[i][g])));
+          facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(ia[i][h]));
+          facc[i][h] = vfmsq_f32(facc[i][h], z, vdupq_n_f32(as[i][g] * float(gs[i][g])));
         }
       }
     }
@@ -48,7 +49,8 @@ struct QNeon {
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
     (void)gs;  // signed x signed: no offset to correct
     float32x4_t facc[NT][4];
@@ -68,7 +70,7 @@ struct QNeon {
       }
       for (int h = 0; h < 4; ++h) {
         const float32x4_t s = vld1q_f32(sc + g * 32 + h * 4);
-        for (int i = 0; i < NT; ++i) facc[i][h] = vfmaq_f32(facc[i][h], s, vcvtq_f32_s32(ia[i][h]));
+        for (int i = 0; i < NT; ++i) facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(ia[i][h]));
       }
     }
     for (int i = 0; i < NT; ++i)

@@ -9,7 +9,8 @@ using armserve::load4;
 
 struct QSve {
   template <bool W4, int NT>
-  static void tile(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                    int64_t group, float (*acc)[16]) {
     const int64_t vb = svcntb() < 64 ? int64_t(svcntb()) : 64;  // bytes of a chunk per piece
     const svbool_t p8 = svwhilelt_b8(int64_t(0), vb);
@@ -43,8 +44,8 @@ struct QSve {
         const svfloat32_t z = svld1_f32(p32, sc + g * 32 + 16 + piece / 4);
 #define ARMSERVE_FOLD(I, ACC, F)                                                     \
   if (NT > I) {                                                                      \
-    F = svmla_f32_x(p32, F, s, svcvt_f32_s32_x(p32, ACC));                           \
-    if (W4) F = svmls_n_f32_x(p32, F, z, float(gs[I][g]));                           \
+    F = svmla_f32_x(p32, F, svmul_n_f32_x(p32, s, as[I][g]), svcvt_f32_s32_x(p32, ACC)); \
+    if (W4) F = svmls_n_f32_x(p32, F, z, as[I][g] * float(gs[I][g]));                 \
   }
         ARMSERVE_FOLD(0, i0, f0) ARMSERVE_FOLD(1, i1, f1) ARMSERVE_FOLD(2, i2, f2) ARMSERVE_FOLD(3, i3, f3)
 #undef ARMSERVE_FOLD
@@ -57,14 +58,16 @@ struct QSve {
   }
 
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
-    tile<true, NT>(wt, sc, q, gs, k, group, acc);
+    tile<true, NT>(wt, sc, q, as, gs, k, group, acc);
   }
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const int32_t* const* gs, int64_t k,
+  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+                      const int32_t* const* gs, int64_t k,
                       int64_t group, float (*acc)[16]) {
-    tile<false, NT>(wt, sc, q, gs, k, group, acc);
+    tile<false, NT>(wt, sc, q, as, gs, k, group, acc);
   }
 };
 }  // namespace

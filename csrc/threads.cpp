@@ -5,7 +5,10 @@
 #include <omp.h>
 #endif
 #if defined(__linux__)
+#include <dlfcn.h>
 #include <sched.h>
+
+#include <cstdio>
 #endif
 
 extern "C" {
@@ -47,5 +50,18 @@ int armserve_thread_cores(int32_t* out, int32_t max) {
   (void)max;
   return 0;
 #endif
+}
+
+// Path of the OpenMP runtime this library's omp_* calls bound to (must be PyTorch's).
+int armserve_openmp_library(char* buf, int32_t n) {
+#if defined(_OPENMP) && defined(__linux__)
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&omp_get_max_threads), &info) && info.dli_fname) {
+    std::snprintf(buf, n, "%s", info.dli_fname);
+    return 0;
+  }
+#endif
+  if (n > 0) buf[0] = 0;
+  return 1;
 }
 }

@@ -74,7 +74,8 @@ def test_mistral_sliding_window_is_used(tiny_checkpoints):
 
 
 def test_smollm2_gguf_matches_transformers(smollm2_gguf, smollm2_hf_reference):
-    llm = LLM(smollm2_gguf, dtype="float32", kv_cache_space=0.2, max_model_len=1024)
+    # quantization="none": dequantize the GGUF's Q4_1/Q8_0 blocks to float32, as transformers does
+    llm = LLM(smollm2_gguf, dtype="float32", kv_cache_space=0.2, max_model_len=1024, quantization="none")
     for prompt in PROMPTS[:2]:
         assert_matches_hf(smollm2_hf_reference, llm, prompt, atol=2e-3)
     # The chat template from the GGUF header gives a sensible answer.

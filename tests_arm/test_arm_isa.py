@@ -39,6 +39,7 @@ def test_library_is_the_aarch64_build():
     path = ops._library_path()
     assert path and path.endswith("aarch64-linux-gnu.so"), path
     assert len(ops.openmp_runtimes()) == 1, ops.openmp_runtimes()  # torch's own libgomp, no second pool
+    assert ops.openmp_library() == ops.openmp_runtimes()[0]  # and the kernels' threads come from it
 
 
 def test_features_and_variants_match_the_emulated_cpu():

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from armserve.config import ConfigError, EngineConfig, resolve_dtype
+from armserve.config import ConfigError, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from armserve.engine.detokenizer import IncrementalDetokenizer
 from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.model_runner import ModelRunner, kv_cache_num_blocks
@@ -85,11 +85,12 @@ class LLMEngine:
         if config.chat_template:
             self.tokenizer.chat_template = config.chat_template
         self.dtype = resolve_dtype(config.dtype, model_loader.checkpoint_dtype(hf))
-        self.model = model_loader.load_model(src, hf, self.dtype)
+        self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
         config.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
 
-        num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_space {config.kv_cache_space} GiB holds no block of {config.block_size} tokens "
@@ -99,7 +100,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len  # type: ignore[arg-type]
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype)
         self.eos_token_ids = self._eos_token_ids(src)
         self.vocab_size = hf.vocab_size
         self._parents: dict[str, _ParentRequest] = {}
@@ -112,10 +113,11 @@ class LLMEngine:
         from armserve import ops
 
         logger.info(
-            "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %d blocks x %d tokens (%.2f GiB), "
+            "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %s %d blocks x %d tokens (%.2f GiB), "
             "kernels %s, %d threads%s",
             config.model, hf.architectures[0], time.time() - t0, str(self.dtype).replace("torch.", ""),
-            self.max_model_len, num_blocks, config.block_size, config.kv_cache_space, ops.isa(),
+            self.max_model_len, str(self.kv_cache_dtype).replace("torch.", ""), num_blocks, config.block_size,
+            config.kv_cache_space, ops.isa(),
             threads["threads"], f" pinned to {threads['bind']}" if threads["bind"] else "",
         )
 

@@ -6,7 +6,9 @@ code stays `forward(positions, hidden_states)`. Token rows of a step are laid ou
     [ decode tokens (one per request) | prefill chunk of req A | prefill chunk of req B | ... ]
 
 KV cache of one layer: `[num_blocks * block_size, num_kv_heads, head_dim]` for K and for V; a
-token's slot is `block_id * block_size + offset` (see kv_cache_manager.py).
+token's slot is `block_id * block_size + offset` (see kv_cache_manager.py). An int8 cache also
+has `k_scale`/`v_scale` `[num_blocks * block_size, num_kv_heads]` float32: each (token, kv head)
+row is stored as round(x / scale) with scale = absmax(row) / 127 (`quantize_kv_ref`).
 
 This is the PyTorch path: it gathers each request's context from its blocks and calls
 `scaled_dot_product_attention`. The C++ kernels implement the same interface.
@@ -109,14 +111,24 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
-        # Bound by the model runner after the cache is allocated.
+        # Bound by the model runner after the cache is allocated; scales only for an int8 cache.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq*D]; k, v: [T, Hkv*D] -> [T, Hq*D]."""
         md = get_attention_metadata()
+        quantized = self.k_scale is not None
         if md.kernel_batch is not None:
+            if quantized:
+                ops.reshape_and_cache_i8(k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                                         md.slot_mapping)
+                return ops.paged_attention_i8(
+                    q, self.k_cache, self.v_cache, self.k_scale, self.v_scale, md.kernel_batch, self.num_heads,
+                    self.num_kv_heads, self.head_dim, self.scale, self.sliding_window, self.logit_softcap,
+                )
             ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
             return ops.paged_attention(
                 q, self.k_cache, self.v_cache, md.kernel_batch, self.num_heads, self.num_kv_heads,
@@ -127,17 +139,28 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.k_cache, self.v_cache
-        k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+        if quantized:
+            kq, ks = quantize_kv_ref(k)
+            vq, vs = quantize_kv_ref(v)
+            k_cache.index_copy_(0, md.slot_mapping, kq)
+            v_cache.index_copy_(0, md.slot_mapping, vq)
+            self.k_scale.index_copy_(0, md.slot_mapping, ks)
+            self.v_scale.index_copy_(0, md.slot_mapping, vs)
+            # NOTE: a fresh prefill attends to what the cache holds (as the kernel does), not to the
+            # exact k/v: otherwise the tokens would depend on how a prompt was chunked.
+            k, v = dequantize_kv_ref(kq, ks).to(q.dtype), dequantize_kv_ref(vq, vs).to(q.dtype)
+        else:
+            k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
+            v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decodes
         if nd:
-            kk = k_cache[md.decode_slots].transpose(1, 2)  # [B, Hkv, L, D]
-            vv = v_cache[md.decode_slots].transpose(1, 2)
+            kk = self._gather(k_cache, self.k_scale, md.decode_slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+            vv = self._gather(v_cache, self.v_scale, md.decode_slots, q.dtype).transpose(1, 2)
             qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-            o = self._sdpa(qq, kk.to(q.dtype), vv.to(q.dtype), md.decode_mask(self.sliding_window), gqa)
+            o = self._sdpa(qq, kk, vv, md.decode_mask(self.sliding_window), gqa)
             out[:nd] = o.squeeze(2)
         for i, p in enumerate(md.prefills):
             rows = slice(p.q_start, p.q_start + p.q_len)
@@ -145,7 +168,8 @@ class Attention(nn.Module):
             if p.fresh:
                 kk, vv = k[rows], v[rows]
             else:
-                kk, vv = k_cache[p.slots].to(q.dtype), v_cache[p.slots].to(q.dtype)
+                kk = self._gather(k_cache, self.k_scale, p.slots, q.dtype)
+                vv = self._gather(v_cache, self.v_scale, p.slots, q.dtype)
             kk = kk.transpose(0, 1).unsqueeze(0)
             vv = vv.transpose(0, 1).unsqueeze(0)
             if p.fresh and self.sliding_window is None and self.logit_softcap is None:
@@ -156,6 +180,14 @@ class Attention(nn.Module):
                 o = self._sdpa(qq, kk, vv, md.prefill_mask(i, self.sliding_window), gqa)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out.view(T, self.num_heads * self.head_dim)
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """Cache rows at `slots` in `dtype`, dequantized when the cache is int8."""
+        if scale is None:
+            return cache[slots].to(dtype)
+        return dequantize_kv_ref(cache[slots], scale[slots]).to(dtype)
 
     def _sdpa(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
         if self.logit_softcap is None:
@@ -169,6 +201,24 @@ class Attention(nn.Module):
         s = torch.tanh(s / self.logit_softcap) * self.logit_softcap
         s = s.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)
+
+
+def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization of each last-dim row: (int8 values, float32 scales).
+
+    scale = absmax / 127 and q = round_half_even(x / scale), all in float32 (an all-zero row gets
+    scale 0 and zeros). The C++ reshape_and_cache_i8 produces exactly these values.
+    """
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1) / 127.0
+    s = scale.unsqueeze(-1)
+    q = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0)
+    return q.round().clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_kv_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 rows times their scales, in float32 (exactly what the kernels' load_i8 computes)."""
+    return q.float() * scale.unsqueeze(-1)
 
 
 def paged_attention_ref(
@@ -186,12 +236,17 @@ def paged_attention_ref(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Readable PyTorch reference of the paged-attention kernel, one sequence at a time, in float32.
 
     q: [T, Hq*D]; caches [slots, Hkv, D]. Sequence s owns rows q_start[s]..+q_len[s]; its queries
-    sit at the last q_len[s] positions of its context_len[s] cached tokens.
+    sit at the last q_len[s] positions of its context_len[s] cached tokens. With `k_scale`/`v_scale`
+    ([slots, Hkv]) the caches are int8 and are dequantized first.
     """
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_kv_ref(k_cache, k_scale), dequantize_kv_ref(v_cache, v_scale)
     T = q.shape[0]
     out = torch.zeros(T, num_heads, head_dim, dtype=torch.float32)
     qf = q.reshape(T, num_heads, head_dim).float()

@@ -15,6 +15,7 @@ from torch import nn
 
 from armserve.layers.activation import get_act_and_mul
 from armserve.layers.attention import Attention
+from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 
@@ -151,8 +152,9 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        if self.lm_head is None:  # tied to the embedding table
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -165,13 +167,26 @@ class LlamaForCausalLM(nn.Module):
             name = name[len("model."):]
         return name
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> set[str]:
+        """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled.
+
+        A `QuantizedTensor` turns its target Linear into a QuantizedLinear on first sight.
+        """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for raw_name, tensor in weights:
             name = self._checkpoint_name(raw_name)
             if "rotary_emb.inv_freq" in name:
+                continue
+            if isinstance(tensor, QuantizedTensor):
+                target, shard = self._fused_target(name)
+                if name == "lm_head.weight" and self.lm_head is None:
+                    # tied lm_head from a quantized embedding table: use it as a quantized GEMM
+                    self.lm_head = QuantizedLinear(tensor.shape[1], tensor.shape[0], False, [("all", tensor.shape[0])])
+                module = self._quantized_module(target.rsplit(".", 1)[0])
+                module.load_shard("all" if shard is None else shard, tensor)
+                params = dict(self.named_parameters())  # the swap replaced parameters
+                loaded.add(target if shard is None else f"{target}#{shard}")
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy anyway
@@ -193,6 +208,33 @@ class LlamaForCausalLM(nn.Module):
                 param.data.copy_(tensor)
                 loaded.add(name)
         return loaded
+
+    def _fused_target(self, name: str) -> tuple[str, object]:
+        for part, (fused, shard) in self.packed_modules_mapping.items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard
+        return name, None
+
+    def _quantized_module(self, path: str) -> QuantizedLinear:
+        """The QuantizedLinear at `path`, swapped in for the float Linear there if needed."""
+        parent_path, _, attr = path.rpartition(".")
+        parent = self.get_submodule(parent_path) if parent_path else self
+        current = getattr(parent, attr)
+        if isinstance(current, QuantizedLinear):
+            return current
+        out_f, in_f = current.weight.shape
+        if attr == "qkv_proj":
+            a = parent
+            shards = [("q", a.q_size), ("k", a.kv_size), ("v", a.kv_size)]
+        elif attr == "gate_up_proj":
+            shards = [(0, out_f // 2), (1, out_f // 2)]
+        else:
+            shards = [("all", out_f)]
+        q = QuantizedLinear(in_f, out_f, current.bias is not None, shards)
+        if current.bias is not None:
+            q.bias.data.copy_(current.bias.data)  # a float bias may have been loaded already
+        setattr(parent, attr, q)
+        return q
 
     def _load_shard(self, target: str, param: torch.Tensor, tensor: torch.Tensor, shard) -> None:
         if "qkv_proj" in target:

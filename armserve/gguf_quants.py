@@ -1,0 +1,125 @@
+"""GGUF quantized blocks -> armserve's int4/int8 formats, bit-exactly, without a float detour.
+
+    Q4_0  (32 per block: d, 4-bit q; w = d * (q - 8))          -> w4, group 32, szp = 8 d
+    Q4_1  (32 per block: d, m, 4-bit q; w = d * q + m)          -> w4, group 32, szp = -m
+    Q4_K  (256 per super-block, 8 sub-blocks of 32 with 6-bit scale and min;
+           w = d * sc * q - dmin * mn)                          -> w4, group 32, szp = dmin * mn
+    Q8_0  (32 per block: d, int8 q; w = d * q)                  -> w8, group 32
+    Q6_K  (256 per super-block, 16 sub-blocks of 16 with int8 scales, 6-bit q;
+           w = d * sc * (q - 32))                               -> w8, group 16
+Layouts follow llama.cpp's ggml-common.h block structs (read for the bit positions only).
+Other types are not converted (the caller dequantizes them to float).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from armserve.layers.quantized_linear import QuantizedTensor
+
+SUPPORTED = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian float16 from the last axis of 2 bytes, as float32."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _blocks(data: np.ndarray, block_bytes: int) -> np.ndarray:
+    rows = data.shape[0]
+    return np.ascontiguousarray(data).reshape(rows, -1, block_bytes)
+
+
+def _q4_0(data: np.ndarray) -> QuantizedTensor:
+    b = _blocks(data, 18)
+    d = _f16(b[..., 0:2])
+    qs = b[..., 2:18]
+    u = np.concatenate([qs & 15, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
+    return _w4(u, d, 8.0 * d, 32)
+
+
+def _q4_1(data: np.ndarray) -> QuantizedTensor:
+    b = _blocks(data, 20)
+    d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    qs = b[..., 4:20]
+    u = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    return _w4(u, d, -m, 32)
+
+
+def _k4_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit (scale, min) pairs packed in Q4_K's 12 scale bytes."""
+    sc = sc.astype(np.uint8)
+    scale = np.empty(sc.shape[:-1] + (8,), np.uint8)
+    mins = np.empty_like(scale)
+    scale[..., :4] = sc[..., 0:4] & 63
+    mins[..., :4] = sc[..., 4:8] & 63
+    scale[..., 4:] = (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)
+    mins[..., 4:] = (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)
+    return scale.astype(np.float32), mins.astype(np.float32)
+
+
+def _q4_k(data: np.ndarray) -> QuantizedTensor:
+    b = _blocks(data, 144)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    sc, mn = _k4_scales(b[..., 4:16])
+    qs = b[..., 16:144].reshape(*b.shape[:2], 4, 32)  # 4 chunks of 64 values
+    u = np.stack([qs & 15, qs >> 4], axis=3).reshape(*b.shape[:2], 256)  # low nibbles first
+    return _w4(u, d[..., None] * sc, dmin[..., None] * mn, 32)
+
+
+def _q8_0(data: np.ndarray) -> QuantizedTensor:
+    b = _blocks(data, 34)
+    d = _f16(b[..., 0:2])
+    q = b[..., 2:34].view(np.int8)
+    return _w8(q, d, 32)
+
+
+def _q6_k(data: np.ndarray) -> QuantizedTensor:
+    b = _blocks(data, 210)
+    ql = b[..., 0:128].reshape(*b.shape[:2], 2, 64)
+    qh = b[..., 128:192].reshape(*b.shape[:2], 2, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(b[..., 208:210])
+    # Each half of 128 values: 4 runs of 32 built from ql's nibbles and 2 bits of qh each.
+    lo_a, lo_b = ql[..., :32], ql[..., 32:]
+    q = np.stack([
+        (lo_a & 15) | (((qh >> 0) & 3) << 4),
+        (lo_b & 15) | (((qh >> 2) & 3) << 4),
+        (lo_a >> 4) | (((qh >> 4) & 3) << 4),
+        (lo_b >> 4) | (((qh >> 6) & 3) << 4),
+    ], axis=3).astype(np.int16) - 32  # [rows, blocks, 2 halves, 4 runs, 32]
+    q = q.reshape(*b.shape[:2], 256).astype(np.int8)
+    return _w8(q, d[..., None] * sc, 16)
+
+
+def _w4(u: np.ndarray, scale: np.ndarray, szp: np.ndarray, group: int) -> QuantizedTensor:
+    rows = u.shape[0]
+    return QuantizedTensor(
+        "w4",
+        torch.from_numpy(np.ascontiguousarray(u, dtype=np.uint8).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(szp, dtype=np.float32).reshape(rows, -1)),
+        group,
+    )
+
+
+def _w8(q: np.ndarray, scale: np.ndarray, group: int) -> QuantizedTensor:
+    rows = q.shape[0]
+    return QuantizedTensor(
+        "w8",
+        torch.from_numpy(np.ascontiguousarray(q, dtype=np.int8).reshape(rows, -1)),
+        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
+        None,
+        group,
+    )
+
+
+_CONVERTERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q6_K": _q6_k}
+
+
+def convert(type_name: str, data: np.ndarray) -> QuantizedTensor | None:
+    """armserve format of one GGUF tensor's raw blocks ([rows, bytes per row]), or None when
+    `type_name` has no direct conversion."""
+    fn = _CONVERTERS.get(type_name)
+    return None if fn is None else fn(data)

@@ -1,0 +1,226 @@
+"""Linear layers with int4 (w4a8) or int8 (w8a8) weights and per-token int8 activations.
+
+Weights arrive as `QuantizedTensor`s (from an `armserve quantize` checkpoint or straight from
+GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q6_K blocks, see gguf_quants.py), one per checkpoint tensor. A fused
+layer (qkv, gate/up) collects its shards; `finalize()` then concatenates shards of the same
+format into one *part* and repacks it into the kernel layout of csrc/qgemm.h once. A layer
+whose shards differ in format (GGUF Q4_K_M mixes Q4_K and Q6_K) keeps several parts, each
+writing its own column range of the output.
+
+Dequantized meaning of the formats, per group of `group` input columns:
+    w4:  w = scale * u - szp      u in 0..15 (unsigned code), szp = scale * zero point
+    w8:  w = scale * q            q in -127..127
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from armserve import ops
+
+
+@dataclass
+class QuantizedTensor:
+    """One checkpoint weight [n, k] in an armserve quantized format (unpacked, row-major)."""
+
+    fmt: str  # "w4" or "w8"
+    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8: int8 [n, k]
+    scales: torch.Tensor  # float32 [n, k // group]
+    szp: torch.Tensor | None  # w4: float32 [n, k // group] (scale * zero point); w8: None
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        g = self.group
+        s = self.scales.repeat_interleave(g, dim=1)
+        if self.fmt == "w4":
+            return self.codes.float() * s - self.szp.repeat_interleave(g, dim=1)
+        return self.codes.float() * s
+
+
+def quantize_weight(w: torch.Tensor, group: int, symmetric: bool) -> QuantizedTensor:
+    """Round a float weight [n, k] to int4 codes with one scale (and zero point) per group."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"input size {k} is not a multiple of the group size {group}")
+    wg = w.float().reshape(n, k // group, group)
+    if symmetric:
+        # codes u = q + 8 with q in -8..7; the zero point is the constant 8
+        scale = wg.abs().amax(dim=-1) / 7.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.clamp(torch.round(wg / scale[..., None]), -8, 7)
+        codes = (q + 8).to(torch.uint8)
+        zero = torch.full_like(scale, 8.0)
+    else:
+        # Like GGUF's Q4_1: the group's exact minimum is the offset (a real-valued zero point),
+        # so the 16 levels span [min, max] without wasting any on a range that includes 0.
+        lo = wg.amin(dim=-1)
+        hi = wg.amax(dim=-1)
+        scale = (hi - lo) / 15.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = -lo / scale
+        codes = torch.clamp(torch.round((wg - lo[..., None]) / scale[..., None]), 0, 15).to(torch.uint8)
+    return QuantizedTensor("w4", codes.reshape(n, k), scale, scale * zero, group)
+
+
+# ---- packing into the kernel layout (csrc/qgemm.h) -----------------------------------------
+
+
+def _pad_rows(t: torch.Tensor, n_pad: int) -> torch.Tensor:
+    if t.shape[0] == n_pad:
+        return t
+    return torch.cat([t, t.new_zeros(n_pad - t.shape[0], *t.shape[1:])])
+
+
+def pack(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed weight bytes, packed scales [tiles, groups, 2, 16]) for the qgemm kernels."""
+    n, k = qt.codes.shape
+    g = qt.group
+    n_pad = -(-n // 16) * 16
+    tiles, ng = n_pad // 16, k // g
+    codes = _pad_rows(qt.codes, n_pad)
+    if qt.fmt == "w4":
+        u = codes.view(tiles, 16, k // 8, 2, 4)
+        packed = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+        corr = _pad_rows(qt.szp, n_pad)
+    else:
+        packed = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        wsum = codes.view(n_pad, ng, g).sum(dim=-1, dtype=torch.int32).float()
+        corr = _pad_rows(qt.scales, n_pad) * 128.0 * wsum
+    sc = torch.stack([_pad_rows(qt.scales, n_pad), corr], dim=0)  # [2, n_pad, ng]
+    sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous()  # [tiles, ng, 2, 16]
+    return packed.view(torch.uint8 if qt.fmt == "w4" else torch.int8).flatten(), sc.float().flatten()
+
+
+# ---- PyTorch reference ---------------------------------------------------------------------
+
+
+def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per token and group of `group` columns: (codes [m, k], scales [m, k // group],
+    group sums [m, k // group]). One scale per group, not per token: outlier channels would
+    otherwise crush the rest of the row to zero."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    m, k = xf.shape
+    xg = xf.view(m, k // group, group)
+    amax = xg.abs().amax(dim=-1)
+    nz = amax > 0
+    scale = torch.where(nz, amax / 127.0, torch.ones_like(amax))
+    # NOTE: not `127.0 / amax`: PyTorch computes a scalar-by-tensor division as a reciprocal times
+    # 127, one ulp off the IEEE quotient the kernels use, which flips rounding ties.
+    inv = torch.where(nz, torch.full_like(amax, 127.0) / amax, torch.ones_like(amax))
+    q = torch.round(xg * inv[..., None]).to(torch.int8)  # round half to even, as the kernels
+    return q.view(m, k), scale, q.sum(dim=-1, dtype=torch.int32)
+
+
+def qlinear_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """What the kernels compute: int8 activations times the dequantized weight, in float64."""
+    q, scale, _ = quantize_act_ref(x, qt.group)
+    xd = q.double() * scale.double().repeat_interleave(qt.group, dim=1)
+    y = xd @ qt.dequantize().double().T
+    return y.to(x.dtype).reshape(*x.shape[:-1], qt.codes.shape[0])
+
+
+# ---- the layer -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Part:
+    fmt: str
+    group: int
+    col: int  # first output column
+    n: int
+    packed: torch.Tensor | None
+    scales: torch.Tensor | None
+    ref: QuantizedTensor | None  # kept only when the kernels are unavailable
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W quantized; `shards` lists (shard id, rows) of a fused layer."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shards: list[tuple[object, int]]) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.shards = shards
+        self._pending: dict[object, QuantizedTensor] = {}
+        self.parts: list[_Part] = []
+        self._dequantized: torch.Tensor | None = None
+
+    def load_shard(self, shard: object, qt: QuantizedTensor) -> None:
+        rows = dict(self.shards)[shard]
+        if qt.shape != (rows, self.in_features):
+            raise ValueError(f"quantized shard {shard} has shape {qt.shape}, expected {(rows, self.in_features)}")
+        self._pending[shard] = qt
+
+    def finalize(self) -> None:
+        """Concatenate same-format shards and repack them for the kernels (once, at load)."""
+        missing = [s for s, _ in self.shards if s not in self._pending]
+        if missing:
+            raise ValueError(f"quantized layer is missing shard(s) {missing}")
+        groups: list[list[QuantizedTensor]] = []
+        for s, _ in self.shards:
+            qt = self._pending[s]
+            if groups and groups[-1][0].fmt == qt.fmt and groups[-1][0].group == qt.group:
+                groups[-1].append(qt)
+            else:
+                groups.append([qt])
+        col = 0
+        use_kernels = ops.available()
+        for run in groups:
+            qt = QuantizedTensor(
+                run[0].fmt,
+                torch.cat([q.codes for q in run]),
+                torch.cat([q.scales for q in run]),
+                torch.cat([q.szp for q in run]) if run[0].fmt == "w4" else None,
+                run[0].group,
+            )
+            n = qt.codes.shape[0]
+            if use_kernels:
+                packed, scales = pack(qt)
+                self.parts.append(_Part(qt.fmt, qt.group, col, n, packed, scales, None))
+            else:
+                self.parts.append(_Part(qt.fmt, qt.group, col, n, None, None, qt))
+            col += n
+        self._pending = {}
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.packed.numel() + 4 * p.scales.numel() for p in self.parts if p.packed is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.parts and self.parts[0].packed is not None and ops.supports(x2):
+            out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
+            acts: dict[int, tuple] = {}
+            for p in self.parts:
+                if p.group not in acts:  # one activation quantization per group size
+                    acts[p.group] = ops.quantize_act(x2, p.group)
+                ops.qgemm(p.fmt, out, p.col, acts[p.group], p.packed, p.scales, p.n, p.group)
+        else:
+            out = self._forward_ref(x2)
+        if self.bias is not None:
+            out += self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def _forward_ref(self, x: torch.Tensor) -> torch.Tensor:
+        # PyTorch path (no C++ kernels): the same math with a cached dequantized weight.
+        parts = [p.ref if p.ref is not None else None for p in self.parts]
+        if any(p is None for p in parts):
+            raise RuntimeError("quantized weights were packed for kernels that are now unavailable")
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        if self._dequantized is None:
+            self._dequantized = torch.cat([pp.ref.dequantize() for pp in self.parts])
+        for p in self.parts:
+            q, scale, _ = quantize_act_ref(x, p.group)
+            xd = q.float() * scale.repeat_interleave(p.group, dim=1)
+            out[:, p.col:p.col + p.n] = (xd @ self._dequantized[p.col:p.col + p.n].T).to(x.dtype)
+        return out

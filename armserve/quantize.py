@@ -1,0 +1,146 @@
+"""`armserve quantize MODEL OUT --scheme w4a8`: write an int4-weight checkpoint folder.
+
+Output: `model.safetensors` (or shards plus an index), config.json with a `quantization_config`
+section, and the tokenizer. Every linear weight of the decoder layers becomes
+    {name}.qweight  uint8 [n, k / 2]   two 4-bit codes per byte, low nibble = even column
+    {name}.scales   float16 [n, k / g]  one scale per group of g columns
+    {name}.zeros    float16 [n, k / g]  zero point in code units (asymmetric only; symmetric uses 8)
+so that w = scale * (code - zero). Embeddings and norms stay in `--dtype`; the LM head too,
+unless `--quantize-lm-head`. `LLM(OUT)` and `armserve serve OUT` load the folder directly and
+run it with the w4a8 kernels (activations quantized to int8 on the fly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from armserve import model_loader
+from armserve.layers.quantized_linear import quantize_weight
+
+# Decoder-layer projections that are quantized; anything else is copied.
+LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                   "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+SHARD_BYTES = 2 * 2**30
+
+
+def _float_weights(src: model_loader.ModelSource, config):
+    if src.is_gguf:
+        return model_loader._iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=False)
+    if model_loader.armserve_quantization(config):
+        raise ValueError(f"{src.path} is already quantized by armserve")
+    return model_loader._iter_safetensors(src.folder)
+
+
+def quantize_model(
+    model: str,
+    out: str,
+    scheme: str = "w4a8",
+    group_size: int | str = 32,
+    symmetric: bool = False,
+    quantize_lm_head: bool = False,
+    skip_modules: list[str] | None = None,
+    dtype: str = "bfloat16",
+    progress: bool = True,
+) -> dict:
+    """Quantize `model` (HF folder or GGUF) into the folder `out`; returns the quantization_config."""
+    from safetensors.torch import save_file
+
+    if scheme != "w4a8":
+        raise ValueError(f"unknown scheme {scheme!r}; supported: w4a8")
+    if group_size != "channel":
+        try:
+            group_size = int(group_size)
+        except ValueError:
+            raise ValueError(f"group size must be 32, 64, 128 or 'channel', got {group_size!r}") from None
+        if group_size not in (32, 64, 128):
+            raise ValueError(f"group size must be 32, 64, 128 or 'channel', got {group_size}")
+    keep_dtype = getattr(torch, dtype, None)
+    if keep_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    if os.path.exists(out) and os.listdir(out):
+        raise ValueError(f"output folder {out!r} exists and is not empty")
+    src = model_loader.resolve_model_path(model)
+    config = model_loader.load_config(src)
+    tokenizer = model_loader.load_tokenizer(src)
+    skip = list(skip_modules or [])
+
+    def wanted(name: str) -> bool:
+        if any(s in name for s in skip):
+            return False
+        return name.endswith(LINEAR_SUFFIXES) or (quantize_lm_head and name == "lm_head.weight")
+
+    names_done: list[str] = []
+    tensors: dict[str, torch.Tensor] = {}
+    shards: list[dict[str, torch.Tensor]] = []
+    size = 0
+    weights = list(_float_weights(src, config))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(weights), desc="Quantizing", unit="tensor", dynamic_ncols=True)
+    for name, w in weights:
+        if wanted(name) and w.dim() == 2:
+            g = w.shape[1] if group_size == "channel" else group_size
+            qt = quantize_weight(w, g, symmetric)
+            prefix = name[: -len(".weight")]
+            codes = qt.codes
+            out_t = {
+                prefix + ".qweight": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
+                prefix + ".scales": qt.scales.to(torch.float16),
+            }
+            if not symmetric:
+                out_t[prefix + ".zeros"] = (qt.szp / qt.scales).to(torch.float16)
+            names_done.append(name)
+        else:
+            # Norms (1-D) stay float32: they are tiny and precision-sensitive.
+            out_t = {name: w.contiguous() if w.dim() == 1 else w.to(keep_dtype).contiguous()}
+        for k, v in out_t.items():
+            nbytes = v.numel() * v.element_size()
+            if tensors and size + nbytes > SHARD_BYTES:
+                shards.append(tensors)
+                tensors, size = {}, 0
+            tensors[k] = v
+            size += nbytes
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if not names_done:
+        raise ValueError(f"no linear weights to quantize in {model!r}")
+    shards.append(tensors)
+
+    os.makedirs(out, exist_ok=True)
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+    qcfg = {
+        "quant_method": "armserve",
+        "scheme": scheme,
+        "bits": 4,
+        "group_size": group_size,
+        "symmetric": symmetric,
+        "activations": "int8, dynamic, per token and weight group",
+        "modules_not_converted": sorted({"embed_tokens", "norm"} | ({"lm_head"} if not quantize_lm_head else set())
+                                        | set(skip)),
+    }
+    config.quantization_config = qcfg
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    if not src.is_gguf:
+        gen = os.path.join(src.folder, "generation_config.json")
+        if os.path.isfile(gen):
+            shutil.copy(gen, out)
+    return qcfg
