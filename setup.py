@@ -25,7 +25,9 @@ class BuildKernels(build_ext):
         arch = kernel_build.normalize_arch(platform.machine())
         module = (os.path.join(kernel_build.HERE, "module.cpp"), ["-I", sysconfig.get_paths()["include"]])
         try:
-            kernel_build.build(cxx, arch, out, extra_sources=[module])
+            # Objects go to build_temp, so they never end up inside the wheel.
+            kernel_build.build(cxx, arch, out, extra_sources=[module],
+                               build_dir=os.path.join(self.build_temp, "armserve-kernels"))
         except Exception as e:  # no compiler, unsupported toolchain, ...
             self.warn(f"armserve: C++ kernels not built ({e}); armserve will use its PyTorch path")
 

@@ -53,7 +53,7 @@ def openmp_runtimes() -> list[str]:
                 path = line.split()[-1] if line.rstrip().count(" ") >= 5 else ""
                 name = os.path.basename(path)
                 if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
-                    found.add(path)
+                    found.add(os.path.realpath(path))
     except OSError:
         pass
     return sorted(found)
@@ -233,7 +233,8 @@ def openmp_library() -> str | None:
     if lib is None:
         return None
     buf = ctypes.create_string_buffer(4096)
-    return buf.value.decode() if lib.armserve_openmp_library(buf, 4096) == 0 else None
+    # realpath: the loader reports the path as it was opened (e.g. torch/lib/../../torch.libs/...)
+    return os.path.realpath(buf.value.decode()) if lib.armserve_openmp_library(buf, 4096) == 0 else None
 
 
 def thread_cores() -> list[int]:

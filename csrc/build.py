@@ -65,9 +65,10 @@ def sources(arch: str) -> list[tuple[str, list[str]]]:
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 
-def build(cxx: str, arch: str, out: str, extra_sources: list[tuple[str, list[str]]] = (), jobs: int = 2) -> None:
-    """Compile every variant (in parallel) and link `out`."""
-    build_dir = os.path.join(os.path.dirname(os.path.abspath(out)), f".build-{arch}")
+def build(cxx: str, arch: str, out: str, extra_sources: list[tuple[str, list[str]]] = (), jobs: int = 2,
+          build_dir: str | None = None) -> None:
+    """Compile every variant (in parallel) into `build_dir` and link `out`."""
+    build_dir = build_dir or os.path.join(os.path.dirname(os.path.abspath(out)), f".build-{arch}")
     os.makedirs(build_dir, exist_ok=True)
     objs, procs = [], []
     for src, flags in list(sources(arch)) + list(extra_sources):

@@ -29,6 +29,37 @@ def smollm2_gguf_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
 
 
+def kernel_isas() -> list[str]:
+    """Every kernel variant this CPU runs (the C++ library must be built)."""
+    from armserve import ops
+
+    assert ops.available(), f"kernels not built: {ops.load_error()}"
+    return ops.supported_isas()
+
+
+@pytest.fixture(params=kernel_isas())
+def isa(request):
+    """Run the test once per kernel variant, switching the process-wide choice and back."""
+    from armserve import ops
+
+    before = ops.isa()
+    ops.select_isa(request.param)
+    yield request.param
+    ops.select_isa(before)
+
+
+MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny_llama", "tiny_checkpoints"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark tests that need a model (the bundled SmolLM2 package or a checkpoint made from its
+    tokenizer), so the emulated-aarch64 run (scripts/ci_arm64.sh) can leave them to its own
+    end-to-end test with `-m "not needs_model"`."""
+    for item in items:
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.needs_model)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
     return smollm2_gguf_path()

@@ -13,6 +13,8 @@ import random
 import pytest
 import torch
 
+from conftest import kernel_isas
+
 from armserve import ops
 from armserve.layers.activation import act_and_mul_ref
 from armserve.layers.attention import paged_attention_ref
@@ -26,26 +28,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
 
 
-def isas() -> list[str]:
-    assert ops.available(), f"kernels not built: {ops.load_error()}"
-    return ops.supported_isas()
-
-
-@pytest.fixture(params=isas())
-def isa(request):
-    before = ops.isa()
-    ops.select_isa(request.param)
-    yield request.param
-    ops.select_isa(before)
-
-
 def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
 
 
 def test_isa_selection_and_features():
-    names = isas()
+    names = kernel_isas()
     assert "scalar" in names
     assert ops.isa() in names
     with pytest.raises(ops.KernelError, match="unknown ISA"):
@@ -223,7 +212,7 @@ def test_engine_greedy_equal_on_every_isa(tiny_llama):
     before = ops.isa()
     runner = llm.llm_engine.runner
     try:
-        for name in isas():
+        for name in kernel_isas():
             ops.select_isa(name)
             results[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
         runner.use_kernels = False

