@@ -103,6 +103,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_gemm_w4": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
         "armserve_gemm_w8": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
         "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
+        "armserve_gemv": ([I32, P, P, P, I64, I64, I64], None),
         "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_paged_attention": ([I32, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32, F, I64],
@@ -382,3 +383,17 @@ def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch
     dst = out.data_ptr() + col * out.element_size()
     fn(_DTYPE_CODES[out.dtype], dst, q.data_ptr(), scale.data_ptr(), gsum.data_ptr(), packed.data_ptr(),
        scales.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
+
+
+# Largest token count for which `gemv` beats PyTorch's GEMM (decode and small batches).
+GEMV_MAX_TOKENS = 4
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [m, k] @ w [n, k]^T for a few tokens, streaming w once at memory speed."""
+    x = x.contiguous()
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype)
+    _lib.armserve_gemv(_DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), w.data_ptr(), m, n, k)
+    return out

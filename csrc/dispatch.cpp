@@ -213,4 +213,8 @@ void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const 
                               sliding_window, softcap, q_stride);
 }
 
+void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k) {
+  table()->gemv(dtype, out, x, w, m, n, k);
+}
+
 }  // extern "C"

@@ -55,6 +55,10 @@ struct KernelTable {
                              const int8_t* v_cache, const float* k_scale, const float* v_scale,
                              const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
                              int32_t sliding_window, float softcap, int64_t q_stride);
+  // Skinny matmul for decode: out [M, N] = x [M, K] @ w [N, K]^T, M small (a few tokens). The
+  // weight is read once from memory per row block, converted to fp32 in registers and fused
+  // into the FMAs; oneDNN's bf16 path reaches only about a third of the memory bandwidth here.
+  void (*gemv)(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k);
 };
 
 const KernelTable* armserve_table_scalar();

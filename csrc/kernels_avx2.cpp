@@ -7,6 +7,36 @@ namespace {
 using armserve::ScalarOps;
 
 struct IsaAvx2 {
+  // 4 weight rows x one fp32 activation row; bf16/f16 widened in registers (fused into the FMAs).
+  static __m256 wload(int dtype, const void* w, int64_t i) {
+    if (dtype == AS_BF16) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    if (dtype == AS_F16)
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
+    return _mm256_loadu_ps(static_cast<const float*>(w) + i);
+  }
+  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
+    const int es = dtype == AS_F32 ? 4 : 2;
+    const char* r[4] = {static_cast<const char*>(w), static_cast<const char*>(w) + k * es,
+                        static_cast<const char*>(w) + 2 * k * es, static_cast<const char*>(w) + 3 * k * es};
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + i);
+      for (int j = 0; j < 4; ++j) a[j] = _mm256_fmadd_ps(wload(dtype, r[j], i), xv, a[j]);
+    }
+    for (int j = 0; j < 4; ++j) {
+      float s = hsum(a[j]);
+      for (int64_t c = i; c < k; ++c) {
+        float wv;
+        ScalarOps::load(dtype, r[j] + c * es, &wv, 1);
+        s += wv * x[c];
+      }
+      out[j] = s;
+    }
+  }
   static float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

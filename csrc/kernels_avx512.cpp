@@ -9,6 +9,45 @@ namespace {
 using armserve::ScalarOps;
 
 struct IsaAvx512 {
+  // 4 weight rows x one fp32 activation row; bf16/f16 widened in registers (fused into the FMAs).
+  static __m512 wload(int dtype, const void* w, int64_t i) {
+    if (dtype == AS_BF16) {
+      const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (dtype == AS_F16)
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i)));
+    return _mm512_loadu_ps(static_cast<const float*>(w) + i);
+  }
+  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
+    const int es = dtype == AS_F32 ? 4 : 2;
+    const char* r[4] = {static_cast<const char*>(w), static_cast<const char*>(w) + k * es,
+                        static_cast<const char*>(w) + 2 * k * es, static_cast<const char*>(w) + 3 * k * es};
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+      const __m512 xv = _mm512_loadu_ps(x + i);
+      a0 = _mm512_fmadd_ps(wload(dtype, r[0], i), xv, a0);
+      a1 = _mm512_fmadd_ps(wload(dtype, r[1], i), xv, a1);
+      a2 = _mm512_fmadd_ps(wload(dtype, r[2], i), xv, a2);
+      a3 = _mm512_fmadd_ps(wload(dtype, r[3], i), xv, a3);
+    }
+    out[0] = _mm512_reduce_add_ps(a0);
+    out[1] = _mm512_reduce_add_ps(a1);
+    out[2] = _mm512_reduce_add_ps(a2);
+    out[3] = _mm512_reduce_add_ps(a3);
+    if (i < k) {
+      for (int j = 0; j < 4; ++j) {
+        float s = 0.f;
+        for (int64_t c = i; c < k; ++c) {
+          float wv;
+          ScalarOps::load(dtype, r[j] + c * es, &wv, 1);
+          s += wv * x[c];
+        }
+        out[j] += s;
+      }
+    }
+  }
   static float dot(const float* a, const float* b, int64_t n) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int64_t i = 0;

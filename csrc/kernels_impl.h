@@ -114,6 +114,21 @@ struct ScalarOps {
       for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
     }
   }
+  // 4 consecutive rows of w (row length k, `dtype`) dotted with fp32 x. Reference version:
+  // convert a row, then dot; SIMD variants fuse the conversion into the FMAs.
+  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
+    for (int r = 0; r < 4; ++r) {
+      float s = 0.f;
+      if (dtype == AS_F32) {
+        const float* wr = static_cast<const float*>(w) + r * k;
+        for (int64_t i = 0; i < k; ++i) s += wr[i] * x[i];
+      } else {
+        const uint16_t* wr = static_cast<const uint16_t*>(w) + r * k;
+        for (int64_t i = 0; i < k; ++i) s += (dtype == AS_BF16 ? bf16_to_f32(wr[i]) : f16_to_f32(wr[i])) * x[i];
+      }
+      out[r] = s;
+    }
+  }
   static void store(int dtype, const float* src, void* dst, int64_t n) {
     if (dtype == AS_F32) {
       std::memcpy(dst, src, n * 4);
@@ -509,9 +524,39 @@ struct Kernels {
     }
   }
 
+  // ---- skinny matmul (decode) ----------------------------------------------------------------
+  //
+  // Rows of w are split over threads in blocks of 4; each block is streamed once per token with
+  // Isa::dot4 (4 rows against one fp32 activation row). x is converted to fp32 once up front.
+  static void gemv(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k) {
+    const int es = dtype_size(dtype);
+    Buffer<float> xf(m * k);
+    for (int64_t t = 0; t < m; ++t) Isa::load(dtype, static_cast<const char*>(x) + t * k * es, xf.p + t * k, k);
+    const int64_t blocks = (n + 3) / 4;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = b * 4;
+      const int rows = int(n - r0 < 4 ? n - r0 : 4);
+      const char* wb = static_cast<const char*>(w) + r0 * k * es;
+      float res[4];
+      for (int64_t t = 0; t < m; ++t) {
+        if (rows == 4) {
+          Isa::dot4(dtype, wb, k, xf.p + t * k, res);
+        } else {
+          float* row = scratch(0, k);
+          for (int r = 0; r < rows; ++r) {
+            Isa::load(dtype, wb + r * k * es, row, k);
+            res[r] = Isa::dot(row, xf.p + t * k, k);
+          }
+        }
+        Isa::store(dtype, res, static_cast<char*>(out) + (t * n + r0) * es, rows);
+      }
+    }
+  }
+
   static const KernelTable* table(const char* name) {
     static const KernelTable t = {name, rms_norm, rotary, act_and_mul, reshape_and_cache, paged_attention,
-                                  reshape_and_cache_i8, paged_attention_i8};
+                                  reshape_and_cache_i8, paged_attention_i8, gemv};
     return &t;
   }
 };

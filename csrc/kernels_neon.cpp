@@ -9,6 +9,33 @@ namespace {
 using armserve::ScalarOps;
 
 struct IsaNeon {
+  // 4 weight rows x one fp32 activation row; bf16/f16 widened in registers (fused into the FMAs).
+  static float32x4_t wload(int dtype, const void* w, int64_t i) {
+    if (dtype == AS_BF16)
+      return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(static_cast<const uint16_t*>(w) + i), 16));
+    if (dtype == AS_F16) return vcvt_f32_f16(vld1_f16(static_cast<const float16_t*>(w) + i));
+    return vld1q_f32(static_cast<const float*>(w) + i);
+  }
+  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
+    const int es = dtype == AS_F32 ? 4 : 2;
+    const char* r[4] = {static_cast<const char*>(w), static_cast<const char*>(w) + k * es,
+                        static_cast<const char*>(w) + 2 * k * es, static_cast<const char*>(w) + 3 * k * es};
+    float32x4_t a[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+    int64_t i = 0;
+    for (; i + 4 <= k; i += 4) {
+      const float32x4_t xv = vld1q_f32(x + i);
+      for (int j = 0; j < 4; ++j) a[j] = vfmaq_f32(a[j], wload(dtype, r[j], i), xv);
+    }
+    for (int j = 0; j < 4; ++j) {
+      float s = vaddvq_f32(a[j]);
+      for (int64_t c = i; c < k; ++c) {
+        float wv;
+        ScalarOps::load(dtype, r[j] + c * es, &wv, 1);
+        s += wv * x[c];
+      }
+      out[j] = s;
+    }
+  }
   static float dot(const float* a, const float* b, int64_t n) {
     float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = vdupq_n_f32(0.f);
     int64_t i = 0;

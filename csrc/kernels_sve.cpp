@@ -8,6 +8,32 @@ namespace {
 using armserve::ScalarOps;
 
 struct IsaSve {
+  // 4 weight rows x one fp32 activation row, vector-length agnostic; bf16/f16 widened in
+  // registers (fused into the FMAs).
+  static svfloat32_t wload(int dtype, svbool_t pg, const void* w, int64_t i) {
+    if (dtype == AS_F32) return svld1_f32(pg, static_cast<const float*>(w) + i);
+    const svuint32_t h = svld1uh_u32(pg, static_cast<const uint16_t*>(w) + i);
+    if (dtype == AS_BF16) return svreinterpret_f32_u32(svlsl_n_u32_x(pg, h, 16));
+    return svcvt_f32_f16_x(pg, svreinterpret_f16_u32(h));
+  }
+  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
+    const int es = dtype == AS_F32 ? 4 : 2;
+    const char* r0 = static_cast<const char*>(w);
+    svfloat32_t a0 = svdup_f32(0.f), a1 = svdup_f32(0.f), a2 = svdup_f32(0.f), a3 = svdup_f32(0.f);
+    for (int64_t i = 0; i < k; i += svcntw()) {
+      const svbool_t pg = svwhilelt_b32(i, k);
+      const svfloat32_t xv = svld1_f32(pg, x + i);
+      a0 = svmla_f32_m(pg, a0, wload(dtype, pg, r0, i), xv);
+      a1 = svmla_f32_m(pg, a1, wload(dtype, pg, r0 + k * es, i), xv);
+      a2 = svmla_f32_m(pg, a2, wload(dtype, pg, r0 + 2 * k * es, i), xv);
+      a3 = svmla_f32_m(pg, a3, wload(dtype, pg, r0 + 3 * k * es, i), xv);
+    }
+    const svbool_t all = svptrue_b32();
+    out[0] = svaddv_f32(all, a0);
+    out[1] = svaddv_f32(all, a1);
+    out[2] = svaddv_f32(all, a2);
+    out[3] = svaddv_f32(all, a3);
+  }
   static float dot(const float* a, const float* b, int64_t n) {
     svfloat32_t acc = svdup_f32(0.f);
     for (int64_t i = 0; i < n; i += svcntw()) {

@@ -226,3 +226,18 @@ def test_engine_greedy_equal_on_every_isa(tiny_llama):
         ops.select_isa(before)
     first = next(iter(results.values()))
     assert all(r == first for r in results.values()), results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv(isa, dtype):
+    """Skinny matmul for decode (1-4 tokens) vs PyTorch's float64 matmul, incl. odd sizes and tail rows."""
+    torch.manual_seed(11)
+    shapes = [(1, 10, 37), (3, 64, 576), (4, 130, 1000), (2, 7, 16)] if not SMALL else [(1, 10, 37), (4, 9, 40)]
+    for m, n, k in shapes:
+        x = torch.randn(m, k).to(dtype)
+        w = torch.randn(n, k).to(dtype)
+        want = (x.double() @ w.double().T).to(dtype)
+        if dtype == torch.float32:  # a k-long float32 sum: error grows with k, so scale the tolerance
+            torch.testing.assert_close(ops.gemv(x, w), want, atol=2e-6 * k ** 0.5 * want.abs().max().item(), rtol=1e-5)
+        else:
+            close(ops.gemv(x, w), want, dtype)
