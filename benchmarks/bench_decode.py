@@ -33,7 +33,9 @@ def worker(model: str, dtype: str, tokens: int, runs: int) -> None:
 
     from armserve import LLM, SamplingParams, ops
 
-    llm = LLM(model, dtype=dtype, kv_cache_space=1, max_model_len=1024)
+    # quantization="none": the dense path, whose non-GEMM work the kernels replace (the bundled
+    # GGUF would otherwise run as w4a8, see bench_quant.py)
+    llm = LLM(model, dtype=dtype, kv_cache_space=1, max_model_len=1024, quantization="none")
     p = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
     samples = []
@@ -116,8 +118,9 @@ def main() -> None:
         f"Read bandwidth (sum over 1 GiB, {args.threads} threads): **{bw:.1f} GB/s**. armserve rev `{git_revision()}`.",
         "",
         "Roofline = read bandwidth / weight bytes (every weight is read once per token; the KV cache is "
-        "negligible at this length). Before = `ARMSERVE_ISA=torch` (PyTorch path), after = C++ kernels; "
-        "dense matmuls are PyTorch's (oneDNN) in both.",
+        "negligible at this length). Before = `ARMSERVE_ISA=torch` (PyTorch path: oneDNN matmuls, "
+        "gather + SDPA attention), after = C++ kernels (attention, norms, RoPE, activations, and the skinny "
+        "bf16 matmul for decode). Weights dense bfloat16 (the GGUF dequantized).",
         "",
         "| model | weights | before tok/s | after tok/s (min-max) | kernels | roofline tok/s | after / roofline |",
         "|---|---|---|---|---|---|---|",

@@ -199,3 +199,31 @@ def test_w4a8_perplexity_within_5_percent_of_float32(smollm2_hf_reference, tmp_p
     ppl_q = perplexity(q, ids, 1024)
     assert ppl_q == pytest.approx(ppl_float, rel=0.05), (ppl_float, ppl_q)
     assert ppl_q != ppl_float  # the weights really are quantized
+
+
+def test_fused_layer_with_float_and_quantized_shards(isa):
+    """GGUF Q4_K_M files store some q/k as Q5_0 (no direct conversion: float) beside Q6_K v."""
+    from types import SimpleNamespace
+
+    from armserve.models.llama import LlamaForCausalLM
+
+    cfg = SimpleNamespace(num_hidden_layers=1, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, vocab_size=32,
+                          tie_word_embeddings=True, hidden_act="silu", rope_theta=10000.0)
+    model = LlamaForCausalLM(cfg)
+    torch.manual_seed(5)
+    wq, wk = torch.randn(64, 64), torch.randn(32, 64)
+    v = random_w8(32, 64, 16)
+    # float q before the quantized v (swap carries it over), float k after it
+    loaded = model.load_weights([("model.layers.0.self_attn.q_proj.weight", wq),
+                                 ("model.layers.0.self_attn.v_proj.weight", v),
+                                 ("model.layers.0.self_attn.k_proj.weight", wk)])
+    assert {"layers.0.self_attn.qkv_proj.weight#q", "layers.0.self_attn.qkv_proj.weight#k",
+            "layers.0.self_attn.qkv_proj.weight#v"} <= loaded
+    layer = model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, QuantizedLinear)
+    layer.finalize()
+    x = torch.randn(3, 64)
+    want = torch.cat([x @ wq.T, x @ wk.T, qlinear_ref(x, v)], dim=1)
+    rel = (layer(x) - want).norm() / want.norm()
+    assert rel < 0.02, rel  # int8 weights for q/k, int8 activations throughout

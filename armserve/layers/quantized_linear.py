@@ -70,6 +70,21 @@ def quantize_weight(w: torch.Tensor, group: int, symmetric: bool) -> QuantizedTe
     return QuantizedTensor("w4", codes.reshape(n, k), scale, scale * zero, group)
 
 
+def quantize_weight_int8(w: torch.Tensor) -> QuantizedTensor:
+    """Symmetric int8 codes, one scale per 32 columns (per row when k is not a multiple of 32).
+
+    Used for a float shard of a fused layer whose other shards are quantized (GGUF files mix
+    types, e.g. Q5_0 q/k beside Q6_K v): int8 keeps it within ~0.4% of each group's range.
+    """
+    n, k = w.shape
+    group = 32 if k % 32 == 0 else k
+    wg = w.float().reshape(n, k // group, group)
+    scale = wg.abs().amax(dim=-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.clamp(torch.round(wg / scale[..., None]), -127, 127).to(torch.int8)
+    return QuantizedTensor("w8", codes.reshape(n, k), scale, None, group)
+
+
 # ---- packing into the kernel layout (csrc/qgemm.h) -----------------------------------------
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from armserve import ops
 from armserve.layers.activation import get_act_and_mul
 from armserve.layers.attention import Attention
-from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
+from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor, quantize_weight_int8
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 
@@ -193,13 +193,20 @@ class LlamaForCausalLM(nn.Module):
                 if name == "lm_head.weight" and self.lm_head is None:
                     # tied lm_head from a quantized embedding table: use it as a quantized GEMM
                     self.lm_head = QuantizedLinear(tensor.shape[1], tensor.shape[0], False, [("all", tensor.shape[0])])
-                module = self._quantized_module(target.rsplit(".", 1)[0])
+                module = self._quantized_module(target.rsplit(".", 1)[0], loaded)
                 module.load_shard("all" if shard is None else shard, tensor)
                 params = dict(self.named_parameters())  # the swap replaced parameters
                 loaded.add(target if shard is None else f"{target}#{shard}")
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: some checkpoints store a copy anyway
+            target, shard = self._fused_target(name)
+            owner = self._module_of(target)
+            if isinstance(owner, QuantizedLinear) and target.endswith(".weight"):
+                # a float shard of a layer whose other shards are quantized
+                owner.load_shard("all" if shard is None else shard, quantize_weight_int8(tensor))
+                loaded.add(target if shard is None else f"{target}#{shard}")
+                continue
             for part, (fused, shard) in self.packed_modules_mapping.items():
                 if f".{part}." in name:
                     target = name.replace(f".{part}.", f".{fused}.")
@@ -225,8 +232,16 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(f".{part}.", f".{fused}."), shard
         return name, None
 
-    def _quantized_module(self, path: str) -> QuantizedLinear:
-        """The QuantizedLinear at `path`, swapped in for the float Linear there if needed."""
+    def _module_of(self, target: str):
+        path = target.rsplit(".", 1)[0]
+        try:
+            return self.get_submodule(path)
+        except AttributeError:
+            return None
+
+    def _quantized_module(self, path: str, loaded: set[str] | None = None) -> QuantizedLinear:
+        """The QuantizedLinear at `path`, swapped in for the float Linear there if needed (float
+        shards loaded into the Linear before the swap are carried over as int8)."""
         parent_path, _, attr = path.rpartition(".")
         parent = self.get_submodule(parent_path) if parent_path else self
         current = getattr(parent, attr)
@@ -243,6 +258,12 @@ class LlamaForCausalLM(nn.Module):
         q = QuantizedLinear(in_f, out_f, current.bias is not None, shards)
         if current.bias is not None:
             q.bias.data.copy_(current.bias.data)  # a float bias may have been loaded already
+        row = 0
+        for shard, rows in shards:
+            name = f"{path}.weight" if shard == "all" else f"{path}.weight#{shard}"
+            if loaded is not None and name in loaded:
+                q.load_shard(shard, quantize_weight_int8(current.weight.data[row:row + rows]))
+            row += rows
         setattr(parent, attr, q)
         return q
 
