@@ -93,16 +93,16 @@ def perplexities(label: str, gguf: str, tokens: int) -> list[tuple[str, str, flo
     base = LLM(gguf, dtype="float32", quantization="none", **kw)
     ids = base.get_tokenizer().encode(text)[:tokens]
     ref = perplexity(base, ids, tokens)
-    rows.append((label, "float32 weights, float32 KV cache (baseline)", ref))
+    rows.append((label, "float32: the GGUF's weights dequantized, float32 KV cache (baseline)", ref))
     del base
     llm = LLM(gguf, dtype="float32", quantization="none", kv_cache_dtype="int8", **kw)
-    rows.append((label, "float32 weights, int8 KV cache", perplexity(llm, ids, tokens)))
+    rows.append((label, "float32 (GGUF dequantized), int8 KV cache", perplexity(llm, ids, tokens)))
     del llm
     llm = LLM(gguf, dtype="float32", **kw)
     rows.append((label, "GGUF blocks kept quantized (w4/w8 weights, int8 activations)", perplexity(llm, ids, tokens)))
     del llm
     llm = LLM(quantized_copy(gguf, label.split()[0].lower()), dtype="float32", **kw)
-    rows.append((label, "armserve quantize w4a8, group 32, asymmetric", perplexity(llm, ids, tokens)))
+    rows.append((label, "armserve quantize w4a8 of the float32 baseline, group 32, asymmetric", perplexity(llm, ids, tokens)))
     return rows
 
 
@@ -221,7 +221,7 @@ def main() -> None:
                 ratio = "" if v is None else f"{v / bf16:.2f}x"
                 lines.append(f"| {k} | {shown} | {ratio} |")
             lines.append("")
-    lines += [f"Reproduce: `python benchmarks/bench_quant.py{' --with-qwen' if qwen else ''}`"]
+    lines += [f"Reproduce: `python benchmarks/bench_quant.py{' --with-qwen' if qwen else ''} --threads {args.threads}`"]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
