@@ -58,7 +58,7 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--num-iters must be >= 1")
     model = args.model or bundled_model_path()
     llm = LLM(model, **engine_kwargs(args))
-    roof = rl.measure_roofline() if args.roofline else None
+    roof = rl.measure_roofline(torch.get_num_threads()) if args.roofline else None  # the engine's threads
     wbytes = rl.module_weight_bytes(llm.llm_engine.model)
     limit = rl.bandwidth_limit(wbytes, roof) if roof else None
     if roof:

@@ -48,6 +48,7 @@ def plot_results(results: Sequence[dict[str, Any]], out_path: str, title: str | 
 
     matplotlib.use("Agg")  # no display here, and none needed for a file
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     by_system: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for d in results:
@@ -74,6 +75,9 @@ def plot_results(results: Sequence[dict[str, Any]], out_path: str, title: str | 
         ax.set_ylabel("output throughput (tok/s)")
         ax.grid(True, alpha=0.3)
         ax.set_xscale("log")
+        # Plain numbers on the log axis (the default 10^x labels are unreadable over one decade).
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}" if f"{v:g}"[0] in "25" else ""))
         ax.legend(fontsize=8)
     fig.suptitle(title or "throughput vs latency (points: request rate; squares: fixed concurrency)")
     fig.tight_layout()

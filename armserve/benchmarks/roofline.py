@@ -37,6 +37,26 @@ def measure_copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7, threads: in
         torch.set_num_threads(prev)
 
 
+def measure_read_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7, threads: int | None = None) -> float:
+    """Median read bandwidth in GB/s: a sum over a buffer far larger than any cache (decode's access
+    pattern: weights are only read)."""
+    import torch
+
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        src.sum()
+        rates = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            src.sum()
+            rates.append(src.numel() * 4 / (time.perf_counter() - t) / 1e9)
+        return statistics.median(rates)
+    finally:
+        torch.set_num_threads(prev)
+
+
 def measure_matmul_peak(dtype: str = "float32", n: int = 2048, reps: int = 5, threads: int | None = None) -> float:
     """Median GFLOP/s of an n x n x n matmul in `dtype` (PyTorch's CPU GEMM, `threads` threads)."""
     import torch
@@ -59,10 +79,11 @@ def measure_matmul_peak(dtype: str = "float32", n: int = 2048, reps: int = 5, th
 
 
 def measure_roofline(threads: int | None = None) -> dict[str, Any]:
-    """Copy bandwidth and fp32/bf16 matmul peak of this machine (takes a few seconds)."""
+    """Read and copy bandwidth and fp32/bf16 matmul peak of this machine (takes a few seconds)."""
     threads = threads or os.cpu_count() or 1
     return {
         "threads": threads,
+        "read_bandwidth_gbs": measure_read_bandwidth(threads=threads),
         "copy_bandwidth_gbs": measure_copy_bandwidth(threads=threads),
         "matmul_gflops": {dt: measure_matmul_peak(dt, threads=threads) for dt in ("float32", "bfloat16")},
     }
@@ -128,15 +149,21 @@ def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
     return total
 
 
+def limit_bandwidth_gbs(roof: dict[str, Any]) -> float:
+    """The bandwidth a decode step is held to: the higher of read and copy (decode mostly reads)."""
+    return max(roof.get("read_bandwidth_gbs", 0.0), roof["copy_bandwidth_gbs"])
+
+
 def bandwidth_limit(weight_bytes: int, roof: dict[str, Any]) -> float:
     """Decode steps per second at the bandwidth limit (= tok/s of one sequence)."""
-    return roof["copy_bandwidth_gbs"] * 1e9 / weight_bytes
+    return limit_bandwidth_gbs(roof) * 1e9 / weight_bytes
 
 
 def describe(roof: dict[str, Any]) -> str:
     mm = roof["matmul_gflops"]
-    return (f"copy bandwidth {roof['copy_bandwidth_gbs']:.1f} GB/s, matmul peak fp32 {mm['float32']:.0f} / "
-            f"bf16 {mm['bfloat16']:.0f} GFLOP/s ({roof['threads']} threads)")
+    return (f"memory read {roof.get('read_bandwidth_gbs', float('nan')):.1f} GB/s, copy "
+            f"{roof['copy_bandwidth_gbs']:.1f} GB/s (read + written), matmul peak fp32 {mm['float32']:.0f} / "
+            f"bf16 {mm['bfloat16']:.0f} GFLOP/s, {roof['threads']} thread(s)")
 
 
 def module_weight_bytes(model) -> int:

@@ -131,15 +131,28 @@ async def send_request(session, url: str, payload: dict[str, Any], prompt_len: i
 # ---- the load generator --------------------------------------------------------------------------
 
 
+def arrival_intervals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Gaps before each of `n` requests: the first is 0, the rest gamma-distributed with mean 1/rate
+    (burstiness 1: exponential, i.e. a Poisson process; below 1 burstier, above 1 more regular).
+    Rate inf sends everything at once."""
+    if not rate > 0:
+        raise ValueError(f"request rate must be > 0, got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"--burstiness must be > 0, got {burstiness}")
+    gaps = np.zeros(n)
+    if n > 1 and not math.isinf(rate):
+        # Gamma(shape=b, scale=1/(rate*b)) has mean 1/rate and coefficient of variation 1/sqrt(b).
+        gaps[1:] = rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n - 1)
+    return gaps
+
+
 async def arrivals(requests: Sequence[SampleRequest], rate: float, burstiness: float,
                    rng: np.random.Generator) -> AsyncIterator[SampleRequest]:
-    """Yield requests at gamma-distributed intervals of mean 1/rate (burstiness 1: Poisson); rate inf: at once."""
-    for i, req in enumerate(requests):
+    """Yield the requests on the schedule of `arrival_intervals`."""
+    for gap, req in zip(arrival_intervals(len(requests), rate, burstiness, rng), requests):
+        if gap > 0:
+            await asyncio.sleep(float(gap))
         yield req
-        if math.isinf(rate) or i == len(requests) - 1:
-            continue
-        # Gamma(shape=b, scale=1/(rate*b)) has mean 1/rate; b=1 is the exponential of a Poisson process.
-        await asyncio.sleep(float(rng.gamma(burstiness, 1.0 / (rate * burstiness))))
 
 
 async def run_benchmark(base_url: str, backend: str, model: str | None, requests: Sequence[SampleRequest],
@@ -160,8 +173,10 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, requests
 
         bar = tqdm(total=len(requests), desc=f"rate {rate:g}" + (f" conc {max_concurrency}" if max_concurrency else ""),
                    dynamic_ncols=True, file=sys.stderr)
-    # NOTE: no connection limit of aiohttp's own (default 100 per host) may cap the concurrency we ask for.
-    conn = aiohttp.TCPConnector(limit=0, force_close=False)
+    # NOTE: no connection limit of aiohttp's own (default 100 per host) may cap the concurrency we ask
+    # for; and one fresh connection per request, because some servers (llama-server) close kept-alive
+    # connections after a stream, and a request written into such a connection fails for nothing.
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout_s),
                                      read_bufsize=1 << 20) as session:
         async def one(req: SampleRequest) -> RequestResult:
@@ -185,13 +200,15 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, requests
 
 
 async def wait_ready(base_url: str, backend: str, model: str | None, req: SampleRequest, timeout_s: float,
-                     extra_body: dict[str, Any] | None, api_key: str | None) -> RequestResult:
-    """Send one test request (retrying while the server starts); raise if it never succeeds."""
+                     ignore_eos: bool, extra_body: dict[str, Any] | None, api_key: str | None) -> RequestResult:
+    """Send one test request, as the benchmark will (retrying while the server starts); raise if it never succeeds."""
     deadline = time.monotonic() + timeout_s
     while True:
-        results, _ = await run_benchmark(base_url, backend, model, [req], math.inf, None, ignore_eos=True,
+        results, _ = await run_benchmark(base_url, backend, model, [req], math.inf, None, ignore_eos=ignore_eos,
                                          extra_body=extra_body, api_key=api_key, show_progress=False)
-        if results[0].success or time.monotonic() > deadline:
+        # A 4xx answer (bad model name, unknown field) will not improve by waiting.
+        client_error = results[0].error.startswith("HTTP 4")
+        if results[0].success or client_error or time.monotonic() > deadline:
             if not results[0].success:
                 raise RuntimeError(f"the test request to {base_url} failed: {results[0].error}")
             return results[0]
@@ -342,13 +359,17 @@ def main(args: argparse.Namespace) -> int:
     def count_tokens(text: str) -> int:
         return len(tok.encode(text, add_special_tokens=False))
 
+    # One prompt more than the runs use: the test request gets its own, so no run starts with a
+    # prompt the server has just cached.
     if args.dataset_name == "file":
         if not args.dataset_path:
             raise ValueError("--dataset-name file needs --dataset-path")
-        requests = file_requests(tok, args.dataset_path, args.num_prompts, args.output_len, args.input_len, args.seed)
+        requests = file_requests(tok, args.dataset_path, args.num_prompts + 1, args.output_len, args.input_len,
+                                 args.seed)
     else:
-        requests = random_requests(tok, args.num_prompts, args.input_len or 128, args.output_len,
+        requests = random_requests(tok, args.num_prompts + 1, args.input_len or 128, args.output_len,
                                    args.random_range_ratio, args.random_prefix_len, args.seed)
+    test_request, requests = requests[-1], requests[:-1]
 
     roof = None
     weight_bytes = args.weight_bytes
@@ -361,8 +382,8 @@ def main(args: argparse.Namespace) -> int:
             weight_bytes = rl.weight_bytes_per_token(args.weights, args.weight_dtype)
 
     print(f"Waiting for {base_url} (test request) ...", flush=True)
-    asyncio.run(wait_ready(base_url, args.backend, model, requests[0], args.ready_check_timeout_sec,
-                           extra_body, args.api_key))
+    asyncio.run(wait_ready(base_url, args.backend, model, test_request, args.ready_check_timeout_sec,
+                           args.ignore_eos, extra_body, args.api_key))
     label = args.label or args.backend
     for rate, conc in runs:
         results, duration = asyncio.run(run_benchmark(
@@ -374,7 +395,7 @@ def main(args: argparse.Namespace) -> int:
         if roof is not None:
             roof_out = dict(roof)
             if weight_bytes:
-                floor_ms = weight_bytes / (roof["copy_bandwidth_gbs"] * 1e9) * 1000
+                floor_ms = 1000.0 / rl.bandwidth_limit(weight_bytes, roof)
                 pct = 100 * floor_ms / m["median_tpot_ms"] if m["median_tpot_ms"] > 0 else None
                 roof_out.update(weight_bytes=weight_bytes, tpot_floor_ms=floor_ms, decode_pct_of_bw_limit=pct)
                 extra["Weight bytes per decode step:"] = f"{weight_bytes / 1e6:.1f} MB"

@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
           f"{res['output_tokens_per_s']:.2f} output tokens/s ({len(reqs)} prompts, {n_in} in, {n_out} out, "
           f"{elapsed:.1f} s)")
     if args.roofline:
-        roof = rl.measure_roofline()
+        roof = rl.measure_roofline(torch.get_num_threads())  # with the threads the engine used
         wbytes = rl.module_weight_bytes(llm.llm_engine.model)
         limit = rl.bandwidth_limit(wbytes, roof)
         res.update(roofline=roof, weight_bytes=wbytes, bw_limit_tok_s=limit,
