@@ -27,15 +27,7 @@ struct IsaAvx2 {
       const __m256 xv = _mm256_loadu_ps(x + i);
       for (int j = 0; j < 4; ++j) a[j] = _mm256_fmadd_ps(wload(dtype, r[j], i), xv, a[j]);
     }
-    for (int j = 0; j < 4; ++j) {
-      float s = hsum(a[j]);
-      for (int64_t c = i; c < k; ++c) {
-        float wv;
-        ScalarOps::load(dtype, r[j] + c * es, &wv, 1);
-        s += wv * x[c];
-      }
-      out[j] = s;
-    }
+    for (int j = 0; j < 4; ++j) out[j] = hsum(a[j]) + ScalarOps::dot_tail(dtype, r[j], x, i, k);
   }
   static float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -36,17 +36,8 @@ struct IsaAvx512 {
     out[1] = _mm512_reduce_add_ps(a1);
     out[2] = _mm512_reduce_add_ps(a2);
     out[3] = _mm512_reduce_add_ps(a3);
-    if (i < k) {
-      for (int j = 0; j < 4; ++j) {
-        float s = 0.f;
-        for (int64_t c = i; c < k; ++c) {
-          float wv;
-          ScalarOps::load(dtype, r[j] + c * es, &wv, 1);
-          s += wv * x[c];
-        }
-        out[j] += s;
-      }
-    }
+    if (i < k)
+      for (int j = 0; j < 4; ++j) out[j] += ScalarOps::dot_tail(dtype, r[j], x, i, k);
   }
   static float dot(const float* a, const float* b, int64_t n) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();

@@ -114,6 +114,18 @@ struct ScalarOps {
       for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
     }
   }
+  // sum over c in [from, k) of row[c] * x[c]: the tail a SIMD dot4 leaves over.
+  static float dot_tail(int dtype, const void* row, const float* x, int64_t from, int64_t k) {
+    const int es = dtype == AS_F32 ? 4 : 2;
+    float s = 0.f;
+    for (int64_t c = from; c < k; ++c) {
+      float wv;
+      load(dtype, static_cast<const char*>(row) + c * es, &wv, 1);
+      s += wv * x[c];
+    }
+    return s;
+  }
+
   // 4 consecutive rows of w (row length k, `dtype`) dotted with fp32 x. Reference version:
   // convert a row, then dot; SIMD variants fuse the conversion into the FMAs.
   static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {

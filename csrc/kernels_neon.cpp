@@ -26,15 +26,7 @@ struct IsaNeon {
       const float32x4_t xv = vld1q_f32(x + i);
       for (int j = 0; j < 4; ++j) a[j] = vfmaq_f32(a[j], wload(dtype, r[j], i), xv);
     }
-    for (int j = 0; j < 4; ++j) {
-      float s = vaddvq_f32(a[j]);
-      for (int64_t c = i; c < k; ++c) {
-        float wv;
-        ScalarOps::load(dtype, r[j] + c * es, &wv, 1);
-        s += wv * x[c];
-      }
-      out[j] = s;
-    }
+    for (int j = 0; j < 4; ++j) out[j] = vaddvq_f32(a[j]) + ScalarOps::dot_tail(dtype, r[j], x, i, k);
   }
   static float dot(const float* a, const float* b, int64_t n) {
     float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = vdupq_n_f32(0.f);
