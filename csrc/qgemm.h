@@ -1,7 +1,7 @@
 // Quantized linear layers: int4 (w4a8) and int8 (w8a8) weights times int8 activations that
 // are quantized on the fly per token and per group of G input columns (the weight's group):
-// one scale per 32 activations, as llama.cpp's Q8 activations, because real LLM activations
-// have outlier channels that a single per-token scale would flatten the rest of the row to 0.
+// one scale per 32 activations, as llama.cpp's Q8 activations: LLM activations have outlier
+// channels, and a single per-token scale would spend the 8 bits on them.
 // C ABI and the per-ISA table.
 //
 // Packed weight layout (built once at load by armserve/layers/quantized_linear.py):

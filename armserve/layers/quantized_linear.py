@@ -119,8 +119,8 @@ def pack(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Symmetric int8 per token and group of `group` columns: (codes [m, k], scales [m, k // group],
-    group sums [m, k // group]). One scale per group, not per token: outlier channels would
-    otherwise crush the rest of the row to zero."""
+    group sums [m, k // group]). One scale per group, not per token, so an outlier channel only
+    costs its own group precision."""
     xf = x.float().reshape(-1, x.shape[-1])
     m, k = xf.shape
     xg = xf.view(m, k // group, group)
