@@ -33,12 +33,16 @@ def median_spread(xs: list[float]) -> tuple[float, float, float]:
 
 
 class Armserve:
+    """armserve on the same dense weights as transformers (a GGUF is dequantized)."""
+
     name = "armserve"
+    quantization: str | None = "none"
 
     def __init__(self, model: str, dtype: str) -> None:
         from armserve import LLM
 
-        self.llm = LLM(model, dtype=dtype, kv_cache_space=1, max_model_len=2048)
+        self.llm = LLM(model, dtype=dtype, kv_cache_space=1, max_model_len=2048, quantization=self.quantization)
+
 
     def decode_tps(self, n: int) -> float:
         from armserve import SamplingParams
@@ -57,6 +61,13 @@ class Armserve:
                                  use_tqdm=False)
         dt = time.perf_counter() - t
         return sum(len(o.outputs[0].token_ids) for o in outs) / dt
+
+
+class ArmserveNative(Armserve):
+    """armserve's default for a GGUF: its quantized blocks run as w4a8/w8a8 (not like for like)."""
+
+    name = "armserve (GGUF kept quantized)"
+    quantization = None
 
 
 class Transformers:
@@ -109,6 +120,8 @@ def main() -> None:
     rows = []
     for dtype in args.dtypes.split(","):
         systems = [Armserve(model, dtype), Transformers(model, dtype)]
+        if model.endswith(".gguf"):
+            systems.append(ArmserveNative(model, dtype))
         for s in systems:  # warm-up
             s.decode_tps(8)
             s.batch_tps(8, 2)
@@ -136,6 +149,8 @@ def main() -> None:
         f"median of {args.runs} alternating runs after a warm-up (min-max in brackets); "
         f"load average during the runs {min(loads):.2f}-{max(loads):.2f}. armserve rev `{git_revision()}`.",
         "",
+        "armserve and transformers run the same dense weights (the GGUF dequantized); the extra armserve row "
+        "is its default for a GGUF (blocks kept quantized, int8 activations), shown for reference only. "
         "Batch-1 decode excludes prefill (armserve: first-to-last token time; transformers: time of N tokens minus "
         f"time of 1). {args.batch} concurrent is wall time including prefill (armserve: {args.batch} prompts in one "
         f"`LLM.generate`; transformers: one left-padded batch in `generate`).",
