@@ -48,6 +48,21 @@ def isa(request):
     ops.select_isa(before)
 
 
+def random_batch(rng, block_size: int, num_blocks: int, specs: list[tuple[int, int]]):
+    """An attention step of sequences given as (q_len, context_len), block tables drawn without
+    reuse: (q_start, q_len, context_len, block_tables, total rows)."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    q_start, q_len, ctx, tables, row = [], [], [], [], 0
+    for ql, c in specs:
+        tables.append([free.pop() for _ in range(-(-c // block_size))])
+        q_start.append(row)
+        q_len.append(ql)
+        ctx.append(c)
+        row += ql
+    return q_start, q_len, ctx, tables, row
+
+
 MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny_llama", "tiny_checkpoints"}
 
 

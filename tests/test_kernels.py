@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from conftest import kernel_isas
+from conftest import kernel_isas, random_batch
 
 from armserve import ops
 from armserve.layers.activation import act_and_mul_ref
@@ -114,22 +114,6 @@ def test_reshape_and_cache(isa, dtype):
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     assert kc[untouched].abs().sum() == 0
-
-
-def random_batch(rng: random.Random, block_size: int, num_blocks: int, specs: list[tuple[int, int]]):
-    """Sequences given as (q_len, context_len), with block tables drawn without reuse."""
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    q_start, q_len, ctx, tables = [], [], [], []
-    row = 0
-    for ql, c in specs:
-        n = -(-c // block_size)
-        tables.append([free.pop() for _ in range(n)])
-        q_start.append(row)
-        q_len.append(ql)
-        ctx.append(c)
-        row += ql
-    return q_start, q_len, ctx, tables, row
 
 
 ATTN_CASES = [

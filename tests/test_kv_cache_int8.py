@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import kernel_isas
+from conftest import kernel_isas, random_batch
 
 from armserve import LLM, SamplingParams, ops
 from armserve.config import ConfigError, EngineConfig
@@ -64,20 +64,6 @@ def test_reshape_and_cache_i8_exact(isa, dtype):
     untouched = torch.ones(96, dtype=torch.bool)
     untouched[slots] = False
     assert not kc[untouched].any() and not vs[untouched].any()
-
-
-def random_batch(rng: random.Random, block_size: int, num_blocks: int, specs: list[tuple[int, int]]):
-    """Sequences given as (q_len, context_len), with block tables drawn without reuse."""
-    free = list(range(num_blocks))
-    rng.shuffle(free)
-    q_start, q_len, ctx, tables, row = [], [], [], [], 0
-    for ql, c in specs:
-        tables.append([free.pop() for _ in range(-(-c // block_size))])
-        q_start.append(row)
-        q_len.append(ql)
-        ctx.append(c)
-        row += ql
-    return q_start, q_len, ctx, tables, row
 
 
 ATTN_CASES = [
