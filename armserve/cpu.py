@@ -137,6 +137,9 @@ def describe() -> dict:
     from armserve.config import cpu_has_native_bf16, resolve_dtype
 
     kernels = ops.isa()
+    # The skinny (decode) matmul's bf16 rows go to the CPU's bf16 dot instruction where the
+    # variant has one (AVX-512 with AVX512-BF16, NEON/SVE with BF16).
+    skinny = kernels + ("+bf16dot" if kernels in ("avx512", "neon", "sve") and ops.bf16_dot() else "")
     return {
         "machine": platform.machine(),
         "cpu": cpu_model(),
@@ -147,8 +150,9 @@ def describe() -> dict:
         "native_bf16": cpu_has_native_bf16(),
         "auto_dtype": str(resolve_dtype("auto")).replace("torch.", ""),
         "kernel_variants_supported": ops.supported_isas(),
-        "kernels": {family: kernels for family in
-                    ("paged_attention", "reshape_and_cache", "rms_norm", "rotary", "act_and_mul")},
+        "kernels": {**{family: kernels for family in
+                       ("paged_attention", "reshape_and_cache", "rms_norm", "rotary", "act_and_mul")},
+                    "skinny_matmul": skinny, "quantized_gemm": ops.qgemm_isa()},
         "kernels_unavailable_reason": ops.load_error() if kernels == "torch" else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),

@@ -104,6 +104,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_gemm_w8": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
         "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
         "armserve_gemv": ([I32, P, P, P, I64, I64, I64], None),
+        "armserve_set_bf16_dot": ([ctypes.c_int], ctypes.c_int),
         "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_paged_attention": ([I32, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32, F, I64],
@@ -145,6 +146,8 @@ def _load() -> ctypes.CDLL | None:
         return None
     if want:
         select_isa(want)
+    if os.environ.get("ARMSERVE_BF16_DOT", "").strip() == "0":
+        _lib.armserve_set_bf16_dot(0)
     return _lib
 
 
@@ -200,6 +203,22 @@ def supported_isas() -> list[str]:
     ok = [n for n in isas_for_arch() if lib.armserve_select_isa(n.encode()) == 0]
     lib.armserve_select_isa(current.encode())
     return ok
+
+
+def bf16_dot() -> bool:
+    """True when the skinny matmul feeds bf16 rows to the CPU's bf16 dot instruction
+    (AVX512-BF16 / ARM BFDOT) rather than widening them to fp32 (`ARMSERVE_BF16_DOT=0` turns it off)."""
+    lib = _load()
+    return lib is not None and bool(ctypes.c_int.in_dll(lib, "armserve_bf16_dot").value)
+
+
+def set_bf16_dot(on: bool) -> None:
+    """Turn the bf16 dot-instruction path of the skinny matmul on or off (tests, comparisons)."""
+    lib = _load()
+    if lib is None:
+        raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    if lib.armserve_set_bf16_dot(int(on)) == 2:
+        raise KernelError(f"this CPU has no bf16 dot instruction (features: {' '.join(cpu_features())})")
 
 
 def cpu_features() -> list[str]:
@@ -390,7 +409,7 @@ GEMV_MAX_TOKENS = 4
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [m, k] @ w [n, k]^T for a few tokens, streaming w once at memory speed."""
+    """x [m, k] @ w [n, k]^T for a few tokens (x and w of one dtype), streaming w once at memory speed."""
     x = x.contiguous()
     m, k = x.shape
     n = w.shape[0]

@@ -118,6 +118,11 @@ const KernelTable* by_name(const char* name, int* unsupported) {
   return nullptr;
 }
 
+bool has_bf16_dot() {
+  const Features& f = features();
+  return f.avx512_bf16 || f.bf16;
+}
+
 const KernelTable* g_table = nullptr;
 
 const KernelTable* table() {
@@ -128,6 +133,16 @@ const KernelTable* table() {
 }  // namespace
 
 extern "C" {
+
+int armserve_bf16_dot = has_bf16_dot() ? 1 : 0;
+
+// Use the CPU's bf16 dot instruction in the skinny matmul (on = 1) or widen to fp32 (on = 0).
+// Returns 0 on success, 2 if `on` and this CPU has no such instruction.
+int armserve_set_bf16_dot(int on) {
+  if (on && !has_bf16_dot()) return 2;
+  armserve_bf16_dot = on ? 1 : 0;
+  return 0;
+}
 
 // Pick a variant: "" or "auto" = best for this CPU. Returns 0 on success, 1 if the name is
 // unknown on this architecture, 2 if this CPU cannot run it.

@@ -55,11 +55,18 @@ struct KernelTable {
                              const int8_t* v_cache, const float* k_scale, const float* v_scale,
                              const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
                              int32_t sliding_window, float softcap, int64_t q_stride);
-  // Skinny matmul for decode: out [M, N] = x [M, K] @ w [N, K]^T, M small (a few tokens). The
-  // weight is read once from memory per row block, converted to fp32 in registers and fused
-  // into the FMAs; oneDNN's bf16 path reaches only about a third of the memory bandwidth here.
+  // Skinny matmul for decode: out [M, N] = x [M, K] @ w [N, K]^T, M small (a few tokens), x and w
+  // of the same dtype. Each weight row is read from memory once per call, as one sequential stream
+  // per thread, and widened in registers (or fed to a bf16 dot instruction); oneDNN's bf16 path
+  // reaches only about a third of the memory bandwidth here.
   void (*gemv)(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k);
 };
+
+// Nonzero: the skinny matmul's bf16 rows use the CPU's bf16 dot-product instruction (AVX512-BF16
+// vdpbf16ps, ARM BFDOT) instead of widening to fp32. Set in dispatch.cpp from the CPU's features;
+// armserve_set_bf16_dot can turn it off (tests, comparisons). bf16 x bf16 products are exact in
+// fp32 either way; only how the fp32 sums are grouped (and, for ARM BFDOT, rounded) differs.
+extern int armserve_bf16_dot;
 
 const KernelTable* armserve_table_scalar();
 #if defined(__x86_64__) || defined(_M_X64)

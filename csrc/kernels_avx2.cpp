@@ -5,9 +5,10 @@
 
 namespace {
 using armserve::ScalarOps;
+using armserve::dtype_size;
 
 struct IsaAvx2 {
-  // 4 weight rows x one fp32 activation row; bf16/f16 widened in registers (fused into the FMAs).
+  // bf16/f16/f32 -> fp32 in registers (fused into the FMAs of dot_w).
   static __m256 wload(int dtype, const void* w, int64_t i) {
     if (dtype == AS_BF16) {
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i));
@@ -17,17 +18,21 @@ struct IsaAvx2 {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(w) + i)));
     return _mm256_loadu_ps(static_cast<const float*>(w) + i);
   }
-  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
-    const int es = dtype == AS_F32 ? 4 : 2;
-    const char* r[4] = {static_cast<const char*>(w), static_cast<const char*>(w) + k * es,
-                        static_cast<const char*>(w) + 2 * k * es, static_cast<const char*>(w) + 3 * k * es};
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  static float dot_w(int dtype, const void* w, const void* x, int64_t k) {
+    // 4 accumulators: enough FMAs in flight to keep up with the memory stream.
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-      const __m256 xv = _mm256_loadu_ps(x + i);
-      for (int j = 0; j < 4; ++j) a[j] = _mm256_fmadd_ps(wload(dtype, r[j], i), xv, a[j]);
+    for (; i + 32 <= k; i += 32) {
+      a0 = _mm256_fmadd_ps(wload(dtype, w, i), wload(dtype, x, i), a0);
+      a1 = _mm256_fmadd_ps(wload(dtype, w, i + 8), wload(dtype, x, i + 8), a1);
+      a2 = _mm256_fmadd_ps(wload(dtype, w, i + 16), wload(dtype, x, i + 16), a2);
+      a3 = _mm256_fmadd_ps(wload(dtype, w, i + 24), wload(dtype, x, i + 24), a3);
     }
-    for (int j = 0; j < 4; ++j) out[j] = hsum(a[j]) + ScalarOps::dot_tail(dtype, r[j], x, i, k);
+    for (; i + 8 <= k; i += 8) a0 = _mm256_fmadd_ps(wload(dtype, w, i), wload(dtype, x, i), a0);
+    const float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    if (i == k) return s;
+    const int es = dtype_size(dtype);
+    return s + ScalarOps::dot_w(dtype, static_cast<const char*>(w) + i * es, static_cast<const char*>(x) + i * es, k - i);
   }
   static float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -7,9 +7,10 @@
 
 namespace {
 using armserve::ScalarOps;
+using armserve::dtype_size;
 
 struct IsaAvx512 {
-  // 4 weight rows x one fp32 activation row; bf16/f16 widened in registers (fused into the FMAs).
+  // bf16/f16/f32 -> fp32 in registers (fused into the FMAs of dot_w).
   static __m512 wload(int dtype, const void* w, int64_t i) {
     if (dtype == AS_BF16) {
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i));
@@ -19,25 +20,38 @@ struct IsaAvx512 {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + i)));
     return _mm512_loadu_ps(static_cast<const float*>(w) + i);
   }
-  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
-    const int es = dtype == AS_F32 ? 4 : 2;
-    const char* r[4] = {static_cast<const char*>(w), static_cast<const char*>(w) + k * es,
-                        static_cast<const char*>(w) + 2 * k * es, static_cast<const char*>(w) + 3 * k * es};
+  // AVX512-BF16: vdpbf16ps multiplies bf16 pairs and accumulates in fp32, no widening step.
+  // Only called when the CPU has it (armserve_bf16_dot, dispatch.cpp); the attribute keeps
+  // the instruction out of every other function of this file.
+  __attribute__((target("avx512bf16"))) static float dot_bf16(const uint16_t* w, const uint16_t* x, int64_t k) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 64 <= k; i += 64) {
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
+      a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + i + 32), (__m512bh)_mm512_loadu_si512(x + i + 32));
+    }
+    for (; i + 32 <= k; i += 32)
+      a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + i), (__m512bh)_mm512_loadu_si512(x + i));
+    const float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    return i < k ? s + ScalarOps::dot_w(AS_BF16, w + i, x + i, k - i) : s;
+  }
+  static float dot_w(int dtype, const void* w, const void* x, int64_t k) {
+    if (dtype == AS_BF16 && armserve_bf16_dot)
+      return dot_bf16(static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(x), k);
+    // 4 accumulators: enough FMAs in flight to keep up with the memory stream.
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t i = 0;
-    for (; i + 16 <= k; i += 16) {
-      const __m512 xv = _mm512_loadu_ps(x + i);
-      a0 = _mm512_fmadd_ps(wload(dtype, r[0], i), xv, a0);
-      a1 = _mm512_fmadd_ps(wload(dtype, r[1], i), xv, a1);
-      a2 = _mm512_fmadd_ps(wload(dtype, r[2], i), xv, a2);
-      a3 = _mm512_fmadd_ps(wload(dtype, r[3], i), xv, a3);
+    for (; i + 64 <= k; i += 64) {
+      a0 = _mm512_fmadd_ps(wload(dtype, w, i), wload(dtype, x, i), a0);
+      a1 = _mm512_fmadd_ps(wload(dtype, w, i + 16), wload(dtype, x, i + 16), a1);
+      a2 = _mm512_fmadd_ps(wload(dtype, w, i + 32), wload(dtype, x, i + 32), a2);
+      a3 = _mm512_fmadd_ps(wload(dtype, w, i + 48), wload(dtype, x, i + 48), a3);
     }
-    out[0] = _mm512_reduce_add_ps(a0);
-    out[1] = _mm512_reduce_add_ps(a1);
-    out[2] = _mm512_reduce_add_ps(a2);
-    out[3] = _mm512_reduce_add_ps(a3);
-    if (i < k)
-      for (int j = 0; j < 4; ++j) out[j] += ScalarOps::dot_tail(dtype, r[j], x, i, k);
+    for (; i + 16 <= k; i += 16) a0 = _mm512_fmadd_ps(wload(dtype, w, i), wload(dtype, x, i), a0);
+    const float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    if (i == k) return s;
+    const int es = dtype_size(dtype);
+    return s + ScalarOps::dot_w(dtype, static_cast<const char*>(w) + i * es, static_cast<const char*>(x) + i * es, k - i);
   }
   static float dot(const float* a, const float* b, int64_t n) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();

@@ -7,26 +7,53 @@
 
 namespace {
 using armserve::ScalarOps;
+using armserve::dtype_size;
 
 struct IsaNeon {
-  // 4 weight rows x one fp32 activation row; bf16/f16 widened in registers (fused into the FMAs).
+  // bf16/f16/f32 -> fp32 in registers (fused into the FMAs of dot_w).
   static float32x4_t wload(int dtype, const void* w, int64_t i) {
     if (dtype == AS_BF16)
       return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(static_cast<const uint16_t*>(w) + i), 16));
     if (dtype == AS_F16) return vcvt_f32_f16(vld1_f16(static_cast<const float16_t*>(w) + i));
     return vld1q_f32(static_cast<const float*>(w) + i);
   }
-  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
-    const int es = dtype == AS_F32 ? 4 : 2;
-    const char* r[4] = {static_cast<const char*>(w), static_cast<const char*>(w) + k * es,
-                        static_cast<const char*>(w) + 2 * k * es, static_cast<const char*>(w) + 3 * k * es};
-    float32x4_t a[4] = {vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f), vdupq_n_f32(0.f)};
+  // BF16 extension (Graviton3/4, Grace): BFDOT multiplies bf16 pairs and accumulates in fp32, no
+  // widening step. Only called when the CPU has it (armserve_bf16_dot, dispatch.cpp); the
+  // attribute keeps the instruction out of every other function of this file.
+  __attribute__((target("arch=armv8.2-a+bf16"))) static float dot_bf16(const uint16_t* w, const uint16_t* x,
+                                                                       int64_t k) {
+    float32x4_t a0 = vdupq_n_f32(0.f), a1 = vdupq_n_f32(0.f), a2 = vdupq_n_f32(0.f), a3 = vdupq_n_f32(0.f);
     int64_t i = 0;
-    for (; i + 4 <= k; i += 4) {
-      const float32x4_t xv = vld1q_f32(x + i);
-      for (int j = 0; j < 4; ++j) a[j] = vfmaq_f32(a[j], wload(dtype, r[j], i), xv);
+    for (; i + 32 <= k; i += 32) {
+      a0 = vbfdotq_f32(a0, vreinterpretq_bf16_u16(vld1q_u16(w + i)), vreinterpretq_bf16_u16(vld1q_u16(x + i)));
+      a1 = vbfdotq_f32(a1, vreinterpretq_bf16_u16(vld1q_u16(w + i + 8)), vreinterpretq_bf16_u16(vld1q_u16(x + i + 8)));
+      a2 = vbfdotq_f32(a2, vreinterpretq_bf16_u16(vld1q_u16(w + i + 16)),
+                       vreinterpretq_bf16_u16(vld1q_u16(x + i + 16)));
+      a3 = vbfdotq_f32(a3, vreinterpretq_bf16_u16(vld1q_u16(w + i + 24)),
+                       vreinterpretq_bf16_u16(vld1q_u16(x + i + 24)));
     }
-    for (int j = 0; j < 4; ++j) out[j] = vaddvq_f32(a[j]) + ScalarOps::dot_tail(dtype, r[j], x, i, k);
+    for (; i + 8 <= k; i += 8)
+      a0 = vbfdotq_f32(a0, vreinterpretq_bf16_u16(vld1q_u16(w + i)), vreinterpretq_bf16_u16(vld1q_u16(x + i)));
+    const float s = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
+    return i < k ? s + ScalarOps::dot_w(AS_BF16, w + i, x + i, k - i) : s;
+  }
+  static float dot_w(int dtype, const void* w, const void* x, int64_t k) {
+    if (dtype == AS_BF16 && armserve_bf16_dot)
+      return dot_bf16(static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(x), k);
+    // 4 accumulators: enough FMAs in flight to keep up with the memory stream.
+    float32x4_t a0 = vdupq_n_f32(0.f), a1 = vdupq_n_f32(0.f), a2 = vdupq_n_f32(0.f), a3 = vdupq_n_f32(0.f);
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+      a0 = vfmaq_f32(a0, wload(dtype, w, i), wload(dtype, x, i));
+      a1 = vfmaq_f32(a1, wload(dtype, w, i + 4), wload(dtype, x, i + 4));
+      a2 = vfmaq_f32(a2, wload(dtype, w, i + 8), wload(dtype, x, i + 8));
+      a3 = vfmaq_f32(a3, wload(dtype, w, i + 12), wload(dtype, x, i + 12));
+    }
+    for (; i + 4 <= k; i += 4) a0 = vfmaq_f32(a0, wload(dtype, w, i), wload(dtype, x, i));
+    const float s = vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
+    if (i == k) return s;
+    const int es = dtype_size(dtype);
+    return s + ScalarOps::dot_w(dtype, static_cast<const char*>(w) + i * es, static_cast<const char*>(x) + i * es, k - i);
   }
   static float dot(const float* a, const float* b, int64_t n) {
     float32x4_t acc0 = vdupq_n_f32(0.f), acc1 = vdupq_n_f32(0.f);

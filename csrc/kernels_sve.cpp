@@ -8,31 +8,45 @@ namespace {
 using armserve::ScalarOps;
 
 struct IsaSve {
-  // 4 weight rows x one fp32 activation row, vector-length agnostic; bf16/f16 widened in
-  // registers (fused into the FMAs).
+  // bf16/f16/f32 -> fp32 in registers (fused into the FMAs of dot_w), vector-length agnostic.
   static svfloat32_t wload(int dtype, svbool_t pg, const void* w, int64_t i) {
     if (dtype == AS_F32) return svld1_f32(pg, static_cast<const float*>(w) + i);
     const svuint32_t h = svld1uh_u32(pg, static_cast<const uint16_t*>(w) + i);
     if (dtype == AS_BF16) return svreinterpret_f32_u32(svlsl_n_u32_x(pg, h, 16));
     return svcvt_f32_f16_x(pg, svreinterpret_f16_u32(h));
   }
-  static void dot4(int dtype, const void* w, int64_t k, const float* x, float* out) {
-    const int es = dtype == AS_F32 ? 4 : 2;
-    const char* r0 = static_cast<const char*>(w);
+  // SVE BF16 (Graviton3, Grace): BFDOT on whole vectors of bf16 pairs, fp32 accumulation. Only
+  // called when the CPU has it (armserve_bf16_dot, dispatch.cpp); the attribute keeps the
+  // instruction out of every other function of this file. Inactive lanes load as zero.
+  __attribute__((target("arch=armv8.2-a+sve+bf16"))) static float dot_bf16(const uint16_t* w, const uint16_t* x,
+                                                                           int64_t k) {
+    svfloat32_t a0 = svdup_f32(0.f), a1 = svdup_f32(0.f);
+    const int64_t vl = svcnth();
+    for (int64_t i = 0; i < k; i += 2 * vl) {
+      const svbool_t p0 = svwhilelt_b16(i, k), p1 = svwhilelt_b16(i + vl, k);
+      a0 = svbfdot_f32(a0, svreinterpret_bf16_u16(svld1_u16(p0, w + i)), svreinterpret_bf16_u16(svld1_u16(p0, x + i)));
+      a1 = svbfdot_f32(a1, svreinterpret_bf16_u16(svld1_u16(p1, w + i + vl)),
+                       svreinterpret_bf16_u16(svld1_u16(p1, x + i + vl)));
+    }
+    return svaddv_f32(svptrue_b32(), svadd_f32_x(svptrue_b32(), a0, a1));
+  }
+  static float dot_w(int dtype, const void* w, const void* x, int64_t k) {
+    if (dtype == AS_BF16 && armserve_bf16_dot)
+      return dot_bf16(static_cast<const uint16_t*>(w), static_cast<const uint16_t*>(x), k);
+    // 4 accumulators: enough FMAs in flight to keep up with the memory stream (128-bit SVE
+    // would otherwise retire one vector of 4 per FMA latency).
     svfloat32_t a0 = svdup_f32(0.f), a1 = svdup_f32(0.f), a2 = svdup_f32(0.f), a3 = svdup_f32(0.f);
-    for (int64_t i = 0; i < k; i += svcntw()) {
-      const svbool_t pg = svwhilelt_b32(i, k);
-      const svfloat32_t xv = svld1_f32(pg, x + i);
-      a0 = svmla_f32_m(pg, a0, wload(dtype, pg, r0, i), xv);
-      a1 = svmla_f32_m(pg, a1, wload(dtype, pg, r0 + k * es, i), xv);
-      a2 = svmla_f32_m(pg, a2, wload(dtype, pg, r0 + 2 * k * es, i), xv);
-      a3 = svmla_f32_m(pg, a3, wload(dtype, pg, r0 + 3 * k * es, i), xv);
+    const int64_t vl = svcntw();
+    for (int64_t i = 0; i < k; i += 4 * vl) {
+      const svbool_t p0 = svwhilelt_b32(i, k), p1 = svwhilelt_b32(i + vl, k), p2 = svwhilelt_b32(i + 2 * vl, k),
+                     p3 = svwhilelt_b32(i + 3 * vl, k);
+      a0 = svmla_f32_m(p0, a0, wload(dtype, p0, w, i), wload(dtype, p0, x, i));
+      a1 = svmla_f32_m(p1, a1, wload(dtype, p1, w, i + vl), wload(dtype, p1, x, i + vl));
+      a2 = svmla_f32_m(p2, a2, wload(dtype, p2, w, i + 2 * vl), wload(dtype, p2, x, i + 2 * vl));
+      a3 = svmla_f32_m(p3, a3, wload(dtype, p3, w, i + 3 * vl), wload(dtype, p3, x, i + 3 * vl));
     }
     const svbool_t all = svptrue_b32();
-    out[0] = svaddv_f32(all, a0);
-    out[1] = svaddv_f32(all, a1);
-    out[2] = svaddv_f32(all, a2);
-    out[3] = svaddv_f32(all, a3);
+    return svaddv_f32(all, svadd_f32_x(all, svadd_f32_x(all, a0, a1), svadd_f32_x(all, a2, a3)));
   }
   static float dot(const float* a, const float* b, int64_t n) {
     svfloat32_t acc = svdup_f32(0.f);

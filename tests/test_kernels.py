@@ -212,16 +212,33 @@ def test_engine_greedy_equal_on_every_isa(tiny_llama):
     assert all(r == first for r in results.values()), results
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gemv(isa, dtype):
-    """Skinny matmul for decode (1-4 tokens) vs PyTorch's float64 matmul, incl. odd sizes and tail rows."""
+def gemv_modes() -> list[tuple[torch.dtype, bool]]:
+    """(dtype, bf16 dot instruction on): every dtype widened to fp32, plus bfloat16 through the
+    CPU's bf16 dot instruction where it has one."""
+    from armserve import ops
+
+    has_dot = "avx512_bf16" in ops.cpu_features() or "bf16" in ops.cpu_features()
+    return [(d, False) for d in DTYPES] + ([(torch.bfloat16, True)] if has_dot else [])
+
+
+@pytest.mark.parametrize("dtype,bf16_dot", gemv_modes())
+def test_gemv(isa, dtype, bf16_dot):
+    """Skinny matmul for decode vs PyTorch's float64 matmul: odd sizes (SIMD tails), several
+    16-row blocks with a partial one, 1-9 tokens (more than one 8-token chunk)."""
     torch.manual_seed(11)
-    shapes = [(1, 10, 37), (3, 64, 576), (4, 130, 1000), (2, 7, 16)] if not SMALL else [(1, 10, 37), (4, 9, 40)]
-    for m, n, k in shapes:
-        x = torch.randn(m, k).to(dtype)
-        w = torch.randn(n, k).to(dtype)
-        want = (x.double() @ w.double().T).to(dtype)
-        if dtype == torch.float32:  # a k-long float32 sum: error grows with k, so scale the tolerance
-            torch.testing.assert_close(ops.gemv(x, w), want, atol=2e-6 * k ** 0.5 * want.abs().max().item(), rtol=1e-5)
-        else:
-            close(ops.gemv(x, w), want, dtype)
+    shapes = ([(1, 10, 37), (3, 64, 576), (4, 130, 1000), (2, 7, 16), (9, 35, 200), (1, 40, 2048 + 24)]
+              if not SMALL else [(1, 10, 37), (4, 9, 40), (9, 35, 200)])
+    before = ops.bf16_dot()
+    ops.set_bf16_dot(bf16_dot)
+    try:
+        for m, n, k in shapes:
+            x = torch.randn(m, k).to(dtype)
+            w = torch.randn(n, k).to(dtype)
+            want = (x.double() @ w.double().T).to(dtype)
+            if dtype == torch.float32:  # a k-long float32 sum: error grows with k, so scale the tolerance
+                torch.testing.assert_close(ops.gemv(x, w), want, atol=2e-6 * k ** 0.5 * want.abs().max().item(),
+                                           rtol=1e-5)
+            else:
+                close(ops.gemv(x, w), want, dtype)
+    finally:
+        ops.set_bf16_dot(before)
