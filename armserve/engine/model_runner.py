@@ -85,6 +85,7 @@ class ModelRunner:
             attn.v_cache = self.kv_cache[1, i]
             attn.k_scale = None if self.kv_scales is None else self.kv_scales[0, i]
             attn.v_scale = None if self.kv_scales is None else self.kv_scales[1, i]
+            attn.enable_key_smoothing(self.cache_dtype == torch.int8)
         self.sampler = Sampler()
         # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
         # switches to the PyTorch path (the reference the kernels are tested against).

@@ -15,7 +15,7 @@ from torch import nn
 
 from armserve import ops
 from armserve.layers.activation import get_act_and_mul
-from armserve.layers.attention import Attention
+from armserve.layers.attention import Attention, key_channel_rms
 from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor, quantize_weight_int8
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
@@ -81,6 +81,19 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window
         )
+
+    def set_key_channel_rms(self, w_k: torch.Tensor, norm: RMSNorm) -> None:
+        """Estimate the key channels' RMS for int8-cache smoothing (Attention.enable_key_smoothing),
+        shared within each rotary pair (c, c + rot/2 in the neox layout every model here uses) so
+        that scaling a pair commutes with the rotation."""
+        if not self.rotary_emb.is_neox_style:
+            return  # no smoothing: the pairing below is the neox one
+        b = self.qkv_proj.bias
+        b_k = None if b is None else b.data[self.q_size:self.q_size + self.kv_size]
+        rms = key_channel_rms(w_k, b_k, norm.weight.data + norm.offset).view(self.num_kv_heads, self.head_dim)
+        half = self.rotary_emb.rotary_dim // 2
+        pair = ((rms[:, :half].pow(2) + rms[:, half:2 * half].pow(2)) / 2).sqrt()
+        self.attn.key_channel_rms = torch.cat([pair, pair, rms[:, 2 * half:]], dim=1).reshape(-1)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -184,10 +197,13 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        key_weights: dict[int, torch.Tensor | QuantizedTensor] = {}  # layer -> its k_proj weight
         for raw_name, tensor in weights:
             name = self._checkpoint_name(raw_name)
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name.endswith(".k_proj.weight") and name.startswith("layers."):
+                key_weights[int(name.split(".")[1])] = tensor
             if isinstance(tensor, QuantizedTensor):
                 target, shard = self._fused_target(name)
                 if name == "lm_head.weight" and self.lm_head is None:
@@ -224,6 +240,9 @@ class LlamaForCausalLM(nn.Module):
                     )
                 param.data.copy_(tensor)
                 loaded.add(name)
+        for i, w_k in key_weights.items():
+            w = w_k.dequantize() if isinstance(w_k, QuantizedTensor) else w_k
+            self.layers[i].self_attn.set_key_channel_rms(w, self.layers[i].input_layernorm)
         return loaded
 
     def _fused_target(self, name: str) -> tuple[str, object]:
