@@ -147,7 +147,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     qcfg = quantize_model(
         args.model, args.out, scheme=args.scheme,
         group_size=args.group_size if args.group_size == "channel" else args.group_size,
-        symmetric=args.symmetric, quantize_lm_head=args.quantize_lm_head,
+        symmetric=args.symmetric, lm_head=args.lm_head,
         skip_modules=[s for s in args.skip_modules.split(",") if s], dtype=args.dtype,
     )
     print(f"wrote {args.out}: {json.dumps(qcfg)}")
@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--scheme", default="w4a8", choices=["w4a8"])
     qz.add_argument("--group-size", default="32", help="32, 64, 128 or channel")
     qz.add_argument("--symmetric", action="store_true", help="no zero points (codes = q + 8)")
-    qz.add_argument("--quantize-lm-head", action="store_true", help="also quantize the LM head")
+    qz.add_argument("--lm-head", default="int8", choices=["int8", "int4", "keep"],
+                    help="LM head format: int8 (default), int4 like the other layers, or keep (--dtype)")
     qz.add_argument("--skip-modules", default="", help="comma-separated name parts kept in --dtype")
     qz.add_argument("--dtype", default="bfloat16", help="dtype of the tensors that stay unquantized")
     qz.set_defaults(func=cmd_quantize)

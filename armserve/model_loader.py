@@ -129,10 +129,15 @@ def checkpoint_dtype(config) -> torch.dtype | None:
 
 
 def _read_quantized(f, prefix: str, keys: set[str], quantized_config: bool, dequantize: bool):
-    """An `armserve quantize` weight: nibble-packed codes + scales (+ zero points)."""
+    """An `armserve quantize` weight: nibble-packed int4 codes + scales (+ zero points), or int8
+    codes (a .qweight of dtype int8, symmetric) + scales."""
     if not quantized_config:
         raise ModelLoadError(f"{prefix}.qweight found but config.json has no armserve quantization_config")
     packed = f.get_tensor(prefix + ".qweight")
+    if packed.dtype == torch.int8:
+        scales = f.get_tensor(prefix + ".scales").float()
+        qt = QuantizedTensor("w8", packed.contiguous(), scales, None, packed.shape[1] // scales.shape[1])
+        return prefix + ".weight", (qt.dequantize() if dequantize else qt)
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
     scales = f.get_tensor(prefix + ".scales").float()
     if prefix + ".zeros" in keys:

@@ -16,17 +16,20 @@ struct QAvx512 {
     __m512 facc[NT];
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < k / group; ++g) {
-      __m512i ia[NT];
-      for (int i = 0; i < NT; ++i) ia[i] = _mm512_setzero_si512();
+      // Low and high nibbles accumulate separately: two dependency chains of vpdpbusd instead of
+      // one, which otherwise caps a single token's tile at its latency, well below memory speed.
+      __m512i ia[NT], ib[NT];
+      for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
         const __m512i b = _mm512_loadu_si512(wt + c * 64);
         const __m512i lo = _mm512_and_si512(b, nib);  // weights are the unsigned operand
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
         for (int i = 0; i < NT; ++i) {
           ia[i] = _mm512_dpbusd_epi32(ia[i], lo, _mm512_set1_epi32(load4(q[i] + c * 8)));
-          ia[i] = _mm512_dpbusd_epi32(ia[i], hi, _mm512_set1_epi32(load4(q[i] + c * 8 + 4)));
+          ib[i] = _mm512_dpbusd_epi32(ib[i], hi, _mm512_set1_epi32(load4(q[i] + c * 8 + 4)));
         }
       }
+      for (int i = 0; i < NT; ++i) ia[i] = _mm512_add_epi32(ia[i], ib[i]);
       const __m512 s = _mm512_loadu_ps(sc + g * 32), z = _mm512_loadu_ps(sc + g * 32 + 16);
       for (int i = 0; i < NT; ++i) {
         const __m512 sa = _mm512_set1_ps(as[i][g]);

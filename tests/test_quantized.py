@@ -150,18 +150,21 @@ def test_quantize_cli_end_to_end(tiny_llama, tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert cfg["quant_method"] == "armserve" and cfg["group_size"] == 32 and "lm_head" in cfg["modules_not_converted"]
+    assert cfg["quant_method"] == "armserve" and cfg["group_size"] == 32 and cfg["lm_head"] == "int8"
+    assert "lm_head" not in cfg["modules_not_converted"]
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
         assert "model.layers.0.self_attn.q_proj.qweight" in keys and "model.layers.0.self_attn.q_proj.zeros" in keys
-        assert "lm_head.weight" in keys and f.get_tensor("lm_head.weight").dtype == torch.bfloat16
+        assert "lm_head.weight" not in keys and f.get_tensor("lm_head.qweight").dtype == torch.int8
         assert f.get_tensor("model.layers.0.mlp.down_proj.qweight").dtype == torch.uint8
 
-    # The quantized folder loads directly and computes what its own dequantized weights give.
+    # The quantized folder loads directly (the LM head as an int8 GEMM) and computes what its own
+    # dequantized weights give.
     q = LLM(str(out), dtype="float32", kv_cache_space=0.02)
-    assert any(isinstance(m, QuantizedLinear) for m in q.llm_engine.model.modules())
+    head = q.llm_engine.model.lm_head
+    assert isinstance(head, QuantizedLinear) and [p.fmt for p in head.parts] == ["w8"]
     deq = LLM(str(out), dtype="float32", kv_cache_space=0.02, quantization="none")
     p = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     a = q.generate(["the cat sat on the mat"], p, use_tqdm=False)[0].outputs[0].logprobs[0]
@@ -176,6 +179,27 @@ def test_quantize_cli_end_to_end(tiny_llama, tmp_path):
     r = subprocess.run([sys.executable, "-m", "armserve.cli", "quantize", tiny_llama, str(tmp_path / "x"),
                         "--group-size", "48"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 2 and "group size" in r.stderr
+
+
+@pytest.mark.parametrize("lm_head,fmt", [("keep", None), ("int4", "w4")])
+def test_quantize_lm_head_choices(tiny_llama, tmp_path, lm_head, fmt):
+    """--lm-head keep leaves it in --dtype; int4 quantizes it like the other layers; both load and
+    agree with their own dequantized weights."""
+    from armserve.quantize import quantize_model
+
+    cfg = quantize_model(tiny_llama, str(tmp_path / "q"), lm_head=lm_head, progress=False)
+    assert cfg["lm_head"] == lm_head and (("lm_head" in cfg["modules_not_converted"]) == (lm_head == "keep"))
+    q = LLM(str(tmp_path / "q"), dtype="float32", kv_cache_space=0.02)
+    head = q.llm_engine.model.lm_head
+    assert ([p.fmt for p in head.parts] if isinstance(head, QuantizedLinear) else None) == ([fmt] if fmt else None)
+    deq = LLM(str(tmp_path / "q"), dtype="float32", kv_cache_space=0.02, quantization="none")
+    p = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    a = q.generate(["the cat sat on the mat"], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    b = deq.generate(["the cat sat on the mat"], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    common = set(a) & set(b)
+    assert len(common) >= 3 and max(abs(a[t].logprob - b[t].logprob) for t in common) < 0.15
+    with pytest.raises(ValueError, match="lm_head must be"):
+        quantize_model(tiny_llama, str(tmp_path / "r"), lm_head="fp8", progress=False)
 
 
 # ---- accuracy -----------------------------------------------------------------------------
