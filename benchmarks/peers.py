@@ -74,6 +74,9 @@ def install_llama_server() -> str:
     root = os.path.join(PEERS_DIR, "llama.cpp")
     exe = os.path.join(root, "build", "bin", "llama-server")
     if os.path.isfile(os.path.join(root, ".installed")) and os.path.isfile(exe):
+        if not os.path.isfile(os.path.join(root, "build", "bin", "llama-quantize")):  # older builds lack it
+            _run_logged([NICE + ["cmake", "--build", os.path.join(root, "build"), "-j", "2", "--target",
+                                 "llama-quantize"]], os.path.join(PEERS_DIR, "llamacpp-install.log"))
         return exe
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(os.path.join(root, "src"))
@@ -91,7 +94,7 @@ def install_llama_server() -> str:
                          "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
                          "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"],
                  NICE + ["cmake", "--build", os.path.join(root, "build"), "-j", "2", "--target", "llama-server",
-                         "llama-bench"]], log)
+                         "llama-bench", "llama-quantize"]], log)
     open(os.path.join(root, ".installed"), "w").write(f"{time.monotonic() - t:.0f} s\n")
     return exe
 
