@@ -100,7 +100,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_reshape_and_cache": ([I32, P, P, P, P, P, I64, I64, I64], None),
         "armserve_qgemm_isa": ([], ctypes.c_char_p),
         "armserve_quantize_act": ([I32, P, I64, I64, I64, P, P, P], None),
-        "armserve_gemm_w4": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
+        "armserve_gemm_w4": ([I32, P, P, P, P, P, I64, I64, I64, I64, I64], None),
         "armserve_gemm_w8": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
         "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
         "armserve_gemv": ([I32, P, P, P, I64, I64, I64], None),
@@ -382,26 +382,34 @@ def paged_attention_i8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     return out
 
 
-def quantize_act(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int8 activations per token and group: (codes [m, k], scales [m, k // group], group sums)."""
+def quantize_act(x: torch.Tensor, group: int,
+                 out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int8 activations per token and group: (codes [m, k], scales [m, k // group], group sums),
+    written into `out` when given (buffers of exactly those shapes, reused across calls)."""
     x = x.contiguous()
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.int8)
-    scale = torch.empty(m, k // group, dtype=torch.float32)
-    gsum = torch.empty(m, k // group, dtype=torch.int32)
+    if out is None:
+        out = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // group, dtype=torch.float32),
+               torch.empty(m, k // group, dtype=torch.int32))
+    q, scale, gsum = out
     _lib.armserve_quantize_act(_DTYPE_CODES[x.dtype], x.data_ptr(), m, k, group, q.data_ptr(), scale.data_ptr(),
                                gsum.data_ptr())
-    return q, scale, gsum
+    return out
 
 
 def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-          packed: torch.Tensor, scales: torch.Tensor, n: int, group: int) -> None:
-    """out[:, col:col + n] = acts x W^T for a packed "w4" or "w8" weight (csrc/qgemm.h)."""
+          packed: torch.Tensor, scales: torch.Tensor | None, n: int, group: int) -> None:
+    """out[:, col:col + n] = acts x W^T for a packed "w4" (scales inline: None) or "w8" weight
+    (csrc/qgemm.h)."""
     q, scale, gsum = acts
-    fn = _lib.armserve_gemm_w4 if fmt == "w4" else _lib.armserve_gemm_w8
     dst = out.data_ptr() + col * out.element_size()
-    fn(_DTYPE_CODES[out.dtype], dst, q.data_ptr(), scale.data_ptr(), gsum.data_ptr(), packed.data_ptr(),
-       scales.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
+    if fmt == "w4":
+        _lib.armserve_gemm_w4(_DTYPE_CODES[out.dtype], dst, q.data_ptr(), scale.data_ptr(), gsum.data_ptr(),
+                              packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
+    else:
+        _lib.armserve_gemm_w8(_DTYPE_CODES[out.dtype], dst, q.data_ptr(), scale.data_ptr(), gsum.data_ptr(),
+                              packed.data_ptr(), scales.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
 
 
 # Largest token count for which `gemv` beats PyTorch's GEMM (decode and small batches).

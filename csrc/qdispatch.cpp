@@ -52,9 +52,8 @@ void armserve_quantize_act(int32_t dtype, const void* x, int64_t m, int64_t k, i
 }
 
 void armserve_gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                      const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
-                  int64_t ldo) {
-  qtable()->gemm_w4(dtype, out, q, ascale, agsum, w, scales, m, n, k, group, ldo);
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+  qtable()->gemm_w4(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
 }
 
 void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,

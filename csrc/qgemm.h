@@ -6,16 +6,22 @@
 //
 // Packed weight layout (built once at load by armserve/layers/quantized_linear.py):
 //
-//   W4: tiles of 16 output rows. Per tile, per chunk of 8 input columns k0..k0+7, 64 bytes:
+//   W4: tiles of 16 output rows, each one contiguous run of bytes read front to back. Per tile,
+//       per group of G input columns: G/8 chunks of 64 weight bytes, then 64 bytes of scales.
+//       Chunk of columns k0..k0+7:
 //         byte[r * 4 + j] = u[r][k0 + j] | u[r][k0 + 4 + j] << 4      (r < 16, j < 4)
 //       so the low nibbles of a chunk are a 16 x 4 block of k0..k0+3 and the high nibbles the
 //       block of k0+4..k0+7: one 64-byte vector feeds 16 rows of a 4-wide integer dot product
 //       (VNNI vpdpbusd, NEON/SVE sdot). u is the unsigned 4-bit code, w = s * u - szp.
+//       Scales: 16 float16 s, then 16 float16 szp (= s * zero point), subtracted times the group's
+//       activation sum. With g = group index and c = global chunk index (k0 / 8), chunk c sits
+//       at 64 * (c + g) bytes and group g's scales at 64 * ((g + 1) * G / 8 + g).
+//       NOTE: one stream and float16 scales (0.625 bytes per weight at G = 32, not 0.75 with a
+//       separate float32 scale array): decode is bound by the bytes it reads.
 //   W8: tiles of 16 rows; per chunk of 4 columns, 64 bytes: byte[r * 4 + j] = q[r][k0 + j] (int8),
-//       w = s * q.
-//   Per tile and group of G columns: 16 floats of scale s, then 16 floats of `corr`:
-//       W4: corr = s * zero-point (szp above), subtracted times the group's activation sum;
-//       W8: corr = s * 128 * sum(q), used by ISAs that offset activations to unsigned bytes.
+//       w = s * q. Scales in their own array: per tile and group, 16 floats of s, then 16 floats
+//       of corr = s * 128 * sum(q), used by ISAs that offset activations to unsigned bytes (too
+//       large for float16).
 #pragma once
 #include <cstdint>
 
@@ -29,10 +35,9 @@ struct QKernelTable {
   void (*quantize_act)(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q,
                        float* scale, int32_t* gsum);
   // out [M, N] (dtype, rows `ldo` elements apart) = the quantized activations times dequant(W)^T;
-  // W's N rows are padded to a multiple of 16 in the packed layout.
+  // W's N rows are padded to a multiple of 16 in the packed layout (W4 carries its scales inline).
   void (*gemm_w4)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                  const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
-                  int64_t ldo);
+                  const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
   void (*gemm_w8)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                   const int8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
                   int64_t ldo);

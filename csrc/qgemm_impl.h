@@ -1,5 +1,5 @@
 // Quantized GEMM driver, written once; each qgemm_<isa>.cpp supplies a struct with
-//   template <int NT> tile_w4(wt, sc, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
+//   template <int NT> tile_w4(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])      (scales inline)
 //   template <int NT> tile_w8(wt, sc, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
 // computing, for one 16-row weight tile and NT tokens, the 16 outputs (`as` are each token's
 // per-group activation scales). See qgemm.h for the packed layout. Same anonymous-namespace rule as
@@ -20,27 +20,33 @@ static inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// W4 layout (qgemm.h): chunk c of group g, and group g's 16 + 16 float16 scales.
+static inline const uint8_t* w4_chunk(const uint8_t* wt, int64_t c, int64_t g) { return wt + (c + g) * 64; }
+static inline const uint16_t* w4_scales(const uint8_t* wt, int64_t g, int64_t group) {
+  return reinterpret_cast<const uint16_t*>(wt + ((g + 1) * (group / 8) + g) * 64);
+}
+
 // Portable reference of the tile products, used by the scalar variant and as the fallback.
 struct ScalarQ {
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
+  static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
     for (int i = 0; i < NT; ++i)
       for (int r = 0; r < 16; ++r) acc[i][r] = 0.f;
     for (int64_t g = 0; g < k / group; ++g) {
       int32_t ia[NT][16] = {};
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
-        const uint8_t* b = wt + c * 64;
+        const uint8_t* b = w4_chunk(wt, c, g);
         for (int r = 0; r < 16; ++r)
           for (int j = 0; j < 4; ++j) {
             const int lo = b[r * 4 + j] & 15, hi = b[r * 4 + j] >> 4;
             for (int i = 0; i < NT; ++i) ia[i][r] += lo * q[i][c * 8 + j] + hi * q[i][c * 8 + 4 + j];
           }
       }
-      const float* s = sc + g * 32;
+      const uint16_t* h = w4_scales(wt, g, group);
       for (int i = 0; i < NT; ++i)
-        for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * (s[r] * float(ia[i][r]) - s[16 + r] * float(gs[i][g]));
+        for (int r = 0; r < 16; ++r)
+          acc[i][r] += as[i][g] * (f16_to_f32(h[r]) * float(ia[i][r]) - f16_to_f32(h[16 + r]) * float(gs[i][g]));
     }
   }
 
@@ -67,34 +73,49 @@ struct ScalarQ {
 
 template <class Isa, class IsaQ>
 struct QKernels {
+  // One token's row: int8 codes, per-group scales and code sums.
+  static void quantize_row(int32_t dtype, const void* x, int64_t k, int64_t group, int8_t* qr, float* scale,
+                           int32_t* gsum) {
+    float* row = scratch(0, k);
+    Isa::load(dtype, x, row, k);
+    const int64_t ng = k / group;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* xg = row + g * group;
+      // |x| compared as integers: for non-negative floats the bit patterns sort like the values,
+      // and an integer max reduction vectorises where a float one (NaN rules) does not.
+      uint32_t mbits = 0;
+      for (int64_t i = 0; i < group; ++i) {
+        const uint32_t b = __builtin_bit_cast(uint32_t, xg[i]) & 0x7fffffffu;
+        mbits = b > mbits ? b : mbits;
+      }
+      const float amax = __builtin_bit_cast(float, mbits);
+      const float inv = amax > 0.f ? 127.0f / amax : 1.0f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < group; ++i) {
+        // round half to even with the 1.5 * 2^23 trick (|x * inv| <= 127)
+        const int8_t v = int8_t((xg[i] * inv + 12582912.0f) - 12582912.0f);
+        qr[g * group + i] = v;
+        sum += v;
+      }
+      scale[g] = amax > 0.f ? amax / 127.0f : 1.0f;
+      gsum[g] = sum;
+    }
+  }
+
   static void quantize_act(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q, float* scale,
                            int32_t* gsum) {
     const int es = dtype_size(dtype);
-#pragma omp parallel for schedule(static) if (m * k >= (1 << 16))
-    for (int64_t t = 0; t < m; ++t) {
-      float* row = scratch(0, k);
-      Isa::load(dtype, static_cast<const char*>(x) + t * k * es, row, k);
-      const int64_t ng = k / group;
-      int8_t* qr = q + t * k;
-      for (int64_t g = 0; g < ng; ++g) {
-        const float* xg = row + g * group;
-        float amax = 0.f;
-        for (int64_t i = 0; i < group; ++i) {
-          const float a = xg[i] < 0.f ? -xg[i] : xg[i];
-          amax = a > amax ? a : amax;
-        }
-        const float inv = amax > 0.f ? 127.0f / amax : 1.0f;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < group; ++i) {
-          // round half to even with the 1.5 * 2^23 trick (|x * inv| <= 127)
-          const int8_t v = int8_t((xg[i] * inv + 12582912.0f) - 12582912.0f);
-          qr[g * group + i] = v;
-          sum += v;
-        }
-        scale[t * ng + g] = amax > 0.f ? amax / 127.0f : 1.0f;
-        gsum[t * ng + g] = sum;
-      }
+    const int64_t ng = k / group;
+    if (m * k < (1 << 16)) {  // decode: not worth waking the thread pool
+      for (int64_t t = 0; t < m; ++t)
+        quantize_row(dtype, static_cast<const char*>(x) + t * k * es, k, group, q + t * k, scale + t * ng,
+                     gsum + t * ng);
+      return;
     }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < m; ++t)
+      quantize_row(dtype, static_cast<const char*>(x) + t * k * es, k, group, q + t * k, scale + t * ng,
+                   gsum + t * ng);
   }
 
   template <bool W4>
@@ -103,11 +124,11 @@ struct QKernels {
                   int64_t ldo) {
     const int es = dtype_size(dtype);
     const int64_t tiles = (n + 15) / 16, ng = k / group;
-    const int64_t tile_bytes = W4 ? 8 * k : 16 * k;
+    const int64_t tile_bytes = W4 ? 8 * k + 64 * ng : 16 * k;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
       const uint8_t* wt = w + t * tile_bytes;
-      const float* sc = scales + t * ng * 32;
+      const float* sc = W4 ? nullptr : scales + t * ng * 32;
       const int rows = int(n - t * 16 < 16 ? n - t * 16 : 16);
       float acc[4][16];
       for (int64_t m0 = 0; m0 < m; m0 += 4) {
@@ -122,13 +143,13 @@ struct QKernels {
         }
         if (nt == 4) {
           if (W4)
-            IsaQ::template tile_w4<4>(wt, sc, qs, as, gs, k, group, acc);
+            IsaQ::template tile_w4<4>(wt, qs, as, gs, k, group, acc);
           else
             IsaQ::template tile_w8<4>(wt, sc, qs, as, gs, k, group, acc);
         } else {
           for (int i = 0; i < nt; ++i) {
             if (W4)
-              IsaQ::template tile_w4<1>(wt, sc, qs + i, as + i, gs + i, k, group, acc + i);
+              IsaQ::template tile_w4<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
             else
               IsaQ::template tile_w8<1>(wt, sc, qs + i, as + i, gs + i, k, group, acc + i);
           }
@@ -140,9 +161,8 @@ struct QKernels {
   }
 
   static void gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                      const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
-                  int64_t ldo) {
-    gemm<true>(dtype, out, q, ascale, agsum, w, scales, m, n, k, group, ldo);
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+    gemm<true>(dtype, out, q, ascale, agsum, w, nullptr, m, n, k, group, ldo);
   }
 
   static void gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,

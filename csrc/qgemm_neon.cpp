@@ -6,12 +6,13 @@
 
 namespace {
 using armserve::load4;
+using armserve::w4_chunk;
+using armserve::w4_scales;
 
 struct QNeon {
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
+  static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
     const uint8x16_t nib = vdupq_n_u8(0x0f);
     float32x4_t facc[NT][4];
     for (int i = 0; i < NT; ++i)
@@ -27,7 +28,7 @@ struct QNeon {
           a1[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 8 + 4)));
         }
         for (int h = 0; h < 4; ++h) {  // rows 4h .. 4h+3
-          const uint8x16_t b = vld1q_u8(wt + c * 64 + h * 16);
+          const uint8x16_t b = vld1q_u8(w4_chunk(wt, c, g) + h * 16);
           const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(b, nib));
           const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
           for (int i = 0; i < NT; ++i) {
@@ -36,8 +37,9 @@ struct QNeon {
           }
         }
       }
+      const float16_t* hs = reinterpret_cast<const float16_t*>(w4_scales(wt, g, group));
       for (int h = 0; h < 4; ++h) {
-        const float32x4_t s = vld1q_f32(sc + g * 32 + h * 4), z = vld1q_f32(sc + g * 32 + 16 + h * 4);
+        const float32x4_t s = vcvt_f32_f16(vld1_f16(hs + h * 4)), z = vcvt_f32_f16(vld1_f16(hs + 16 + h * 4));
         for (int i = 0; i < NT; ++i) {
           facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(ia[i][h]));
           facc[i][h] = vfmsq_f32(facc[i][h], z, vdupq_n_f32(as[i][g] * float(gs[i][g])));

@@ -6,6 +6,8 @@
 
 namespace {
 using armserve::load4;
+using armserve::w4_chunk;
+using armserve::w4_scales;
 
 struct QSve {
   template <bool W4, int NT>
@@ -21,7 +23,7 @@ struct QSve {
       for (int64_t g = 0; g < k / group; ++g) {
         svint32_t i0 = svdup_s32(0), i1 = svdup_s32(0), i2 = svdup_s32(0), i3 = svdup_s32(0);
         for (int64_t c = g * group / cols; c < (g + 1) * group / cols; ++c) {
-          const svuint8_t b = svld1_u8(p8, wt + c * 64 + piece);
+          const svuint8_t b = svld1_u8(p8, (W4 ? w4_chunk(wt, c, g) : wt + c * 64) + piece);
           if (W4) {
             const svint8_t lo = svreinterpret_s8_u8(svand_n_u8_x(p8, b, 0x0f));
             const svint8_t hi = svreinterpret_s8_u8(svlsr_n_u8_x(p8, b, 4));
@@ -40,8 +42,15 @@ struct QSve {
 #undef ARMSERVE_W8_STEP
           }
         }
-        const svfloat32_t s = svld1_f32(p32, sc + g * 32 + piece / 4);
-        const svfloat32_t z = svld1_f32(p32, sc + g * 32 + 16 + piece / 4);
+        svfloat32_t s, z;
+        if (W4) {  // float16 scales inline (qgemm.h)
+          const uint16_t* h = w4_scales(wt, g, group) + piece / 4;
+          s = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h)));
+          z = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h + 16)));
+        } else {
+          s = svld1_f32(p32, sc + g * 32 + piece / 4);
+          z = svld1_f32(p32, sc + g * 32 + 16 + piece / 4);
+        }
 #define ARMSERVE_FOLD(I, ACC, F)                                                     \
   if (NT > I) {                                                                      \
     F = svmla_f32_x(p32, F, svmul_n_f32_x(p32, s, as[I][g]), svcvt_f32_s32_x(p32, ACC)); \
@@ -58,10 +67,9 @@ struct QSve {
   }
 
   template <int NT>
-  static void tile_w4(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
-    tile<true, NT>(wt, sc, q, as, gs, k, group, acc);
+  static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile<true, NT>(wt, nullptr, q, as, gs, k, group, acc);
   }
   template <int NT>
   static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,

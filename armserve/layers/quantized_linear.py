@@ -94,8 +94,19 @@ def _pad_rows(t: torch.Tensor, n_pad: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(n_pad - t.shape[0], *t.shape[1:])])
 
 
-def pack(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed weight bytes, packed scales [tiles, groups, 2, 16]) for the qgemm kernels."""
+def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
+    """`qt` with the scales the kernels apply: float16 for w4 (packed inline, see csrc/qgemm.h),
+    float32 for w8. Rounding a scale to float16 moves it by at most 2^-11 of itself, far below the
+    4-bit step; GGUF Q4_0 / Q4_1 scales are float16 already, so only derived ones (Q4_K's d * sc,
+    `armserve quantize`'s s * zero) change."""
+    if qt.fmt != "w4":
+        return qt
+    return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), qt.szp.half().float(), qt.group)
+
+
+def pack(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(packed weight bytes, packed scales [tiles, groups, 2, 16] float32) for the qgemm kernels;
+    w4 carries its float16 scales inside the weight bytes, so its second item is None."""
     n, k = qt.codes.shape
     g = qt.group
     n_pad = -(-n // 16) * 16
@@ -103,15 +114,17 @@ def pack(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _pad_rows(qt.codes, n_pad)
     if qt.fmt == "w4":
         u = codes.view(tiles, 16, k // 8, 2, 4)
-        packed = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
-        corr = _pad_rows(qt.szp, n_pad)
-    else:
-        packed = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-        wsum = codes.view(n_pad, ng, g).sum(dim=-1, dtype=torch.int32).float()
-        corr = _pad_rows(qt.scales, n_pad) * 128.0 * wsum
+        wb = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).reshape(tiles, ng, g // 8 * 64)
+        sc = torch.stack([_pad_rows(qt.scales, n_pad), _pad_rows(qt.szp, n_pad)], dim=0)  # [2, n_pad, ng]
+        sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous().half()  # [tiles, ng, 2, 16]
+        packed = torch.cat([wb.to(torch.uint8), sc.view(torch.uint8).view(tiles, ng, 64)], dim=2)
+        return packed.flatten(), None
+    packed = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+    wsum = codes.view(n_pad, ng, g).sum(dim=-1, dtype=torch.int32).float()
+    corr = _pad_rows(qt.scales, n_pad) * 128.0 * wsum
     sc = torch.stack([_pad_rows(qt.scales, n_pad), corr], dim=0)  # [2, n_pad, ng]
     sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous()  # [tiles, ng, 2, 16]
-    return packed.view(torch.uint8 if qt.fmt == "w4" else torch.int8).flatten(), sc.float().flatten()
+    return packed.view(torch.int8).flatten(), sc.float().flatten()
 
 
 # ---- PyTorch reference ---------------------------------------------------------------------
@@ -135,14 +148,33 @@ def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 
 
 def qlinear_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
-    """What the kernels compute: int8 activations times the dequantized weight, in float64."""
+    """What the kernels compute: int8 activations times the dequantized weight (with the
+    kernels' scales, `kernel_scales`), in float64."""
     q, scale, _ = quantize_act_ref(x, qt.group)
     xd = q.double() * scale.double().repeat_interleave(qt.group, dim=1)
-    y = xd @ qt.dequantize().double().T
+    y = xd @ kernel_scales(qt).dequantize().double().T
     return y.to(x.dtype).reshape(*x.shape[:-1], qt.codes.shape[0])
 
 
 # ---- the layer -----------------------------------------------------------------------------
+
+
+_ACT_BUFFERS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _act_buffers(m: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reused int8-activation buffers: a decode step quantizes ~90 activation rows, and three fresh
+    allocations each cost more than the quantization itself. Safe because a layer's activations
+    are consumed by its own GEMMs before the next layer quantizes (the engine runs one model
+    step at a time); kept only for decode-sized inputs."""
+    key = (m, k, group)
+    buf = _ACT_BUFFERS.get(key)
+    if buf is None:
+        buf = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // group, dtype=torch.float32),
+               torch.empty(m, k // group, dtype=torch.int32))
+        if m <= 8:
+            _ACT_BUFFERS[key] = buf
+    return buf
 
 
 @dataclass
@@ -190,13 +222,13 @@ class QuantizedLinear(nn.Module):
         col = 0
         use_kernels = ops.available()
         for run in groups:
-            qt = QuantizedTensor(
+            qt = kernel_scales(QuantizedTensor(
                 run[0].fmt,
                 torch.cat([q.codes for q in run]),
                 torch.cat([q.scales for q in run]),
                 torch.cat([q.szp for q in run]) if run[0].fmt == "w4" else None,
                 run[0].group,
-            )
+            ))  # the PyTorch path (ref) then applies the kernels' scales too
             n = qt.codes.shape[0]
             if use_kernels:
                 packed, scales = pack(qt)
@@ -208,7 +240,8 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.packed.numel() + 4 * p.scales.numel() for p in self.parts if p.packed is not None)
+        return sum(p.packed.numel() + (0 if p.scales is None else 4 * p.scales.numel())
+                   for p in self.parts if p.packed is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -218,7 +251,7 @@ class QuantizedLinear(nn.Module):
             acts: dict[int, tuple] = {}
             for p in self.parts:
                 if p.group not in acts:  # one activation quantization per group size
-                    acts[p.group] = ops.quantize_act(x2, p.group)
+                    acts[p.group] = ops.quantize_act(x2, p.group, _act_buffers(x2.shape[0], x2.shape[1], p.group))
                 ops.qgemm(p.fmt, out, p.col, acts[p.group], p.packed, p.scales, p.n, p.group)
         else:
             out = self._forward_ref(x2)
