@@ -101,7 +101,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_qgemm_isa": ([], ctypes.c_char_p),
         "armserve_quantize_act": ([I32, P, I64, I64, I64, P, P, P], None),
         "armserve_gemm_w4": ([I32, P, P, P, P, P, I64, I64, I64, I64, I64], None),
-        "armserve_gemm_w8": ([I32, P, P, P, P, P, P, I64, I64, I64, I64, I64], None),
+        "armserve_gemm_w8": ([I32, P, P, P, P, P, I64, I64, I64, I64, I64], None),
         "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
         "armserve_gemv": ([I32, P, P, P, I64, I64, I64], None),
         "armserve_set_bf16_dot": ([ctypes.c_int], ctypes.c_int),
@@ -399,17 +399,12 @@ def quantize_act(x: torch.Tensor, group: int,
 
 
 def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-          packed: torch.Tensor, scales: torch.Tensor | None, n: int, group: int) -> None:
-    """out[:, col:col + n] = acts x W^T for a packed "w4" (scales inline: None) or "w8" weight
-    (csrc/qgemm.h)."""
+          packed: torch.Tensor, n: int, group: int) -> None:
+    """out[:, col:col + n] = acts x W^T for a packed "w4" or "w8" weight (csrc/qgemm.h)."""
     q, scale, gsum = acts
-    dst = out.data_ptr() + col * out.element_size()
-    if fmt == "w4":
-        _lib.armserve_gemm_w4(_DTYPE_CODES[out.dtype], dst, q.data_ptr(), scale.data_ptr(), gsum.data_ptr(),
-                              packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
-    else:
-        _lib.armserve_gemm_w8(_DTYPE_CODES[out.dtype], dst, q.data_ptr(), scale.data_ptr(), gsum.data_ptr(),
-                              packed.data_ptr(), scales.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
+    fn = _lib.armserve_gemm_w4 if fmt == "w4" else _lib.armserve_gemm_w8
+    fn(_DTYPE_CODES[out.dtype], out.data_ptr() + col * out.element_size(), q.data_ptr(), scale.data_ptr(),
+       gsum.data_ptr(), packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
 
 
 # Largest token count for which `gemv` beats PyTorch's GEMM (decode and small batches).

@@ -8,8 +8,8 @@ section, and the tokenizer. Every linear weight of the decoder layers becomes
 so that w = scale * (code - zero). Embeddings and norms stay in `--dtype`. An untied LM head
 becomes int8 by default (`--lm-head int8|int4|keep`):
     lm_head.qweight int8 [n, k]        symmetric codes, w = scale * code
-    lm_head.scales  float16 [n, k / 32] `LLM(OUT)` and `armserve serve OUT` load the folder directly and
-run it with the w4a8 kernels (activations quantized to int8 on the fly).
+    lm_head.scales  float16 [n, k / 32]
+`LLM(OUT)` and `armserve serve OUT` load the folder directly and run it with the w4a8 kernels (activations quantized to int8 on the fly).
 """
 
 from __future__ import annotations

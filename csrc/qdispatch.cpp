@@ -1,5 +1,6 @@
 // Quantized-GEMM variant that goes with the kernel variant in use (dispatch.cpp), limited by
-// the integer-dot features it needs: AVX512-VNNI on x86 (else AVX2), dotprod for NEON, SVE.
+// the integer-dot features it needs: AVX512-VNNI on x86 (else AVX2), dotprod for NEON (plus
+// i8mm's SMMLA for prefill where present), SVE.
 #include <cstring>
 
 #include "qgemm.h"
@@ -8,6 +9,9 @@
 #include <sys/auxv.h>
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
+#endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
 #endif
 #endif
 
@@ -24,7 +28,10 @@ const QKernelTable* pick(const char* isa) {
   if (!std::strcmp(isa, "avx2")) return armserve_qtable_avx2();
 #elif defined(__aarch64__) && defined(__linux__)
   if (!std::strcmp(isa, "sve")) return armserve_qtable_sve();
-  if (!std::strcmp(isa, "neon") && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP)) return armserve_qtable_neon();
+  if (!std::strcmp(isa, "neon") && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP)) {
+    if (getauxval(AT_HWCAP2) & HWCAP2_I8MM) return armserve_qtable_neon_i8mm();
+    return armserve_qtable_neon();
+  }
 #endif
   return armserve_qtable_scalar();
 }
@@ -57,8 +64,7 @@ void armserve_gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* as
 }
 
 void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                      const int8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
-                  int64_t ldo) {
-  qtable()->gemm_w8(dtype, out, q, ascale, agsum, w, scales, m, n, k, group, ldo);
+                      const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+  qtable()->gemm_w8(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
 }
 }

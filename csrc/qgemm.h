@@ -18,10 +18,11 @@
 //       at 64 * (c + g) bytes and group g's scales at 64 * ((g + 1) * G / 8 + g).
 //       NOTE: one stream and float16 scales (0.625 bytes per weight at G = 32, not 0.75 with a
 //       separate float32 scale array): decode is bound by the bytes it reads.
-//   W8: tiles of 16 rows; per chunk of 4 columns, 64 bytes: byte[r * 4 + j] = q[r][k0 + j] (int8),
-//       w = s * q. Scales in their own array: per tile and group, 16 floats of s, then 16 floats
-//       of corr = s * 128 * sum(q), used by ISAs that offset activations to unsigned bytes (too
-//       large for float16).
+//   W8: tiles of 16 rows, same stream shape: per group, G/4 chunks of 64 bytes (4 columns each,
+//       byte[r * 4 + j] = q[r][k0 + j], int8, w = s * q), then 16 float32 scales s (64 bytes;
+//       float32 keeps GGUF Q6_K's d * sc exact). Chunk c of group g again at 64 * (c + g), the
+//       scales at 64 * ((g + 1) * G / 4 + g). No offset correction is stored: x86 feeds VNNI's
+//       unsigned operand |a| and flips the weight's sign where a < 0.
 #pragma once
 #include <cstdint>
 
@@ -35,12 +36,11 @@ struct QKernelTable {
   void (*quantize_act)(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q,
                        float* scale, int32_t* gsum);
   // out [M, N] (dtype, rows `ldo` elements apart) = the quantized activations times dequant(W)^T;
-  // W's N rows are padded to a multiple of 16 in the packed layout (W4 carries its scales inline).
+  // W's N rows are padded to a multiple of 16 in the packed layout, scales inline.
   void (*gemm_w4)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                   const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
   void (*gemm_w8)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                  const int8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
-                  int64_t ldo);
+                  const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
 };
 
 const QKernelTable* armserve_qtable_scalar();
@@ -50,6 +50,7 @@ const QKernelTable* armserve_qtable_avx512();  // needs AVX512-VNNI
 #endif
 #if defined(__aarch64__)
 const QKernelTable* armserve_qtable_neon();  // needs the dotprod extension
+const QKernelTable* armserve_qtable_neon_i8mm();  // dotprod + i8mm (SMMLA for prefill tiles)
 const QKernelTable* armserve_qtable_sve();
 #endif
 }

@@ -5,8 +5,9 @@
 
 namespace {
 using armserve::load4;
-using armserve::w4_chunk;
+using armserve::chunk;
 using armserve::w4_scales;
+using armserve::w8_scales;
 
 static inline __m256i dot4(__m256i u8, __m256i s8) {
   // u8 x s8 pairs summed to int16 (no saturation: |u| <= 127 or <= 15 here), then pairs to int32
@@ -25,7 +26,7 @@ struct QAvx2 {
       for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
         for (int h = 0; h < 2; ++h) {  // rows 0-7, 8-15
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w4_chunk(wt, c, g) + h * 32));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk(wt, c, g) + h * 32));
           const __m256i lo = _mm256_and_si256(b, nib);
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
           for (int i = 0; i < NT; ++i) {
@@ -52,9 +53,8 @@ struct QAvx2 {
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
+  static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
     (void)gs;
     __m256 facc[NT][2];
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
@@ -63,7 +63,7 @@ struct QAvx2 {
       for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
       for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
         for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wt + c * 64 + h * 32));
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk(wt, c, g) + h * 32));
           for (int i = 0; i < NT; ++i) {
             // a * w = |a| * (w * sign(a)): keeps maddubs' unsigned operand within 0..127
             const __m256i a = _mm256_set1_epi32(load4(q[i] + c * 4));
@@ -72,7 +72,7 @@ struct QAvx2 {
         }
       }
       for (int h = 0; h < 2; ++h) {
-        const __m256 s = _mm256_loadu_ps(sc + g * 32 + h * 8);
+        const __m256 s = _mm256_loadu_ps(w8_scales(wt, g, group) + h * 8);
         for (int i = 0; i < NT; ++i)
           facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[i][g])), _mm256_cvtepi32_ps(ia[i][h]),
                                        facc[i][h]);

@@ -6,8 +6,9 @@
 
 namespace {
 using armserve::load4;
-using armserve::w4_chunk;
+using armserve::chunk;
 using armserve::w4_scales;
+using armserve::w8_scales;
 
 struct QAvx512 {
   template <int NT>
@@ -22,7 +23,7 @@ struct QAvx512 {
       __m512i ia[NT], ib[NT];
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
-        const __m512i b = _mm512_loadu_si512(w4_chunk(wt, c, g));
+        const __m512i b = _mm512_loadu_si512(chunk(wt, c, g));
         const __m512i lo = _mm512_and_si512(b, nib);  // weights are the unsigned operand
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
         for (int i = 0; i < NT; ++i) {
@@ -44,39 +45,41 @@ struct QAvx512 {
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
+  static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
     (void)gs;
-    // Activations become the unsigned operand by adding 128 (xor of the sign bit); the
-    // packed `corr` = s * 128 * sum(w) takes the offset back out once per group.
-    const __m512i flip = _mm512_set1_epi8(char(0x80));
+    // a * w = |a| * (w * sign(a)): |a| is VNNI's unsigned operand and the weight bytes facing a
+    // negative activation are negated (|a|, |w| <= 127: no overflow), so no offset correction.
     __m512 facc[NT];
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < k / group; ++g) {
-      // even and odd chunks in two dependency chains (see tile_w4)
-      __m512i ia[NT], ib[NT];
+      __m512i ia[NT], ib[NT];  // even and odd chunks in two dependency chains (see tile_w4)
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
       int64_t c = g * group / 4;
       const int64_t end = (g + 1) * group / 4;
       for (; c + 2 <= end; c += 2) {
-        const __m512i b0 = _mm512_loadu_si512(wt + c * 64), b1 = _mm512_loadu_si512(wt + c * 64 + 64);
+        const __m512i b0 = _mm512_loadu_si512(chunk(wt, c, g)), b1 = _mm512_loadu_si512(chunk(wt, c + 1, g));
         for (int i = 0; i < NT; ++i) {
-          ia[i] = _mm512_dpbusd_epi32(ia[i], _mm512_xor_si512(_mm512_set1_epi32(load4(q[i] + c * 4)), flip), b0);
-          ib[i] = _mm512_dpbusd_epi32(ib[i], _mm512_xor_si512(_mm512_set1_epi32(load4(q[i] + c * 4 + 4)), flip), b1);
+          ia[i] = step(ia[i], b0, load4(q[i] + c * 4));
+          ib[i] = step(ib[i], b1, load4(q[i] + c * 4 + 4));
         }
       }
-      if (c < end) {  // group of 4 columns (one chunk)
-        const __m512i b = _mm512_loadu_si512(wt + c * 64);
-        for (int i = 0; i < NT; ++i)
-          ia[i] = _mm512_dpbusd_epi32(ia[i], _mm512_xor_si512(_mm512_set1_epi32(load4(q[i] + c * 4)), flip), b);
+      if (c < end) {
+        const __m512i b = _mm512_loadu_si512(chunk(wt, c, g));
+        for (int i = 0; i < NT; ++i) ia[i] = step(ia[i], b, load4(q[i] + c * 4));
       }
-      for (int i = 0; i < NT; ++i) ia[i] = _mm512_add_epi32(ia[i], ib[i]);
-      const __m512 s = _mm512_loadu_ps(sc + g * 32), z = _mm512_loadu_ps(sc + g * 32 + 16);
+      const __m512 s = _mm512_loadu_ps(w8_scales(wt, g, group));
       for (int i = 0; i < NT; ++i)
-        facc[i] = _mm512_fmadd_ps(_mm512_set1_ps(as[i][g]), _mm512_fmsub_ps(s, _mm512_cvtepi32_ps(ia[i]), z), facc[i]);
+        facc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(as[i][g])),
+                                  _mm512_cvtepi32_ps(_mm512_add_epi32(ia[i], ib[i])), facc[i]);
     }
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(acc[i], facc[i]);
+  }
+
+  static __m512i step(__m512i acc, __m512i w, int32_t a4) {
+    const __m512i a = _mm512_set1_epi32(a4);
+    const __m512i ws = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(a), _mm512_setzero_si512(), w);
+    return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(a), ws);
   }
 };
 }  // namespace

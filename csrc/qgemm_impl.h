@@ -1,6 +1,6 @@
 // Quantized GEMM driver, written once; each qgemm_<isa>.cpp supplies a struct with
-//   template <int NT> tile_w4(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])      (scales inline)
-//   template <int NT> tile_w8(wt, sc, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
+//   template <int NT> tile_w4(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
+//   template <int NT> tile_w8(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
 // computing, for one 16-row weight tile and NT tokens, the 16 outputs (`as` are each token's
 // per-group activation scales). See qgemm.h for the packed layout. Same anonymous-namespace rule as
 // kernels_impl.h: nothing here may be merged across TUs compiled with different flags.
@@ -20,10 +20,14 @@ static inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// W4 layout (qgemm.h): chunk c of group g, and group g's 16 + 16 float16 scales.
-static inline const uint8_t* w4_chunk(const uint8_t* wt, int64_t c, int64_t g) { return wt + (c + g) * 64; }
+// Packed tile layout (qgemm.h): 64-byte chunk c (global index) of group g, then each group's
+// 64-byte scale block: W4's 16 + 16 float16 (s, szp), W8's 16 float32 s.
+static inline const uint8_t* chunk(const uint8_t* wt, int64_t c, int64_t g) { return wt + (c + g) * 64; }
 static inline const uint16_t* w4_scales(const uint8_t* wt, int64_t g, int64_t group) {
   return reinterpret_cast<const uint16_t*>(wt + ((g + 1) * (group / 8) + g) * 64);
+}
+static inline const float* w8_scales(const uint8_t* wt, int64_t g, int64_t group) {
+  return reinterpret_cast<const float*>(wt + ((g + 1) * (group / 4) + g) * 64);
 }
 
 // Portable reference of the tile products, used by the scalar variant and as the fallback.
@@ -36,7 +40,7 @@ struct ScalarQ {
     for (int64_t g = 0; g < k / group; ++g) {
       int32_t ia[NT][16] = {};
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
-        const uint8_t* b = w4_chunk(wt, c, g);
+        const uint8_t* b = chunk(wt, c, g);
         for (int r = 0; r < 16; ++r)
           for (int j = 0; j < 4; ++j) {
             const int lo = b[r * 4 + j] & 15, hi = b[r * 4 + j] >> 4;
@@ -51,20 +55,20 @@ struct ScalarQ {
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
+  static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
     (void)gs;
-    const int8_t* w = reinterpret_cast<const int8_t*>(wt);
     for (int i = 0; i < NT; ++i)
       for (int r = 0; r < 16; ++r) acc[i][r] = 0.f;
     for (int64_t g = 0; g < k / group; ++g) {
       int32_t ia[NT][16] = {};
-      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c)
+      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
+        const int8_t* w = reinterpret_cast<const int8_t*>(chunk(wt, c, g));
         for (int r = 0; r < 16; ++r)
           for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < NT; ++i) ia[i][r] += int32_t(w[c * 64 + r * 4 + j]) * q[i][c * 4 + j];
-      const float* s = sc + g * 32;
+            for (int i = 0; i < NT; ++i) ia[i][r] += int32_t(w[r * 4 + j]) * q[i][c * 4 + j];
+      }
+      const float* s = w8_scales(wt, g, group);
       for (int i = 0; i < NT; ++i)
         for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * s[r] * float(ia[i][r]);
     }
@@ -120,15 +124,13 @@ struct QKernels {
 
   template <bool W4>
   static void gemm(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                   const uint8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
-                  int64_t ldo) {
+                   const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
     const int es = dtype_size(dtype);
     const int64_t tiles = (n + 15) / 16, ng = k / group;
-    const int64_t tile_bytes = W4 ? 8 * k + 64 * ng : 16 * k;
+    const int64_t tile_bytes = (W4 ? 8 * k : 16 * k) + 64 * ng;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; ++t) {
       const uint8_t* wt = w + t * tile_bytes;
-      const float* sc = W4 ? nullptr : scales + t * ng * 32;
       const int rows = int(n - t * 16 < 16 ? n - t * 16 : 16);
       float acc[4][16];
       for (int64_t m0 = 0; m0 < m; m0 += 4) {
@@ -145,13 +147,13 @@ struct QKernels {
           if (W4)
             IsaQ::template tile_w4<4>(wt, qs, as, gs, k, group, acc);
           else
-            IsaQ::template tile_w8<4>(wt, sc, qs, as, gs, k, group, acc);
+            IsaQ::template tile_w8<4>(wt, qs, as, gs, k, group, acc);
         } else {
           for (int i = 0; i < nt; ++i) {
             if (W4)
               IsaQ::template tile_w4<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
             else
-              IsaQ::template tile_w8<1>(wt, sc, qs + i, as + i, gs + i, k, group, acc + i);
+              IsaQ::template tile_w8<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
           }
         }
         for (int i = 0; i < nt; ++i)
@@ -162,13 +164,12 @@ struct QKernels {
 
   static void gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
-    gemm<true>(dtype, out, q, ascale, agsum, w, nullptr, m, n, k, group, ldo);
+    gemm<true>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
   }
 
   static void gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                      const int8_t* w, const float* scales, int64_t m, int64_t n, int64_t k, int64_t group,
-                  int64_t ldo) {
-    gemm<false>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), scales, m, n, k, group, ldo);
+                      const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+    gemm<false>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), m, n, k, group, ldo);
   }
 
   static const QKernelTable* table(const char* name) {

@@ -6,8 +6,9 @@
 
 namespace {
 using armserve::load4;
-using armserve::w4_chunk;
+using armserve::chunk;
 using armserve::w4_scales;
+using armserve::w8_scales;
 
 struct QNeon {
   template <int NT>
@@ -28,7 +29,7 @@ struct QNeon {
           a1[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 8 + 4)));
         }
         for (int h = 0; h < 4; ++h) {  // rows 4h .. 4h+3
-          const uint8x16_t b = vld1q_u8(w4_chunk(wt, c, g) + h * 16);
+          const uint8x16_t b = vld1q_u8(chunk(wt, c, g) + h * 16);
           const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(b, nib));
           const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
           for (int i = 0; i < NT; ++i) {
@@ -51,9 +52,8 @@ struct QNeon {
   }
 
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
+  static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
     (void)gs;  // signed x signed: no offset to correct
     float32x4_t facc[NT][4];
     for (int i = 0; i < NT; ++i)
@@ -66,12 +66,12 @@ struct QNeon {
         int8x16_t a[NT];
         for (int i = 0; i < NT; ++i) a[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 4)));
         for (int h = 0; h < 4; ++h) {
-          const int8x16_t w = vld1q_s8(reinterpret_cast<const int8_t*>(wt) + c * 64 + h * 16);
+          const int8x16_t w = vld1q_s8(reinterpret_cast<const int8_t*>(chunk(wt, c, g)) + h * 16);
           for (int i = 0; i < NT; ++i) ia[i][h] = vdotq_s32(ia[i][h], w, a[i]);
         }
       }
       for (int h = 0; h < 4; ++h) {
-        const float32x4_t s = vld1q_f32(sc + g * 32 + h * 4);
+        const float32x4_t s = vld1q_f32(w8_scales(wt, g, group) + h * 4);
         for (int i = 0; i < NT; ++i) facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(ia[i][h]));
       }
     }
@@ -79,8 +79,99 @@ struct QNeon {
       for (int h = 0; h < 4; ++h) vst1q_f32(acc[i] + h * 4, facc[i][h]);
   }
 };
+
+// i8mm (Graviton3/4, Grace, Neoverse N2/V1): SMMLA multiplies a 2x8 int8 matrix (2 tokens x 8
+// columns) by an 8x2 one (8 columns x 2 weight rows) into a 2x2 int32 block, twice the
+// multiply-adds of SDOT per instruction. Prefill tiles (4 tokens) use it; decode (1 token) keeps
+// SDOT, where SMMLA would waste half its lanes. Rows of the SDOT layout are regrouped into
+// row pairs with one zip per 4 rows, so the packed layout stays the same.
+struct QNeonI8mm : QNeon {
+  template <bool W4>
+  __attribute__((target("arch=armv8.2-a+dotprod+i8mm"))) static void tile4_mmla(
+      const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs, int64_t k,
+      int64_t group, float (*acc)[16]) {
+    const uint8x16_t nib = vdupq_n_u8(0x0f);
+    for (int half = 0; half < 2; ++half) {  // rows 8 * half .. 8 * half + 7 (keeps registers < 32)
+      float32x4_t facc[4][2];
+      for (int i = 0; i < 4; ++i) facc[i][0] = facc[i][1] = vdupq_n_f32(0.f);
+      for (int64_t g = 0; g < k / group; ++g) {
+        int32x4_t ia[2][4];  // [token pair][row pair]: lanes (t0 r0, t0 r1, t1 r0, t1 r1)
+        for (int t = 0; t < 2; ++t)
+          for (int r = 0; r < 4; ++r) ia[t][r] = vdupq_n_s32(0);
+        for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {  // 8 columns per step
+          const int8x16_t a0 = vcombine_s8(vld1_s8(q[0] + c * 8), vld1_s8(q[1] + c * 8));
+          const int8x16_t a1 = vcombine_s8(vld1_s8(q[2] + c * 8), vld1_s8(q[3] + c * 8));
+          for (int h = 0; h < 2; ++h) {  // 4 rows: columns 0-3 in `lo`, 4-7 in `hi`, 4 bytes a row
+            int8x16_t lo, hi;
+            if (W4) {
+              const uint8x16_t b = vld1q_u8(chunk(wt, c, g) + half * 32 + h * 16);
+              lo = vreinterpretq_s8_u8(vandq_u8(b, nib));
+              hi = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+            } else {  // two 4-column chunks
+              lo = vld1q_s8(reinterpret_cast<const int8_t*>(chunk(wt, 2 * c, g)) + half * 32 + h * 16);
+              hi = vld1q_s8(reinterpret_cast<const int8_t*>(chunk(wt, 2 * c + 1, g)) + half * 32 + h * 16);
+            }
+            const int32x4_t l32 = vreinterpretq_s32_s8(lo), h32 = vreinterpretq_s32_s8(hi);
+            const int8x16_t b01 = vreinterpretq_s8_s32(vzip1q_s32(l32, h32));  // rows 0, 1 x 8 columns
+            const int8x16_t b23 = vreinterpretq_s8_s32(vzip2q_s32(l32, h32));  // rows 2, 3
+            ia[0][2 * h] = vmmlaq_s32(ia[0][2 * h], a0, b01);
+            ia[0][2 * h + 1] = vmmlaq_s32(ia[0][2 * h + 1], a0, b23);
+            ia[1][2 * h] = vmmlaq_s32(ia[1][2 * h], a1, b01);
+            ia[1][2 * h + 1] = vmmlaq_s32(ia[1][2 * h + 1], a1, b23);
+          }
+        }
+        for (int h = 0; h < 2; ++h) {
+          const int row = half * 8 + h * 4;
+          float32x4_t s, z = vdupq_n_f32(0.f);
+          if (W4) {
+            const float16_t* hs = reinterpret_cast<const float16_t*>(w4_scales(wt, g, group));
+            s = vcvt_f32_f16(vld1_f16(hs + row));
+            z = vcvt_f32_f16(vld1_f16(hs + 16 + row));
+          } else {
+            s = vld1q_f32(w8_scales(wt, g, group) + row);
+          }
+          for (int t = 0; t < 2; ++t) {
+            // rows 4h..4h+3 of the pair's first token (low halves) and second token (high halves)
+            const int32x4_t v[2] = {vcombine_s32(vget_low_s32(ia[t][2 * h]), vget_low_s32(ia[t][2 * h + 1])),
+                                    vcombine_s32(vget_high_s32(ia[t][2 * h]), vget_high_s32(ia[t][2 * h + 1]))};
+            for (int u = 0; u < 2; ++u) {
+              const int i = 2 * t + u;
+              facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(v[u]));
+              if (W4) facc[i][h] = vfmsq_f32(facc[i][h], z, vdupq_n_f32(as[i][g] * float(gs[i][g])));
+            }
+          }
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        vst1q_f32(acc[i] + half * 8, facc[i][0]);
+        vst1q_f32(acc[i] + half * 8 + 4, facc[i][1]);
+      }
+    }
+  }
+
+  template <int NT>
+  static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    if (NT == 4)
+      tile4_mmla<true>(wt, q, as, gs, k, group, acc);
+    else
+      QNeon::tile_w4<NT>(wt, q, as, gs, k, group, acc);
+  }
+  template <int NT>
+  static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    if (NT == 4 && group % 8 == 0)
+      tile4_mmla<false>(wt, q, as, gs, k, group, acc);
+    else
+      QNeon::tile_w8<NT>(wt, q, as, gs, k, group, acc);
+  }
+};
 }  // namespace
 
 extern "C" const QKernelTable* armserve_qtable_neon() {
   return armserve::QKernels<armserve::ScalarOps, QNeon>::table("neon_dotprod");
+}
+
+extern "C" const QKernelTable* armserve_qtable_neon_i8mm() {
+  return armserve::QKernels<armserve::ScalarOps, QNeonI8mm>::table("neon_i8mm");
 }

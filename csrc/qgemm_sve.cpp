@@ -6,12 +6,13 @@
 
 namespace {
 using armserve::load4;
-using armserve::w4_chunk;
+using armserve::chunk;
 using armserve::w4_scales;
+using armserve::w8_scales;
 
 struct QSve {
   template <bool W4, int NT>
-  static void tile(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
+  static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as,
                       const int32_t* const* gs, int64_t k,
                    int64_t group, float (*acc)[16]) {
     const int64_t vb = svcntb() < 64 ? int64_t(svcntb()) : 64;  // bytes of a chunk per piece
@@ -23,7 +24,7 @@ struct QSve {
       for (int64_t g = 0; g < k / group; ++g) {
         svint32_t i0 = svdup_s32(0), i1 = svdup_s32(0), i2 = svdup_s32(0), i3 = svdup_s32(0);
         for (int64_t c = g * group / cols; c < (g + 1) * group / cols; ++c) {
-          const svuint8_t b = svld1_u8(p8, (W4 ? w4_chunk(wt, c, g) : wt + c * 64) + piece);
+          const svuint8_t b = svld1_u8(p8, chunk(wt, c, g) + piece);
           if (W4) {
             const svint8_t lo = svreinterpret_s8_u8(svand_n_u8_x(p8, b, 0x0f));
             const svint8_t hi = svreinterpret_s8_u8(svlsr_n_u8_x(p8, b, 4));
@@ -48,8 +49,8 @@ struct QSve {
           s = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h)));
           z = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h + 16)));
         } else {
-          s = svld1_f32(p32, sc + g * 32 + piece / 4);
-          z = svld1_f32(p32, sc + g * 32 + 16 + piece / 4);
+          s = svld1_f32(p32, w8_scales(wt, g, group) + piece / 4);
+          z = svdup_f32(0.f);  // unused: signed x signed needs no offset
         }
 #define ARMSERVE_FOLD(I, ACC, F)                                                     \
   if (NT > I) {                                                                      \
@@ -69,13 +70,12 @@ struct QSve {
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile<true, NT>(wt, nullptr, q, as, gs, k, group, acc);
+    tile<true, NT>(wt, q, as, gs, k, group, acc);
   }
   template <int NT>
-  static void tile_w8(const uint8_t* wt, const float* sc, const int8_t* const* q, const float* const* as,
-                      const int32_t* const* gs, int64_t k,
-                      int64_t group, float (*acc)[16]) {
-    tile<false, NT>(wt, sc, q, as, gs, k, group, acc);
+  static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile<false, NT>(wt, q, as, gs, k, group, acc);
   }
 };
 }  // namespace

@@ -50,9 +50,9 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
         acts = ops.quantize_act(x, g)
         q_ref, s_ref, gs_ref = quantize_act_ref(x, g)
         assert torch.equal(acts[0], q_ref) and torch.equal(acts[1], s_ref) and torch.equal(acts[2], gs_ref)
-        packed, scales = pack(qt)
+        packed = pack(qt)
         out = torch.full((m, n + 7), 7.0, dtype=dtype)
-        ops.qgemm(fmt, out, 3, acts, packed, scales, n, g)  # into a column slice of a wider output
+        ops.qgemm(fmt, out, 3, acts, packed, n, g)  # into a column slice of a wider output
         want = qlinear_ref(x.float(), qt)
         tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
         torch.testing.assert_close(out[:, 3:3 + n].float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)

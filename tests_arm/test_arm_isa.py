@@ -58,3 +58,16 @@ def test_features_and_variants_match_the_emulated_cpu():
         assert ops.isa() == "neon"
     print(f"-cpu {EXPECT_CPU}: features {' '.join(feats)}; variants {ops.supported_isas()}; "
           f"torch capability {torch.backends.cpu.get_cpu_capability()}")
+
+
+def test_quantized_gemm_variant_follows_the_cpu():
+    """NEON's quantized GEMM takes i8mm's SMMLA where the CPU has it, SDOT otherwise; the
+    bf16 decode matmul uses BFDOT only on BF16 CPUs (tests/test_kernels.py checks both paths)."""
+    exp = expected(EXPECT_CPU)
+    before = ops.isa()
+    try:
+        ops.select_isa("neon")
+        assert ops.qgemm_isa() == ("neon_i8mm" if "i8mm" in exp["have"] else "neon_dotprod")
+    finally:
+        ops.select_isa(before)
+    assert ops.bf16_dot() == ("bf16" in exp["have"])

@@ -104,9 +104,9 @@ def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), qt.szp.half().float(), qt.group)
 
 
-def pack(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(packed weight bytes, packed scales [tiles, groups, 2, 16] float32) for the qgemm kernels;
-    w4 carries its float16 scales inside the weight bytes, so its second item is None."""
+def pack(qt: QuantizedTensor) -> torch.Tensor:
+    """The packed bytes the qgemm kernels read (csrc/qgemm.h): 16-row tiles, each group's weight
+    chunks followed by its scales (w4: float16 s and s * zero point; w8: float32 s)."""
     n, k = qt.codes.shape
     g = qt.group
     n_pad = -(-n // 16) * 16
@@ -117,14 +117,12 @@ def pack(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         wb = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).reshape(tiles, ng, g // 8 * 64)
         sc = torch.stack([_pad_rows(qt.scales, n_pad), _pad_rows(qt.szp, n_pad)], dim=0)  # [2, n_pad, ng]
         sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous().half()  # [tiles, ng, 2, 16]
-        packed = torch.cat([wb.to(torch.uint8), sc.view(torch.uint8).view(tiles, ng, 64)], dim=2)
-        return packed.flatten(), None
-    packed = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-    wsum = codes.view(n_pad, ng, g).sum(dim=-1, dtype=torch.int32).float()
-    corr = _pad_rows(qt.scales, n_pad) * 128.0 * wsum
-    sc = torch.stack([_pad_rows(qt.scales, n_pad), corr], dim=0)  # [2, n_pad, ng]
-    sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous()  # [tiles, ng, 2, 16]
-    return packed.view(torch.int8).flatten(), sc.float().flatten()
+        wb = wb.to(torch.uint8)
+    else:
+        wb = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, ng, g // 4 * 64)
+        sc = _pad_rows(qt.scales, n_pad).float().view(tiles, 16, ng).permute(0, 2, 1).contiguous()  # [tiles, ng, 16]
+        wb = wb.view(torch.uint8)
+    return torch.cat([wb, sc.view(torch.uint8).view(tiles, ng, 64)], dim=2).flatten()
 
 
 # ---- PyTorch reference ---------------------------------------------------------------------
@@ -184,7 +182,6 @@ class _Part:
     col: int  # first output column
     n: int
     packed: torch.Tensor | None
-    scales: torch.Tensor | None
     ref: QuantizedTensor | None  # kept only when the kernels are unavailable
 
 
@@ -231,17 +228,15 @@ class QuantizedLinear(nn.Module):
             ))  # the PyTorch path (ref) then applies the kernels' scales too
             n = qt.codes.shape[0]
             if use_kernels:
-                packed, scales = pack(qt)
-                self.parts.append(_Part(qt.fmt, qt.group, col, n, packed, scales, None))
+                self.parts.append(_Part(qt.fmt, qt.group, col, n, pack(qt), None))
             else:
-                self.parts.append(_Part(qt.fmt, qt.group, col, n, None, None, qt))
+                self.parts.append(_Part(qt.fmt, qt.group, col, n, None, qt))
             col += n
         self._pending = {}
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.packed.numel() + (0 if p.scales is None else 4 * p.scales.numel())
-                   for p in self.parts if p.packed is not None)
+        return sum(p.packed.numel() for p in self.parts if p.packed is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -252,7 +247,7 @@ class QuantizedLinear(nn.Module):
             for p in self.parts:
                 if p.group not in acts:  # one activation quantization per group size
                     acts[p.group] = ops.quantize_act(x2, p.group, _act_buffers(x2.shape[0], x2.shape[1], p.group))
-                ops.qgemm(p.fmt, out, p.col, acts[p.group], p.packed, p.scales, p.n, p.group)
+                ops.qgemm(p.fmt, out, p.col, acts[p.group], p.packed, p.n, p.group)
         else:
             out = self._forward_ref(x2)
         if self.bias is not None:
