@@ -157,6 +157,7 @@ def select_isa(name: str) -> str:
     if lib is None:
         raise KernelError(f"C++ kernels unavailable: {_load_error}")
     rc = lib.armserve_select_isa(name.encode())
+    _gemv_limit.clear()
     if rc == 1:
         raise KernelError(f"unknown ISA {name!r} on {os.uname().machine}; choose from {', '.join(isas_for_arch())}")
     if rc == 2:
@@ -217,6 +218,7 @@ def set_bf16_dot(on: bool) -> None:
     lib = _load()
     if lib is None:
         raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    _gemv_limit.clear()
     if lib.armserve_set_bf16_dot(int(on)) == 2:
         raise KernelError(f"this CPU has no bf16 dot instruction (features: {' '.join(cpu_features())})")
 
@@ -407,8 +409,23 @@ def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch
        gsum.data_ptr(), packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
 
 
-# Largest token count for which `gemv` beats PyTorch's GEMM (decode and small batches).
+# Largest token count for which `gemv` beats PyTorch's GEMM (benchmarks/bench_kernels.py): 4 where
+# the weight rows stay cheap per token (AVX-512, or a bf16 dot instruction for bf16); with 8-wide
+# widening re-reading a row for each token is compute-bound and loses to oneDNN beyond one token
+# (AVX2 measured: 3.0x at 1 token, 0.77x at 4; NEON without BF16 widens alike and is treated so).
 GEMV_MAX_TOKENS = 4
+_gemv_limit: dict[torch.dtype, int] = {}
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """Whether a 16-bit linear layer on `x` should take the skinny-matmul kernel."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not supports(x):
+        return False
+    limit = _gemv_limit.get(x.dtype)
+    if limit is None:
+        wide = isa() == "avx512" or (x.dtype == torch.bfloat16 and bf16_dot())
+        limit = _gemv_limit[x.dtype] = GEMV_MAX_TOKENS if wide else 1
+    return x.shape[0] <= limit
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -242,3 +242,20 @@ def test_gemv(isa, dtype, bf16_dot):
                 close(ops.gemv(x, w), want, dtype)
     finally:
         ops.set_bf16_dot(before)
+
+
+def test_gemv_token_limit_follows_the_variant():
+    """The decode matmul takes up to 4 tokens where rows are cheap to re-read (AVX-512, or a bf16
+    dot instruction for bf16), 1 where it widens with 8-lane SIMD; float32 never (oneDNN's)."""
+    before = ops.isa()
+    try:
+        for name in ops.supported_isas():
+            ops.select_isa(name)
+            for dtype in (torch.bfloat16, torch.float16):
+                wide = name == "avx512" or (dtype == torch.bfloat16 and ops.bf16_dot())
+                limit = 4 if wide else 1
+                assert ops.use_gemv(torch.zeros(limit, 8, dtype=dtype))
+                assert not ops.use_gemv(torch.zeros(limit + 1, 8, dtype=dtype))
+            assert not ops.use_gemv(torch.zeros(1, 8))
+    finally:
+        ops.select_isa(before)

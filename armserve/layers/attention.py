@@ -188,6 +188,12 @@ class Attention(nn.Module):
         if nd:
             kk = self._gather(k_cache, self.k_scale, md.decode_slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             vv = self._gather(v_cache, self.v_scale, md.decode_slots, q.dtype).transpose(1, 2)
+            # Padding past a shorter sequence's context reads cache rows nobody wrote (torch.empty):
+            # the mask gives them weight 0, but 0 * NaN is NaN, so clear them first.
+            pad = torch.arange(kk.shape[2]) >= md.decode_context_lens[:, None]  # [B, L]
+            if bool(pad.any()):
+                pad = pad[:, None, :, None]
+                kk, vv = kk.masked_fill(pad, 0.0), vv.masked_fill(pad, 0.0)
             qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
             o = self._sdpa(qq, kk, vv, md.decode_mask(self.sliding_window), gqa)
             out[:nd] = o.squeeze(2)

@@ -36,8 +36,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
         # the weight near copy speed and PyTorch's bf16 GEMM does not.
-        if (x.dim() == 2 and x.shape[0] <= ops.GEMV_MAX_TOKENS and x.dtype in (torch.bfloat16, torch.float16)
-                and ops.supports(x)):
+        if ops.use_gemv(x):
             out = ops.gemv(x, self.weight)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
@@ -173,8 +172,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding table
-            if hidden.shape[0] <= ops.GEMV_MAX_TOKENS and hidden.dtype in (torch.bfloat16, torch.float16) \
-                    and ops.supports(hidden):
+            if ops.use_gemv(hidden):
                 return ops.gemv(hidden, self.embed_tokens.weight).float()
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
