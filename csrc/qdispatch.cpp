@@ -1,12 +1,16 @@
 // Quantized-GEMM variant that goes with the kernel variant in use (dispatch.cpp), limited by
 // the integer-dot features it needs: AVX512-VNNI on x86 (else AVX2), dotprod for NEON (plus
-// i8mm's SMMLA for prefill where present), SVE.
+// i8mm's SMMLA for prefill where present), SVE (NEON i8mm at 128-bit SVE, see pick()).
 #include <cstring>
 
 #include "qgemm.h"
 
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
+#include <sys/prctl.h>
+#ifndef PR_SVE_GET_VL
+#define PR_SVE_GET_VL 51
+#endif
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
 #endif
@@ -27,7 +31,14 @@ const QKernelTable* pick(const char* isa) {
   }
   if (!std::strcmp(isa, "avx2")) return armserve_qtable_avx2();
 #elif defined(__aarch64__) && defined(__linux__)
-  if (!std::strcmp(isa, "sve")) return armserve_qtable_sve();
+  if (!std::strcmp(isa, "sve")) {
+    // 128-bit SVE with i8mm (Graviton4, Grace): NEON's SMMLA tiles do twice the multiply-adds of
+    // SVE SDOT at that width for prefill, and decode is memory-bound either way. Wider SVE
+    // (Graviton3's 256 bits) keeps SDOT, which already matches SMMLA at 128 bits.
+    if ((getauxval(AT_HWCAP2) & HWCAP2_I8MM) && prctl(PR_SVE_GET_VL) > 0 && (prctl(PR_SVE_GET_VL) & 0xffff) == 16)
+      return armserve_qtable_neon_i8mm();
+    return armserve_qtable_sve();
+  }
   if (!std::strcmp(isa, "neon") && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP)) {
     if (getauxval(AT_HWCAP2) & HWCAP2_I8MM) return armserve_qtable_neon_i8mm();
     return armserve_qtable_neon();

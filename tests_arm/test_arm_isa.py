@@ -61,13 +61,18 @@ def test_features_and_variants_match_the_emulated_cpu():
 
 
 def test_quantized_gemm_variant_follows_the_cpu():
-    """NEON's quantized GEMM takes i8mm's SMMLA where the CPU has it, SDOT otherwise; the
+    """NEON's quantized GEMM takes i8mm's SMMLA where the CPU has it, SDOT otherwise (and so does
+    128-bit SVE); the
     bf16 decode matmul uses BFDOT only on BF16 CPUs (tests/test_kernels.py checks both paths)."""
     exp = expected(EXPECT_CPU)
     before = ops.isa()
     try:
         ops.select_isa("neon")
         assert ops.qgemm_isa() == ("neon_i8mm" if "i8mm" in exp["have"] else "neon_dotprod")
+        if "sve" in exp["isas"]:  # 128-bit SVE with i8mm takes NEON's SMMLA tiles, wider SVE its own
+            ops.select_isa("sve")
+            want = "neon_i8mm" if "i8mm" in exp["have"] and exp["sve_bits"] == 128 else "sve"
+            assert ops.qgemm_isa() == want
     finally:
         ops.select_isa(before)
     assert ops.bf16_dot() == ("bf16" in exp["have"])
