@@ -9,7 +9,8 @@ so that w = scale * (code - zero). Embeddings and norms stay in `--dtype`. An un
 becomes int8 by default (`--lm-head int8|int4|keep`):
     lm_head.qweight int8 [n, k]        symmetric codes, w = scale * code
     lm_head.scales  float16 [n, k / 32]
-`LLM(OUT)` and `armserve serve OUT` load the folder directly and run it with the w4a8 kernels (activations quantized to int8 on the fly).
+`LLM(OUT)` and `armserve serve OUT` load the folder directly and run it with the w4a8 kernels
+(activations quantized to int8 on the fly).
 """
 
 from __future__ import annotations
@@ -77,10 +78,12 @@ def quantize_model(
     tokenizer = model_loader.load_tokenizer(src)
     skip = list(skip_modules or [])
 
+    def skipped(name: str) -> bool:
+        return any(s in name for s in skip)
+
     def wanted(name: str) -> bool:
-        if any(s in name for s in skip):
-            return False
-        return name.endswith(LINEAR_SUFFIXES) or (lm_head == "int4" and name == "lm_head.weight")
+        int4_head = lm_head == "int4" and name == "lm_head.weight"
+        return not skipped(name) and (name.endswith(LINEAR_SUFFIXES) or int4_head)
 
     names_done: list[str] = []
     tensors: dict[str, torch.Tensor] = {}
@@ -105,7 +108,7 @@ def quantize_model(
             if not symmetric:
                 out_t[prefix + ".zeros"] = (qt.szp / qt.scales).to(torch.float16)
             names_done.append(name)
-        elif lm_head == "int8" and name == "lm_head.weight" and not any(s in name for s in skip):
+        elif lm_head == "int8" and name == "lm_head.weight" and not skipped(name):
             qt = quantize_weight_int8(w)
             # int8 codes are stored as they are (a .qweight of dtype int8 marks the format)
             out_t = {"lm_head.qweight": qt.codes.contiguous(), "lm_head.scales": qt.scales.to(torch.float16)}
@@ -146,7 +149,7 @@ def quantize_model(
         "group_size": group_size,
         "symmetric": symmetric,
         "activations": "int8, dynamic, per token and weight group",
-        "lm_head": "keep" if any(s in "lm_head" for s in skip) else lm_head,
+        "lm_head": "keep" if skipped("lm_head.weight") else lm_head,
         "modules_not_converted": sorted({"embed_tokens", "norm"} | ({"lm_head"} if lm_head == "keep" else set())
                                         | set(skip)),
     }

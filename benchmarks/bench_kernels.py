@@ -12,6 +12,7 @@ section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -136,14 +137,9 @@ def matmul_cases(dtype: torch.dtype):
 
         for rows in (1, 4):
             x = torch.randn(rows, k).to(dtype)
-            it = {"i": 0}
-
-            def pick(it=it):
-                it["i"] = (it["i"] + 1) % copies
-                return dense[it["i"]]
-
-            out.append((f"decode matmul {rows} x {k} -> {n} ({ops.GEMV_MAX_TOKENS} tokens max)",
-                        lambda x=x, pick=pick: F.linear(x, pick()), lambda x=x, pick=pick: ops.gemv(x, pick())))
+            nxt = itertools.cycle(dense).__next__
+            out.append((f"decode matmul {rows} x {k} -> {n}",
+                        lambda x=x, nxt=nxt: F.linear(x, nxt()), lambda x=x, nxt=nxt: ops.gemv(x, nxt())))
     quant = []
     for w in dense:
         layer = QuantizedLinear(k, n, False, [("all", n)])
@@ -152,12 +148,7 @@ def matmul_cases(dtype: torch.dtype):
         quant.append(layer)
     for rows in (1, 256):
         x = torch.randn(rows, k).to(dtype)
-        it = {"i": 0}
-
-        def nxt(it=it):
-            it["i"] = (it["i"] + 1) % copies
-            return it["i"]
-
+        nxt = itertools.cycle(range(copies)).__next__
         out.append((f"w4a8 linear (int4 weights, g32) {rows} x {k} -> {n}, vs dense F.linear",
                     lambda x=x, nxt=nxt: F.linear(x, dense[nxt()]), lambda x=x, nxt=nxt: quant[nxt()](x)))
     return out

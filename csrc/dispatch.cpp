@@ -32,15 +32,8 @@
 
 namespace {
 
-struct Features {
-  bool avx2 = false, fma = false, f16c = false, avx512 = false, avx512_bf16 = false, avx512_vnni = false,
-       amx = false;
-  bool neon = false, dotprod = false, bf16 = false, i8mm = false, sve = false, sve2 = false;
-  int sve_bits = 0;
-};
-
-Features detect() {
-  Features f;
+CpuFeatures detect() {
+  CpuFeatures f{};
 #if defined(__x86_64__)
   __builtin_cpu_init();
   f.avx2 = __builtin_cpu_supports("avx2");
@@ -72,13 +65,13 @@ Features detect() {
   return f;
 }
 
-const Features& features() {
-  static const Features f = detect();
+const CpuFeatures& features() {
+  static const CpuFeatures f = detect();
   return f;
 }
 
 const KernelTable* best() {
-  const Features& f = features();
+  const CpuFeatures& f = features();
 #if defined(__x86_64__)
   if (f.avx512) return armserve_table_avx512();
   if (f.avx2 && f.fma && f.f16c) return armserve_table_avx2();
@@ -92,7 +85,7 @@ const KernelTable* best() {
 
 // Returns nullptr if `name` is unknown on this architecture or not supported by this CPU.
 const KernelTable* by_name(const char* name, int* unsupported) {
-  const Features& f = features();
+  const CpuFeatures& f = features();
   *unsupported = 0;
   if (!std::strcmp(name, "scalar")) return armserve_table_scalar();
 #if defined(__x86_64__)
@@ -119,7 +112,7 @@ const KernelTable* by_name(const char* name, int* unsupported) {
 }
 
 bool has_bf16_dot() {
-  const Features& f = features();
+  const CpuFeatures& f = features();
   return f.avx512_bf16 || f.bf16;
 }
 
@@ -135,6 +128,8 @@ const KernelTable* table() {
 extern "C" {
 
 int armserve_bf16_dot = has_bf16_dot() ? 1 : 0;
+
+const CpuFeatures* armserve_cpu() { return &features(); }
 
 // Use the CPU's bf16 dot instruction in the skinny matmul (on = 1) or widen to fp32 (on = 0).
 // Returns 0 on success, 2 if `on` and this CPU has no such instruction.
@@ -162,7 +157,7 @@ const char* armserve_isa() { return table()->name; }
 
 // Space-separated list of the CPU features that matter to armserve.
 void armserve_cpu_features(char* buf, int n) {
-  const Features& f = features();
+  const CpuFeatures& f = features();
   std::string s;
   auto add = [&](bool on, const char* name) {
     if (on) {

@@ -68,6 +68,15 @@ struct KernelTable {
 // fp32 either way; only how the fp32 sums are grouped (and, for ARM BFDOT, rounded) differs.
 extern int armserve_bf16_dot;
 
+// The CPU's features as dispatch.cpp detects them (cpuid / HWCAP, once), for the other
+// dispatchers (qdispatch.cpp) to read rather than probe again.
+struct CpuFeatures {
+  bool avx2, fma, f16c, avx512, avx512_bf16, avx512_vnni, amx;
+  bool neon, dotprod, bf16, i8mm, sve, sve2;
+  int sve_bits;  // 0 without SVE
+};
+const CpuFeatures* armserve_cpu();
+
 const KernelTable* armserve_table_scalar();
 #if defined(__x86_64__) || defined(_M_X64)
 const KernelTable* armserve_table_avx2();

@@ -5,45 +5,29 @@
 
 #include "qgemm.h"
 
-#if defined(__aarch64__) && defined(__linux__)
-#include <sys/auxv.h>
-#include <sys/prctl.h>
-#ifndef PR_SVE_GET_VL
-#define PR_SVE_GET_VL 51
-#endif
-#ifndef HWCAP_ASIMDDP
-#define HWCAP_ASIMDDP (1 << 20)
-#endif
-#ifndef HWCAP2_I8MM
-#define HWCAP2_I8MM (1 << 13)
-#endif
-#endif
-
 extern "C" const char* armserve_isa();
 
 namespace {
 
 const QKernelTable* pick(const char* isa) {
+  const CpuFeatures& f = *armserve_cpu();
 #if defined(__x86_64__)
   if (!std::strcmp(isa, "avx512")) {
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw")) return armserve_qtable_avx512();
+    if (f.avx512_vnni) return armserve_qtable_avx512();  // (the avx512 variant implies AVX512-BW)
     return armserve_qtable_avx2();  // AVX-512 without VNNI (Skylake-SP): AVX2 integer path
   }
   if (!std::strcmp(isa, "avx2")) return armserve_qtable_avx2();
-#elif defined(__aarch64__) && defined(__linux__)
+#elif defined(__aarch64__)
   if (!std::strcmp(isa, "sve")) {
     // 128-bit SVE with i8mm (Graviton4, Grace): NEON's SMMLA tiles do twice the multiply-adds of
     // SVE SDOT at that width for prefill, and decode is memory-bound either way. Wider SVE
     // (Graviton3's 256 bits) keeps SDOT, which already matches SMMLA at 128 bits.
-    if ((getauxval(AT_HWCAP2) & HWCAP2_I8MM) && prctl(PR_SVE_GET_VL) > 0 && (prctl(PR_SVE_GET_VL) & 0xffff) == 16)
-      return armserve_qtable_neon_i8mm();
+    if (f.i8mm && f.sve_bits == 128) return armserve_qtable_neon_i8mm();
     return armserve_qtable_sve();
   }
-  if (!std::strcmp(isa, "neon") && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP)) {
-    if (getauxval(AT_HWCAP2) & HWCAP2_I8MM) return armserve_qtable_neon_i8mm();
-    return armserve_qtable_neon();
-  }
+  if (!std::strcmp(isa, "neon") && f.dotprod) return f.i8mm ? armserve_qtable_neon_i8mm() : armserve_qtable_neon();
 #endif
+  (void)f;
   return armserve_qtable_scalar();
 }
 

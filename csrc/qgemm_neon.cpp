@@ -152,7 +152,7 @@ struct QNeonI8mm : QNeon {
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    if (NT == 4)
+    if constexpr (NT == 4)
       tile4_mmla<true>(wt, q, as, gs, k, group, acc);
     else
       QNeon::tile_w4<NT>(wt, q, as, gs, k, group, acc);
@@ -160,10 +160,10 @@ struct QNeonI8mm : QNeon {
   template <int NT>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    if (NT == 4 && group % 8 == 0)
-      tile4_mmla<false>(wt, q, as, gs, k, group, acc);
-    else
-      QNeon::tile_w8<NT>(wt, q, as, gs, k, group, acc);
+    if constexpr (NT == 4) {
+      if (group % 8 == 0) return tile4_mmla<false>(wt, q, as, gs, k, group, acc);
+    }
+    QNeon::tile_w8<NT>(wt, q, as, gs, k, group, acc);
   }
 };
 }  // namespace

@@ -65,6 +65,15 @@ class AttentionMetadata:
             self._mask_cache[key] = m
         return m
 
+    def decode_padding(self) -> torch.Tensor | None:
+        """[B, 1, L, 1]: True past each sequence's context, where the padded gather reads cache rows
+        nobody wrote (None when no sequence is shorter than the longest)."""
+        key = ("pad",)
+        if key not in self._mask_cache:
+            pad = ~self.decode_mask(None).transpose(-1, -2)
+            self._mask_cache[key] = pad if bool(pad.any()) else None
+        return self._mask_cache[key]
+
     def prefill_mask(self, idx: int, window: int | None) -> torch.Tensor | None:
         key = ("p", idx, window)
         if key in self._mask_cache:
@@ -188,11 +197,10 @@ class Attention(nn.Module):
         if nd:
             kk = self._gather(k_cache, self.k_scale, md.decode_slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
             vv = self._gather(v_cache, self.v_scale, md.decode_slots, q.dtype).transpose(1, 2)
-            # Padding past a shorter sequence's context reads cache rows nobody wrote (torch.empty):
-            # the mask gives them weight 0, but 0 * NaN is NaN, so clear them first.
-            pad = torch.arange(kk.shape[2]) >= md.decode_context_lens[:, None]  # [B, L]
-            if bool(pad.any()):
-                pad = pad[:, None, :, None]
+            # Padding rows hold whatever the (torch.empty) cache held: the mask gives them weight 0,
+            # but 0 * NaN is NaN, so clear them first.
+            pad = md.decode_padding()
+            if pad is not None:
                 kk, vv = kk.masked_fill(pad, 0.0), vv.masked_fill(pad, 0.0)
             qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
             o = self._sdpa(qq, kk, vv, md.decode_mask(self.sliding_window), gqa)
