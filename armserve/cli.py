@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="auto (the model dtype) or int8 (8-bit cache with per-token-per-head scales)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step module by module (no replayed decode step graphs)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
 
 
@@ -41,6 +43,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_space=args.kv_cache_space,
         kv_cache_dtype=args.kv_cache_dtype,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
         chat_template=template,
     )
 

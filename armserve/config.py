@@ -116,6 +116,9 @@ class EngineConfig:
     chat_template: str | None = None
     served_model_name: str | None = None
     trust_remote_code: bool = False
+    # True: every step runs module by module from Python, never replayed from a recorded step
+    # graph (engine/step_graph.py); vLLM's flag for CUDA graphs.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_space is None:

@@ -107,11 +107,18 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_set_bf16_dot": ([ctypes.c_int], ctypes.c_int),
         "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
-        "armserve_paged_attention": ([I32, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32, F, I64],
+        "armserve_paged_attention": ([I32, P, P, P, P, P, I32, I32, I32, F, I32, F, I64],
                                      None),
         "armserve_reshape_and_cache_i8": ([I32, P, P, P, P, P, P, P, I64, I32, I32, I64], None),
-        "armserve_paged_attention_i8": ([I32, P, P, P, P, P, P, ctypes.POINTER(AttnBatch), I32, I32, I32, F, I32,
+        "armserve_paged_attention_i8": ([I32, P, P, P, P, P, P, P, I32, I32, I32, F, I32,
                                          F, I64], None),
+        "armserve_add_bias": ([I32, P, I32, P, I64, I64, I64], None),
+        "armserve_mul_cols": ([I32, P, P, I64, I64, I64], None),
+        "armserve_embedding": ([P, P, P, I64, I64], None),
+        "armserve_cast": ([I32, P, I32, P, I64], None),
+        "armserve_graph_kind": ([ctypes.c_char_p], I32),
+        "armserve_graph_op_size": ([], I32),
+        "armserve_graph_run": ([P, I64], I64),
     }
     for name, (args, res) in sig.items():
         fn = getattr(lib, name)
@@ -156,8 +163,10 @@ def select_isa(name: str) -> str:
     lib = _load()
     if lib is None:
         raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    global kernel_generation
     rc = lib.armserve_select_isa(name.encode())
     _gemv_limit.clear()
+    kernel_generation += 1
     if rc == 1:
         raise KernelError(f"unknown ISA {name!r} on {os.uname().machine}; choose from {', '.join(isas_for_arch())}")
     if rc == 2:
@@ -218,7 +227,9 @@ def set_bf16_dot(on: bool) -> None:
     lib = _load()
     if lib is None:
         raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    global kernel_generation
     _gemv_limit.clear()
+    kernel_generation += 1
     if lib.armserve_set_bf16_dot(int(on)) == 2:
         raise KernelError(f"this CPU has no bf16 dot instruction (features: {' '.join(cpu_features())})")
 
@@ -269,6 +280,140 @@ def thread_cores() -> list[int]:
     return list(arr[:n])
 
 
+# ---- step graphs: recording kernel calls ----------------------------------------------------
+
+
+class GraphOp(ctypes.Structure):
+    """One recorded kernel call (csrc/graph.cpp): the function's kind and its arguments in order,
+    integers and pointers in `i`, floats in `f`."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("i", ctypes.c_int64 * 16),
+                ("f", ctypes.c_double * 4)]
+
+
+class NotCapturable(RuntimeError):
+    """A step did work the graph cannot replay (a PyTorch op that computes, not a kernel call)."""
+
+
+class Recording:
+    """Kernel calls of one step, in order, with every tensor allocated meanwhile kept alive (the
+    recorded pointers point into them). `errors` names the PyTorch ops that computed something:
+    a replay would skip them, so a recording with errors must not be replayed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int], list[float]]] = []
+        self.keep: list[torch.Tensor] = []
+        self.errors: list[str] = []
+        self._ops: ctypes.Array | None = None
+
+    def record(self, name: str, args: tuple) -> None:
+        kind = _graph_kinds.get(name)
+        if kind is None:
+            kind = _graph_kinds[name] = _lib.armserve_graph_kind(name.encode())
+        if kind < 0:
+            self.errors.append(f"kernel {name} is not recordable")
+            return
+        ints: list[int] = []
+        floats: list[float] = []
+        for t, a in zip(getattr(_lib, name).argtypes, args):
+            if t is ctypes.c_float:
+                floats.append(float(a))
+            else:
+                ints.append(0 if a is None else int(a))
+        self.calls.append((kind, ints, floats))
+
+    def ops(self) -> ctypes.Array:
+        """The calls as the C array `armserve_graph_run` walks (built once)."""
+        if self._ops is None:
+            arr = (GraphOp * len(self.calls))()
+            for o, (kind, ints, floats) in zip(arr, self.calls):
+                o.kind = kind
+                o.i[:len(ints)] = ints
+                o.f[:len(floats)] = floats
+            self._ops = arr
+        return self._ops
+
+
+_graph_kinds: dict[str, int] = {}
+_recording: Recording | None = None
+# Bumped whenever a kernel choice changes (ISA, bf16 dot): recordings made before are stale.
+kernel_generation = 0
+
+
+def _call(name: str, *args) -> None:
+    """Call kernel `name`; while a step is being recorded, also append the call to the recording."""
+    getattr(_lib, name)(*args)
+    if _recording is not None:
+        _recording.record(name, args)
+
+
+# aten ops that only allocate or make views: a recorded step may run these and nothing else.
+_GRAPH_SAFE_OPS = {
+    "empty", "empty_like", "view", "_unsafe_view", "split_with_sizes", "split", "slice", "select", "unsqueeze",
+    "squeeze", "t", "transpose", "as_strided", "alias", "detach", "_reshape_alias", "expand",
+}
+# ... and these when they return a view rather than a copy.
+_GRAPH_SAFE_IF_VIEW = {"contiguous", "reshape", "flatten"}
+
+
+def capture():
+    """Context manager recording this thread's kernel calls into a `Recording` (see step_graph.py).
+
+    The calls still run, so the step being recorded computes as usual. Every tensor allocated
+    inside is kept (the recording's pointers refer to them); a PyTorch op that computes is noted
+    in `errors`, since a replay would not run it.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Guard(TorchDispatchMode):
+        def __init__(self, rec: Recording) -> None:
+            super().__init__()
+            self.rec = rec
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("empty", "empty_like"):
+                self.rec.keep.append(out)
+            elif name in _GRAPH_SAFE_IF_VIEW:
+                if out.data_ptr() != args[0].data_ptr():
+                    self.rec.keep.append(out)
+                    self.rec.errors.append(f"aten::{name} copied")
+            elif name not in _GRAPH_SAFE_OPS:
+                self.rec.errors.append(f"aten::{name}")
+            return out
+
+    class _Capture:
+        def __enter__(self) -> Recording:
+            global _recording
+            if _load() is None:
+                raise NotCapturable(f"C++ kernels unavailable: {_load_error}")
+            if _recording is not None:
+                raise NotCapturable("a step is already being recorded")
+            self.rec = Recording()
+            self.guard = _Guard(self.rec)
+            self.guard.__enter__()
+            _recording = self.rec
+            return self.rec
+
+        def __exit__(self, *exc) -> None:
+            global _recording
+            _recording = None
+            self.guard.__exit__(*exc)
+
+    return _Capture()
+
+
+def run_graph(rec: Recording) -> None:
+    """Replay a recording's kernel calls (one C call)."""
+    if rec.errors:
+        raise NotCapturable(f"the recorded step ran work a replay would skip: {', '.join(rec.errors[:5])}")
+    ops_ = rec.ops()
+    bad = _lib.armserve_graph_run(ops_, len(ops_))
+    if bad >= 0:
+        raise NotCapturable(f"recorded call {bad} has an unknown kind")
+
+
 # ---- wrappers -------------------------------------------------------------------------------
 
 
@@ -282,7 +427,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     x = x.contiguous()
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    _lib.armserve_rms_norm(_DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), _ptr(residual),
+    _call("armserve_rms_norm", _DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), _ptr(residual),
                            weight.data_ptr(), x.numel() // dim, dim, eps, offset)
     return out
 
@@ -291,7 +436,7 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: t
            rot_dim: int, neox: bool) -> None:
     """RoPE in place on q [T, nq*hd] and k [T, nk*hd] (row-strided views are fine)."""
     T = positions.shape[0]
-    _lib.armserve_rotary(_DTYPE_CODES[q.dtype], positions.data_ptr(), q.data_ptr(), k.data_ptr(),
+    _call("armserve_rotary", _DTYPE_CODES[q.dtype], positions.data_ptr(), q.data_ptr(), k.data_ptr(),
                          cos_sin.data_ptr(), T, q.shape[1] // head_dim, k.shape[1] // head_dim, head_dim, rot_dim,
                          int(neox), q.stride(0), k.stride(0))
 
@@ -301,7 +446,7 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    _lib.armserve_act_and_mul(_DTYPE_CODES[x.dtype], _ACT_CODES[act], out.data_ptr(), x.data_ptr(),
+    _call("armserve_act_and_mul", _DTYPE_CODES[x.dtype], _ACT_CODES[act], out.data_ptr(), x.data_ptr(),
                               x.numel() // (2 * d), d)
     return out
 
@@ -310,7 +455,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
                       slot_mapping: torch.Tensor) -> None:
     """Write rows of k/v ([T, hk*hd], row-strided views are fine) into cache slots."""
     assert k.stride(0) == v.stride(0) and k.stride(1) == 1
-    _lib.armserve_reshape_and_cache(_DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
+    _call("armserve_reshape_and_cache", _DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
                                     v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1],
                                     k.stride(0))
 
@@ -328,8 +473,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """Attention of q rows ([T, hq*hd], row-strided views are fine) over their cached context."""
     assert q.stride(1) == 1
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
-    _lib.armserve_paged_attention(_DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
-                                  v_cache.data_ptr(), ctypes.byref(batch), num_heads, num_kv_heads, head_dim,
+    _call("armserve_paged_attention", _DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+                                  v_cache.data_ptr(), ctypes.addressof(batch), num_heads, num_kv_heads, head_dim,
                                   scale, sliding_window or 0, softcap or 0.0, q.stride(0))
     return out
 
@@ -360,7 +505,7 @@ def reshape_and_cache_i8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != (k.shape[0],):
         raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")
-    _lib.armserve_reshape_and_cache_i8(_DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
+    _call("armserve_reshape_and_cache_i8", _DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
                                        v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
                                        slot_mapping.data_ptr(), k.shape[0], hk, hd, k.stride(0))
 
@@ -377,9 +522,9 @@ def paged_attention_i8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if tuple(k_cache.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(f"cache rows are {tuple(k_cache.shape[1:])}, expected ({num_kv_heads}, {head_dim})")
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
-    _lib.armserve_paged_attention_i8(_DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
+    _call("armserve_paged_attention_i8", _DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
                                      v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
-                                     ctypes.byref(batch), num_heads, num_kv_heads, head_dim, scale,
+                                     ctypes.addressof(batch), num_heads, num_kv_heads, head_dim, scale,
                                      sliding_window or 0, softcap or 0.0, q.stride(0))
     return out
 
@@ -395,7 +540,7 @@ def quantize_act(x: torch.Tensor, group: int,
         out = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // group, dtype=torch.float32),
                torch.empty(m, k // group, dtype=torch.int32))
     q, scale, gsum = out
-    _lib.armserve_quantize_act(_DTYPE_CODES[x.dtype], x.data_ptr(), m, k, group, q.data_ptr(), scale.data_ptr(),
+    _call("armserve_quantize_act", _DTYPE_CODES[x.dtype], x.data_ptr(), m, k, group, q.data_ptr(), scale.data_ptr(),
                                gsum.data_ptr())
     return out
 
@@ -404,8 +549,7 @@ def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch
           packed: torch.Tensor, n: int, group: int) -> None:
     """out[:, col:col + n] = acts x W^T for a packed "w4" or "w8" weight (csrc/qgemm.h)."""
     q, scale, gsum = acts
-    fn = _lib.armserve_gemm_w4 if fmt == "w4" else _lib.armserve_gemm_w8
-    fn(_DTYPE_CODES[out.dtype], out.data_ptr() + col * out.element_size(), q.data_ptr(), scale.data_ptr(),
+    _call("armserve_gemm_w4" if fmt == "w4" else "armserve_gemm_w8", _DTYPE_CODES[out.dtype], out.data_ptr() + col * out.element_size(), q.data_ptr(), scale.data_ptr(),
        gsum.data_ptr(), packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
 
 
@@ -434,5 +578,44 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype)
-    _lib.armserve_gemv(_DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), w.data_ptr(), m, n, k)
+    _call("armserve_gemv", _DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), w.data_ptr(), m, n, k)
+    return out
+
+
+# ---- small elementwise ops (csrc/graph.cpp) ---------------------------------------------------
+# So that a decode step is kernel calls only (a recorded step replays nothing else); single
+# threaded, for the few rows of a decode step.
+
+
+def add_bias(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """out += bias in place (out [m, n] with unit column stride; bias [n], any supported dtype)."""
+    assert out.stride(-1) == 1 and bias.is_contiguous() and bias.shape[-1] == out.shape[-1]
+    _call("armserve_add_bias", _DTYPE_CODES[out.dtype], out.data_ptr(), _DTYPE_CODES[bias.dtype], bias.data_ptr(),
+          out.numel() // out.shape[-1], out.shape[-1], out.stride(0) if out.dim() > 1 else out.shape[-1])
+    return out
+
+
+def mul_cols(x: torch.Tensor, mul: torch.Tensor) -> torch.Tensor:
+    """x *= mul in place, column-wise (x [m, n] with unit column stride, mul float32 [n])."""
+    assert x.dim() == 2 and x.stride(1) == 1 and mul.dtype == torch.float32 and mul.shape == (x.shape[1],)
+    _call("armserve_mul_cols", _DTYPE_CODES[x.dtype], x.data_ptr(), mul.data_ptr(), x.shape[0], x.shape[1],
+          x.stride(0))
+    return x
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[ids] for int64 ids [m] (no bounds check: the engine validates token ids)."""
+    assert ids.dtype == torch.int64 and ids.dim() == 1 and table.dim() == 2 and table.is_contiguous()
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], table.shape[1], dtype=table.dtype)
+    _call("armserve_embedding", out.data_ptr(), table.data_ptr(), ids.data_ptr(), ids.shape[0],
+          table.shape[1] * table.element_size())
+    return out
+
+
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x.to(dtype) for the float types (round to nearest even), into a new contiguous tensor."""
+    x = x.contiguous()
+    out = torch.empty(x.shape, dtype=dtype)
+    _call("armserve_cast", _DTYPE_CODES[x.dtype], x.data_ptr(), _DTYPE_CODES[dtype], out.data_ptr(), x.numel())
     return out

@@ -31,6 +31,7 @@ VARIANTS = {
         "qgemm_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
         "qgemm_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
         "qdispatch.cpp": [],
+        "graph.cpp": [],
     },
     "aarch64": {
         "kernels_scalar.cpp": ["-march=armv8-a"] + SCALAR,
@@ -42,6 +43,7 @@ VARIANTS = {
         "qgemm_neon.cpp": ["-march=armv8.2-a+dotprod"],
         "qgemm_sve.cpp": ["-march=armv8.2-a+sve"],
         "qdispatch.cpp": ["-march=armv8-a"],
+        "graph.cpp": ["-march=armv8-a"],
     },
 }
 # NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
@@ -61,7 +63,7 @@ def sources(arch: str) -> list[tuple[str, list[str]]]:
     if arch not in VARIANTS:
         return [(os.path.join(HERE, f), flags) for f, flags in
                 [("kernels_scalar.cpp", SCALAR), ("dispatch.cpp", []), ("threads.cpp", []),
-                 ("qgemm_scalar.cpp", SCALAR), ("qdispatch.cpp", [])]]
+                 ("qgemm_scalar.cpp", SCALAR), ("qdispatch.cpp", []), ("graph.cpp", [])]]
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 

@@ -100,7 +100,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len  # type: ignore[arg-type]
         )
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype,
+                                  self.max_model_len, config.enforce_eager)
         self.eos_token_ids = self._eos_token_ids(src)
         self.vocab_size = hf.vocab_size
         self._parents: dict[str, _ParentRequest] = {}

@@ -15,6 +15,7 @@ from armserve.engine.sampler import (
 )
 from armserve import ops
 from armserve.engine.scheduler import SchedulerOutput
+from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
 
 
@@ -61,7 +62,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 cache_dtype: torch.dtype | None = None) -> None:
+                 cache_dtype: torch.dtype | None = None, max_model_len: int | None = None,
+                 enforce_eager: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.dtype = dtype
@@ -90,6 +92,11 @@ class ModelRunner:
         # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
         # switches to the PyTorch path (the reference the kernels are tested against).
         self.use_kernels = ops.available() and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        # Decode steps replayed from recorded kernel calls (step_graph.py); block tables wide
+        # enough for the longest sequence.
+        max_blocks = -(-(max_model_len or slots) // block_size)
+        self.graphs = StepGraphs(model, min(max_blocks, num_blocks), block_size,
+                                 enabled=self.use_kernels and not enforce_eager)
 
     # ---- input preparation ------------------------------------------------------------------
 
@@ -176,22 +183,43 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
 
+    def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Logits of a step of decodes only (one token per request, each sampled, no prompt
+        logprobs) from a step graph; None when the step must run eagerly."""
+        if not self.graphs.enabled or len(out.scheduled) > MAX_GRAPH_BATCH:
+            return None
+        ids, positions, blocks = [], [], []
+        for s in out.scheduled:
+            req = s.request
+            if s.num_new_tokens != 1 or not s.samples or (
+                    req.params.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens):
+                return None
+            ids.append(req.all_token_ids[req.num_computed_tokens])
+            positions.append(req.num_computed_tokens)
+            blocks.append(s.block_ids)
+        return self.graphs.run(ids, positions, blocks)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        input_ids, positions, md, row_end, order = self._prepare(out)
-        set_attention_metadata(md)
-        try:
-            hidden = self.model(input_ids, positions)
-        finally:
-            set_attention_metadata(None)
-
         sched = out.scheduled
+        graph_logits = self._graph_logits(out)
+        if graph_logits is None:
+            input_ids, positions, md, row_end, order = self._prepare(out)
+            set_attention_metadata(md)
+            try:
+                hidden = self.model(input_ids, positions)
+            finally:
+                set_attention_metadata(None)
+
         sample_idx = [i for i, s in enumerate(sched) if s.samples]
         sampled: list[int | None] = [None] * len(sched)
         logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(sched)
         if sample_idx:
-            rows = torch.tensor([row_end[i] for i in sample_idx], dtype=torch.long)
-            logits = self.model.compute_logits(hidden.index_select(0, rows))
+            if graph_logits is not None:
+                logits = graph_logits  # every request samples, rows in schedule order
+            else:
+                rows = torch.tensor([row_end[i] for i in sample_idx], dtype=torch.long)
+                logits = self.model.compute_logits(hidden.index_select(0, rows))
             reqs = [sched[i].request for i in sample_idx]
             batch = build_sampling_batch(
                 [r.params for r in reqs],

@@ -157,8 +157,11 @@ class Attention(nn.Module):
         quantized = self.k_scale is not None
         if self.k_mul is not None:
             # in place: q and k are this layer's own (rotary) outputs, used only here
-            q = q.mul_(self.q_mul)
-            k = k.mul_(self.k_mul)
+            if md.kernel_batch is not None and q.dim() == 2 and q.shape[0] <= 64:
+                q, k = ops.mul_cols(q, self.q_mul), ops.mul_cols(k, self.k_mul)
+            else:
+                q = q.mul_(self.q_mul)
+                k = k.mul_(self.k_mul)
         if md.kernel_batch is not None:
             if quantized:
                 ops.reshape_and_cache_i8(k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale,

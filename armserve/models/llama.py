@@ -38,7 +38,7 @@ class Linear(nn.Module):
         # the weight near copy speed and PyTorch's bf16 GEMM does not.
         if ops.use_gemv(x):
             out = ops.gemv(x, self.weight)
-            return out if self.bias is None else out + self.bias
+            return out if self.bias is None else ops.add_bias(out, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -61,6 +61,8 @@ class VocabEmbedding(nn.Module):
         self.weight = _param(vocab_size, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if ops.supports(self.weight) and input_ids.dim() == 1:
+            return ops.embedding(input_ids, self.weight)
         return F.embedding(input_ids, self.weight)
 
 
@@ -173,9 +175,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied to the embedding table
             if ops.use_gemv(hidden):
-                return ops.gemv(hidden, self.embed_tokens.weight).float()
+                return ops.cast(ops.gemv(hidden, self.embed_tokens.weight), torch.float32)
             return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        # the kernels' cast: a decode step then stays kernel calls only (engine/step_graph.py)
+        return ops.cast(logits, torch.float32) if ops.supports(logits) and logits.shape[0] <= 8 else logits.float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

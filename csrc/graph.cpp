@@ -1,0 +1,237 @@
+// Step graphs: a decode step's kernel calls, recorded once and replayed by one call from Python.
+//
+// A batch-1 decode step of a 0.5B model is ~350 kernel calls of a few microseconds each; made
+// one by one from Python (module calls, ctypes argument conversion, fresh output tensors) they
+// cost about as much as the matmuls themselves. armserve/engine/step_graph.py records the calls
+// of one step (ops.py appends each call's arguments while capturing) into an array of GraphOp,
+// and `armserve_graph_run` replays it: the CPU analogue of a CUDA graph. Every pointer in it is a
+// buffer the graph owns (or a weight); what changes per step (token ids, positions, cache slots,
+// context lengths, block tables) is written into the graph's input buffers before each replay.
+//
+// Also here: the small elementwise ops a step needs besides the kernels (embedding rows, bias,
+// per-column scaling, dtype cast), so that a recorded step has no PyTorch op left in it.
+#include <cstdint>
+#include <cstring>
+
+#include "kernels_impl.h"
+#include "qgemm.h"
+
+extern "C" {
+void armserve_rms_norm(int32_t, void*, const void*, void*, const void*, int64_t, int64_t, float, float);
+void armserve_rotary(int32_t, const int64_t*, void*, void*, const float*, int64_t, int32_t, int32_t, int32_t,
+                     int32_t, int32_t, int64_t, int64_t);
+void armserve_act_and_mul(int32_t, int32_t, void*, const void*, int64_t, int64_t);
+void armserve_reshape_and_cache(int32_t, const void*, const void*, void*, void*, const int64_t*, int64_t, int64_t,
+                                int64_t);
+void armserve_paged_attention(int32_t, void*, const void*, const void*, const void*, const AttnBatch*, int32_t,
+                              int32_t, int32_t, float, int32_t, float, int64_t);
+void armserve_reshape_and_cache_i8(int32_t, const void*, const void*, int8_t*, int8_t*, float*, float*,
+                                   const int64_t*, int64_t, int32_t, int32_t, int64_t);
+void armserve_paged_attention_i8(int32_t, void*, const void*, const int8_t*, const int8_t*, const float*,
+                                 const float*, const AttnBatch*, int32_t, int32_t, int32_t, float, int32_t, float,
+                                 int64_t);
+void armserve_gemv(int32_t, void*, const void*, const void*, int64_t, int64_t, int64_t);
+void armserve_quantize_act(int32_t, const void*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
+void armserve_gemm_w4(int32_t, void*, const int8_t*, const float*, const int32_t*, const uint8_t*, int64_t, int64_t,
+                      int64_t, int64_t, int64_t);
+void armserve_gemm_w8(int32_t, void*, const int8_t*, const float*, const int32_t*, const int8_t*, int64_t, int64_t,
+                      int64_t, int64_t, int64_t);
+}
+
+namespace armserve {
+namespace {
+
+using S = ScalarOps;
+
+// Rows of a few hundred to a few thousand elements: one pass through an fp32 row buffer, no threads.
+constexpr int64_t kRowChunk = 1024;
+
+// out[r, :n] (rows `ldo` apart) = out + bias, in fp32, rounded once to out's dtype (PyTorch's
+// `out += bias` with a float32 bias, and `out + bias` with a bias of out's dtype).
+void add_bias(int32_t dtype, void* out, int32_t bias_dtype, const void* bias, int64_t rows, int64_t n, int64_t ldo) {
+  const int es = dtype_size(dtype), bs = dtype_size(bias_dtype);
+  float a[kRowChunk], b[kRowChunk];
+  for (int64_t r = 0; r < rows; ++r) {
+    char* o = static_cast<char*>(out) + r * ldo * es;
+    for (int64_t c = 0; c < n; c += kRowChunk) {
+      const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
+      S::load(dtype, o + c * es, a, len);
+      S::load(bias_dtype, static_cast<const char*>(bias) + c * bs, b, len);
+      for (int64_t i = 0; i < len; ++i) a[i] += b[i];
+      S::store(dtype, a, o + c * es, len);
+    }
+  }
+}
+
+// x[r, :n] (rows `ld` apart) *= mul (float32 [n]), in place (PyTorch's `x.mul_(mul)`).
+void mul_cols(int32_t dtype, void* x, const float* mul, int64_t rows, int64_t n, int64_t ld) {
+  const int es = dtype_size(dtype);
+  float a[kRowChunk];
+  for (int64_t r = 0; r < rows; ++r) {
+    char* p = static_cast<char*>(x) + r * ld * es;
+    for (int64_t c = 0; c < n; c += kRowChunk) {
+      const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
+      S::load(dtype, p + c * es, a, len);
+      for (int64_t i = 0; i < len; ++i) a[i] *= mul[c + i];
+      S::store(dtype, a, p + c * es, len);
+    }
+  }
+}
+
+// dst [n] (dst_dtype) = src [n] (src_dtype), rounded to nearest even where it narrows.
+void cast(int32_t src_dtype, const void* src, int32_t dst_dtype, void* dst, int64_t n) {
+  float a[kRowChunk];
+  for (int64_t c = 0; c < n; c += kRowChunk) {
+    const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
+    S::load(src_dtype, static_cast<const char*>(src) + c * dtype_size(src_dtype), a, len);
+    S::store(dst_dtype, a, static_cast<char*>(dst) + c * dtype_size(dst_dtype), len);
+  }
+}
+
+}  // namespace
+}  // namespace armserve
+
+extern "C" {
+
+// One recorded call: which function (`kind`, see armserve_graph_kind) and its arguments in
+// order, integers and pointers in `i`, floats in `f`.
+struct GraphOp {
+  int32_t kind;
+  int32_t pad;
+  int64_t i[16];
+  double f[4];
+};
+
+enum GraphKind : int32_t {
+  G_RMS_NORM,
+  G_ROTARY,
+  G_ACT_AND_MUL,
+  G_RESHAPE_AND_CACHE,
+  G_PAGED_ATTENTION,
+  G_RESHAPE_AND_CACHE_I8,
+  G_PAGED_ATTENTION_I8,
+  G_GEMV,
+  G_QUANTIZE_ACT,
+  G_GEMM_W4,
+  G_GEMM_W8,
+  G_ADD_BIAS,
+  G_MUL_COLS,
+  G_EMBEDDING,
+  G_CAST,
+  G_NUM_KINDS
+};
+
+// The kind of a recordable function, by its exported name (-1: not recordable). Python asks
+// this rather than keeping its own copy of the enum.
+int32_t armserve_graph_kind(const char* name) {
+  static const char* names[G_NUM_KINDS] = {
+      "armserve_rms_norm",  "armserve_rotary",         "armserve_act_and_mul",
+      "armserve_reshape_and_cache", "armserve_paged_attention", "armserve_reshape_and_cache_i8",
+      "armserve_paged_attention_i8", "armserve_gemv",       "armserve_quantize_act",
+      "armserve_gemm_w4",   "armserve_gemm_w8",        "armserve_add_bias",
+      "armserve_mul_cols",  "armserve_embedding",      "armserve_cast"};
+  for (int32_t k = 0; k < G_NUM_KINDS; ++k)
+    if (!std::strcmp(name, names[k])) return k;
+  return -1;
+}
+
+int32_t armserve_graph_op_size() { return int32_t(sizeof(GraphOp)); }
+
+void armserve_add_bias(int32_t dtype, void* out, int32_t bias_dtype, const void* bias, int64_t rows, int64_t n,
+                       int64_t ldo) {
+  armserve::add_bias(dtype, out, bias_dtype, bias, rows, n, ldo);
+}
+
+void armserve_mul_cols(int32_t dtype, void* x, const float* mul, int64_t rows, int64_t n, int64_t ld) {
+  armserve::mul_cols(dtype, x, mul, rows, n, ld);
+}
+
+// out [m, row_bytes] = table rows ids[0..m) (an embedding lookup of any element type).
+void armserve_embedding(void* out, const void* table, const int64_t* ids, int64_t m, int64_t row_bytes) {
+  for (int64_t t = 0; t < m; ++t)
+    std::memcpy(static_cast<char*>(out) + t * row_bytes, static_cast<const char*>(table) + ids[t] * row_bytes,
+                size_t(row_bytes));
+}
+
+void armserve_cast(int32_t src_dtype, const void* src, int32_t dst_dtype, void* dst, int64_t n) {
+  armserve::cast(src_dtype, src, dst_dtype, dst, n);
+}
+
+// Replay `n` recorded calls in order. Returns the index of the first op of unknown kind, or -1.
+int64_t armserve_graph_run(const GraphOp* ops, int64_t n) {
+#define P(j) reinterpret_cast<void*>(o.i[j])
+  for (int64_t idx = 0; idx < n; ++idx) {
+    const GraphOp& o = ops[idx];
+    const int64_t* a = o.i;
+    switch (o.kind) {
+      case G_RMS_NORM:
+        armserve_rms_norm(int32_t(a[0]), P(1), P(2), P(3), P(4), a[5], a[6], float(o.f[0]), float(o.f[1]));
+        break;
+      case G_ROTARY:
+        armserve_rotary(int32_t(a[0]), static_cast<const int64_t*>(P(1)), P(2), P(3), static_cast<const float*>(P(4)),
+                        a[5], int32_t(a[6]), int32_t(a[7]), int32_t(a[8]), int32_t(a[9]), int32_t(a[10]), a[11],
+                        a[12]);
+        break;
+      case G_ACT_AND_MUL:
+        armserve_act_and_mul(int32_t(a[0]), int32_t(a[1]), P(2), P(3), a[4], a[5]);
+        break;
+      case G_RESHAPE_AND_CACHE:
+        armserve_reshape_and_cache(int32_t(a[0]), P(1), P(2), P(3), P(4), static_cast<const int64_t*>(P(5)), a[6],
+                                   a[7], a[8]);
+        break;
+      case G_PAGED_ATTENTION:
+        armserve_paged_attention(int32_t(a[0]), P(1), P(2), P(3), P(4), static_cast<const AttnBatch*>(P(5)),
+                                 int32_t(a[6]), int32_t(a[7]), int32_t(a[8]), float(o.f[0]), int32_t(a[9]),
+                                 float(o.f[1]), a[10]);
+        break;
+      case G_RESHAPE_AND_CACHE_I8:
+        armserve_reshape_and_cache_i8(int32_t(a[0]), P(1), P(2), static_cast<int8_t*>(P(3)),
+                                      static_cast<int8_t*>(P(4)), static_cast<float*>(P(5)),
+                                      static_cast<float*>(P(6)), static_cast<const int64_t*>(P(7)), a[8],
+                                      int32_t(a[9]), int32_t(a[10]), a[11]);
+        break;
+      case G_PAGED_ATTENTION_I8:
+        armserve_paged_attention_i8(int32_t(a[0]), P(1), P(2), static_cast<const int8_t*>(P(3)),
+                                    static_cast<const int8_t*>(P(4)), static_cast<const float*>(P(5)),
+                                    static_cast<const float*>(P(6)), static_cast<const AttnBatch*>(P(7)),
+                                    int32_t(a[8]), int32_t(a[9]), int32_t(a[10]), float(o.f[0]), int32_t(a[11]),
+                                    float(o.f[1]), a[12]);
+        break;
+      case G_GEMV:
+        armserve_gemv(int32_t(a[0]), P(1), P(2), P(3), a[4], a[5], a[6]);
+        break;
+      case G_QUANTIZE_ACT:
+        armserve_quantize_act(int32_t(a[0]), P(1), a[2], a[3], a[4], static_cast<int8_t*>(P(5)),
+                              static_cast<float*>(P(6)), static_cast<int32_t*>(P(7)));
+        break;
+      case G_GEMM_W4:
+        armserve_gemm_w4(int32_t(a[0]), P(1), static_cast<const int8_t*>(P(2)), static_cast<const float*>(P(3)),
+                         static_cast<const int32_t*>(P(4)), static_cast<const uint8_t*>(P(5)), a[6], a[7], a[8],
+                         a[9], a[10]);
+        break;
+      case G_GEMM_W8:
+        armserve_gemm_w8(int32_t(a[0]), P(1), static_cast<const int8_t*>(P(2)), static_cast<const float*>(P(3)),
+                         static_cast<const int32_t*>(P(4)), static_cast<const int8_t*>(P(5)), a[6], a[7], a[8],
+                         a[9], a[10]);
+        break;
+      case G_ADD_BIAS:
+        armserve_add_bias(int32_t(a[0]), P(1), int32_t(a[2]), P(3), a[4], a[5], a[6]);
+        break;
+      case G_MUL_COLS:
+        armserve_mul_cols(int32_t(a[0]), P(1), static_cast<const float*>(P(2)), a[3], a[4], a[5]);
+        break;
+      case G_EMBEDDING:
+        armserve_embedding(P(0), P(1), static_cast<const int64_t*>(P(2)), a[3], a[4]);
+        break;
+      case G_CAST:
+        armserve_cast(int32_t(a[0]), P(1), int32_t(a[2]), P(3), a[4]);
+        break;
+      default:
+        return idx;
+    }
+  }
+#undef P
+  return -1;
+}
+
+}  // extern "C"
