@@ -116,6 +116,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_mul_cols": ([I32, P, P, I64, I64, I64], None),
         "armserve_embedding": ([P, P, P, I64, I64], None),
         "armserve_cast": ([I32, P, I32, P, I64], None),
+        "armserve_argmax": ([P, I64, I64, I64, P], None),
         "armserve_graph_kind": ([ctypes.c_char_p], I32),
         "armserve_graph_op_size": ([], I32),
         "armserve_graph_run": ([P, I64], I64),
@@ -342,7 +343,10 @@ kernel_generation = 0
 
 def _call(name: str, *args) -> None:
     """Call kernel `name`; while a step is being recorded, also append the call to the recording."""
-    getattr(_lib, name)(*args)
+    lib = _lib if _lib is not None else _load()
+    if lib is None:
+        raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    getattr(lib, name)(*args)
     if _recording is not None:
         _recording.record(name, args)
 
@@ -618,4 +622,12 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty(x.shape, dtype=dtype)
     _call("armserve_cast", _DTYPE_CODES[x.dtype], x.data_ptr(), _DTYPE_CODES[dtype], out.data_ptr(), x.numel())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for float32 [B, V] rows with unit column stride (ties and NaNs as PyTorch)."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _call("armserve_argmax", x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out

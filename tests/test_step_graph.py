@@ -62,6 +62,22 @@ def test_cast_rounds_like_torch(src, dst):
     torch.testing.assert_close(ops.cast(x, dst), x.to(dst), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("n", [1, 255, 256, 257, 151936])
+def test_argmax_matches_torch_with_ties_nans_and_signed_zeros(n):
+    g = torch.Generator().manual_seed(n)
+    cases = [torch.randn(3, n, generator=g), torch.round(torch.randn(3, n, generator=g) * 2)]
+    nan = torch.randn(3, n, generator=g)
+    nan[1, torch.randint(0, n, (2,), generator=g)] = float("nan")
+    cases.append(nan)
+    cases.append(torch.full((2, n), float("-inf")))
+    zeros = torch.full((2, n), -0.0)
+    zeros[0, n - 1] = 0.0  # -0 == +0: the first index wins
+    cases.append(zeros)
+    cases.append(torch.randn(4, n + 3, generator=g)[:, 2:n + 2])  # row-strided
+    for x in cases:
+        assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+
+
 # ---- recording and replay -----------------------------------------------------------------------
 
 
@@ -211,6 +227,3 @@ def test_enforce_eager_cli_flag():
     assert engine_kwargs(args)["enforce_eager"] is True
     assert engine_kwargs(build_parser().parse_args(["generate", "--model", "m"]))["enforce_eager"] is False
 
-
-if os.environ.get("ARMSERVE_ISA") == "torch":  # the PyTorch path has no graphs at all
-    pytestmark = pytest.mark.skip(reason="kernels off")
