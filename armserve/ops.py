@@ -566,13 +566,21 @@ _gemv_limit: dict[torch.dtype, int] = {}
 
 
 def use_gemv(x: torch.Tensor) -> bool:
-    """Whether a 16-bit linear layer on `x` should take the skinny-matmul kernel."""
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or not supports(x):
+    """Whether a dense linear layer on `x` should take the skinny-matmul kernel."""
+    if x.dim() != 2 or not supports(x):
         return False
     limit = _gemv_limit.get(x.dtype)
     if limit is None:
-        wide = isa() == "avx512" or (x.dtype == torch.bfloat16 and bf16_dot())
-        limit = _gemv_limit[x.dtype] = GEMV_MAX_TOKENS if wide else 1
+        variant = isa()
+        if x.dtype == torch.float32:
+            # No widening: on x86 the kernel beat PyTorch's sgemv up to 4 tokens (AVX2 and
+            # AVX-512, 1 and 2 threads; PyTorch's did not use the second thread). The scalar
+            # reference variant never does.
+            limit = 0 if variant == "scalar" else (GEMV_MAX_TOKENS if variant in ("avx2", "avx512") else 1)
+        else:
+            wide = variant == "avx512" or (x.dtype == torch.bfloat16 and bf16_dot())
+            limit = GEMV_MAX_TOKENS if wide else 1
+        _gemv_limit[x.dtype] = limit
     return x.shape[0] <= limit
 
 

@@ -186,7 +186,7 @@ class ModelRunner:
     def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits of a step of decodes only (one token per request, each sampled, no prompt
         logprobs) from a step graph; None when the step must run eagerly."""
-        if not self.graphs.enabled or len(out.scheduled) > MAX_GRAPH_BATCH:
+        if not (self.use_kernels and self.graphs.enabled) or len(out.scheduled) > MAX_GRAPH_BATCH:
             return None
         ids, positions, blocks = [], [], []
         for s in out.scheduled:
