@@ -182,6 +182,12 @@ def test_graph_steps_equal_eager_steps(tiny_checkpoints, qwen2_biased, arch):
     assert not graphs.graphs[6].replayable
 
 
+def test_graph_steps_equal_eager_float32(tiny_checkpoints):
+    # float32 dense layers take the skinny matmul up to its token limit on x86 SIMD (1 elsewhere)
+    eager, graph, llm = eager_and_graph(tiny_checkpoints["llama"], [1, 2], dtype="float32")
+    assert graph == eager and llm.llm_engine.runner.graphs.graphs[1].replayable
+
+
 def test_graph_steps_equal_eager_int8_cache_with_key_smoothing(qwen2_biased):
     eager, graph, llm = eager_and_graph(qwen2_biased, [1, 4], kv_cache_dtype="int8")
     assert any(a.attn.q_mul is not None for a in [layer.self_attn for layer in llm.llm_engine.model.layers])
