@@ -458,15 +458,19 @@ struct Kernels {
       // softmax pieces
       for (int r = 0; r < rows; ++r) {
         float* srow = sc + int64_t(r) * nk;
-        float m = -INFINITY;
-        for (int j = 0; j < nk; ++j) m = fmax2(m, srow[j]);
+        // Four running maxima (the max is the same in any order): one chain of compares is
+        // latency-bound, and a float max reduction does not vectorise without -ffast-math.
+        float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+        int j = 0;
+        for (; j + 4 <= nk; j += 4)
+          for (int u = 0; u < 4; ++u) m4[u] = fmax2(m4[u], srow[j + u]);
+        for (; j < nk; ++j) m4[0] = fmax2(m4[0], srow[j]);
+        const float m = fmax2(fmax2(m4[0], m4[1]), fmax2(m4[2], m4[3]));
         float l = 0.f;
         if (m != -INFINITY) {
-          for (int j = 0; j < nk; ++j) {
-            const float e = srow[j] == -INFINITY ? 0.f : exp_fast(srow[j] - m);
-            srow[j] = e;
-            l += e;
-          }
+          // The exponentials in a loop of their own, which vectorises; summed after, in order.
+          for (int jj = 0; jj < nk; ++jj) srow[jj] = srow[jj] == -INFINITY ? 0.f : exp_fast(srow[jj] - m);
+          for (int jj = 0; jj < nk; ++jj) l += srow[jj];
         } else {
           for (int j = 0; j < nk; ++j) srow[j] = 0.f;
         }
