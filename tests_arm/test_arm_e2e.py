@@ -53,6 +53,14 @@ def test_greedy_tokens_equal_x86(monkeypatch):
             got = [o.outputs[0].token_ids for o in outs]
             assert got == ref["token_ids"], (isa, got, ref["token_ids"])
             assert all(calls.values()), (isa, calls)
-            print(f"-cpu {EXPECT_CPU} {isa}: tokens equal to x86 ({ref['x86_isa']}); kernel calls {calls}")
+            # One prompt alone: its decode steps are batch-1 step graphs (recorded, then replayed
+            # by csrc/graph.cpp on this CPU), and must still give the x86 run's tokens.
+            graphs = llm.llm_engine.runner.graphs
+            replays = graphs.replays
+            alone = llm.generate([{"prompt_token_ids": ref["prompt_token_ids"][0]}], params, use_tqdm=False)
+            assert alone[0].outputs[0].token_ids == ref["token_ids"][0], (isa, "batch-1 graph")
+            assert graphs.replays > replays, (isa, "no step-graph replay")
+            print(f"-cpu {EXPECT_CPU} {isa}: tokens equal to x86 ({ref['x86_isa']}); kernel calls {calls}; "
+                  f"{graphs.replays - replays} step-graph replays")
     finally:
         ops.select_isa(before)
