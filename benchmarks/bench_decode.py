@@ -138,7 +138,8 @@ def main() -> None:
         "negligible at this length). The read bandwidth is the stricter of the two: decode only reads "
         "weights, and a plain read streams faster than a copy here. Before = `ARMSERVE_ISA=torch` (PyTorch path: oneDNN matmuls, "
         "gather + SDPA attention), after = C++ kernels (attention, norms, RoPE, activations, and the skinny "
-        "bf16 matmul for decode). Weights dense bfloat16 (the GGUF dequantized).",
+        "bf16 matmul for decode), with decode steps replayed from step graphs (engine/step_graph.py). "
+        "Weights dense bfloat16 (the GGUF dequantized).",
         "",
         "| model | weights | before tok/s | after tok/s (min-max) | kernels | roofline tok/s | after / roofline |",
         "|---|---|---|---|---|---|---|",
