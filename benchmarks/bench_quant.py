@@ -254,7 +254,8 @@ def main() -> None:
                   "halves it again): Qwen2.5-0.5B's bytes per token shrink 2.6x (988 MB -> 377 MB), which bounds "
                   "its ratio. Decode steps of up to 8 sequences replay recorded kernel calls (engine/step_graph.py), "
                   "so the work outside the matmuls (attention, norms, sampling) is about 2-3 ms of a step, "
-                  "the same in both rows.", ""]
+                  "the same in both rows. For Qwen2.5-0.5B that holds the ratio near 2x (2.0-2.1x in two full runs): 2.5x would need its "
+                  "377 MB read at the rate bf16 streams its 988 MB (~35 GB/s on 2 cores) with no fixed work at all.", ""]
     lines += [f"Reproduce: `python benchmarks/bench_quant.py{' --with-qwen' if qwen else ''} --threads {args.threads} "
               f"--tokens {args.tokens} --rounds {args.rounds}`"]
     text = "\n".join(lines)
