@@ -326,6 +326,8 @@ class Recording:
     def ops(self) -> ctypes.Array:
         """The calls as the C array `armserve_graph_run` walks (built once)."""
         if self._ops is None:
+            if ctypes.sizeof(GraphOp) != _lib.armserve_graph_op_size():
+                raise NotCapturable("GraphOp's layout differs from csrc/graph.cpp's (rebuild the library)")
             arr = (GraphOp * len(self.calls))()
             for o, (kind, ints, floats) in zip(arr, self.calls):
                 o.kind = kind
@@ -351,9 +353,11 @@ def _call(name: str, *args) -> None:
         _recording.record(name, args)
 
 
-# aten ops that only allocate or make views: a recorded step may run these and nothing else.
-_GRAPH_SAFE_OPS = {
-    "empty", "empty_like", "view", "_unsafe_view", "split_with_sizes", "split", "slice", "select", "unsqueeze",
+# aten ops that only allocate (their tensors are kept with the recording) or make views: a
+# recorded step may run these and nothing else.
+_GRAPH_ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty"}
+_GRAPH_SAFE_OPS = _GRAPH_ALLOC_OPS | {
+    "view", "_unsafe_view", "split_with_sizes", "split", "slice", "select", "unsqueeze",
     "squeeze", "t", "transpose", "as_strided", "alias", "detach", "_reshape_alias", "expand",
 }
 # ... and these when they return a view rather than a copy.
@@ -377,7 +381,7 @@ def capture():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             name = func.overloadpacket.__name__
-            if name in ("empty", "empty_like"):
+            if name in _GRAPH_ALLOC_OPS:
                 self.rec.keep.append(out)
             elif name in _GRAPH_SAFE_IF_VIEW:
                 if out.data_ptr() != args[0].data_ptr():
