@@ -557,8 +557,9 @@ def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch
           packed: torch.Tensor, n: int, group: int) -> None:
     """out[:, col:col + n] = acts x W^T for a packed "w4" or "w8" weight (csrc/qgemm.h)."""
     q, scale, gsum = acts
-    _call("armserve_gemm_w4" if fmt == "w4" else "armserve_gemm_w8", _DTYPE_CODES[out.dtype], out.data_ptr() + col * out.element_size(), q.data_ptr(), scale.data_ptr(),
-       gsum.data_ptr(), packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
+    _call("armserve_gemm_w4" if fmt == "w4" else "armserve_gemm_w8", _DTYPE_CODES[out.dtype],
+          out.data_ptr() + col * out.element_size(), q.data_ptr(), scale.data_ptr(), gsum.data_ptr(),
+          packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
 
 
 # Largest token count for which `gemv` beats PyTorch's GEMM (benchmarks/bench_kernels.py): 4 where
@@ -600,7 +601,14 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 # ---- small elementwise ops (csrc/graph.cpp) ---------------------------------------------------
 # So that a decode step is kernel calls only (a recorded step replays nothing else); single
-# threaded, for the few rows of a decode step.
+# threaded, for the few rows of a decode step: beyond `SMALL_OP_ROWS` rows PyTorch's threaded ops
+# are the better choice.
+SMALL_OP_ROWS = 64
+
+
+def small_op(t: torch.Tensor) -> bool:
+    """Whether the layers should apply add_bias / mul_cols / cast to `t` rather than PyTorch."""
+    return t.dim() == 2 and t.shape[0] <= SMALL_OP_ROWS and supports(t)
 
 
 def add_bias(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -39,58 +39,13 @@ void armserve_gemm_w8(int32_t, void*, const int8_t*, const float*, const int32_t
                       int64_t, int64_t, int64_t);
 }
 
-namespace armserve {
 namespace {
-
-using S = ScalarOps;
+using S = armserve::ScalarOps;
+using armserve::dtype_size;
 
 // Rows of a few hundred to a few thousand elements: one pass through an fp32 row buffer, no threads.
 constexpr int64_t kRowChunk = 1024;
-
-// out[r, :n] (rows `ldo` apart) = out + bias, in fp32, rounded once to out's dtype (PyTorch's
-// `out += bias` with a float32 bias, and `out + bias` with a bias of out's dtype).
-void add_bias(int32_t dtype, void* out, int32_t bias_dtype, const void* bias, int64_t rows, int64_t n, int64_t ldo) {
-  const int es = dtype_size(dtype), bs = dtype_size(bias_dtype);
-  float a[kRowChunk], b[kRowChunk];
-  for (int64_t r = 0; r < rows; ++r) {
-    char* o = static_cast<char*>(out) + r * ldo * es;
-    for (int64_t c = 0; c < n; c += kRowChunk) {
-      const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
-      S::load(dtype, o + c * es, a, len);
-      S::load(bias_dtype, static_cast<const char*>(bias) + c * bs, b, len);
-      for (int64_t i = 0; i < len; ++i) a[i] += b[i];
-      S::store(dtype, a, o + c * es, len);
-    }
-  }
-}
-
-// x[r, :n] (rows `ld` apart) *= mul (float32 [n]), in place (PyTorch's `x.mul_(mul)`).
-void mul_cols(int32_t dtype, void* x, const float* mul, int64_t rows, int64_t n, int64_t ld) {
-  const int es = dtype_size(dtype);
-  float a[kRowChunk];
-  for (int64_t r = 0; r < rows; ++r) {
-    char* p = static_cast<char*>(x) + r * ld * es;
-    for (int64_t c = 0; c < n; c += kRowChunk) {
-      const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
-      S::load(dtype, p + c * es, a, len);
-      for (int64_t i = 0; i < len; ++i) a[i] *= mul[c + i];
-      S::store(dtype, a, p + c * es, len);
-    }
-  }
-}
-
-// dst [n] (dst_dtype) = src [n] (src_dtype), rounded to nearest even where it narrows.
-void cast(int32_t src_dtype, const void* src, int32_t dst_dtype, void* dst, int64_t n) {
-  float a[kRowChunk];
-  for (int64_t c = 0; c < n; c += kRowChunk) {
-    const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
-    S::load(src_dtype, static_cast<const char*>(src) + c * dtype_size(src_dtype), a, len);
-    S::store(dst_dtype, a, static_cast<char*>(dst) + c * dtype_size(dst_dtype), len);
-  }
-}
-
 }  // namespace
-}  // namespace armserve
 
 extern "C" {
 
@@ -138,13 +93,37 @@ int32_t armserve_graph_kind(const char* name) {
 
 int32_t armserve_graph_op_size() { return int32_t(sizeof(GraphOp)); }
 
+// out[r, :n] (rows `ldo` apart) = out + bias, in fp32, rounded once to out's dtype (PyTorch's
+// `out += bias` with a float32 bias, and `out + bias` with a bias of out's dtype).
 void armserve_add_bias(int32_t dtype, void* out, int32_t bias_dtype, const void* bias, int64_t rows, int64_t n,
                        int64_t ldo) {
-  armserve::add_bias(dtype, out, bias_dtype, bias, rows, n, ldo);
+  const int es = dtype_size(dtype), bs = dtype_size(bias_dtype);
+  float a[kRowChunk], b[kRowChunk];
+  for (int64_t r = 0; r < rows; ++r) {
+    char* o = static_cast<char*>(out) + r * ldo * es;
+    for (int64_t c = 0; c < n; c += kRowChunk) {
+      const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
+      S::load(dtype, o + c * es, a, len);
+      S::load(bias_dtype, static_cast<const char*>(bias) + c * bs, b, len);
+      for (int64_t i = 0; i < len; ++i) a[i] += b[i];
+      S::store(dtype, a, o + c * es, len);
+    }
+  }
 }
 
+// x[r, :n] (rows `ld` apart) *= mul (float32 [n]), in place (PyTorch's `x.mul_(mul)`).
 void armserve_mul_cols(int32_t dtype, void* x, const float* mul, int64_t rows, int64_t n, int64_t ld) {
-  armserve::mul_cols(dtype, x, mul, rows, n, ld);
+  const int es = dtype_size(dtype);
+  float a[kRowChunk];
+  for (int64_t r = 0; r < rows; ++r) {
+    char* p = static_cast<char*>(x) + r * ld * es;
+    for (int64_t c = 0; c < n; c += kRowChunk) {
+      const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
+      S::load(dtype, p + c * es, a, len);
+      for (int64_t i = 0; i < len; ++i) a[i] *= mul[c + i];
+      S::store(dtype, a, p + c * es, len);
+    }
+  }
 }
 
 // out [m, row_bytes] = table rows ids[0..m) (an embedding lookup of any element type).
@@ -154,8 +133,14 @@ void armserve_embedding(void* out, const void* table, const int64_t* ids, int64_
                 size_t(row_bytes));
 }
 
+// dst [n] (dst_dtype) = src [n] (src_dtype), rounded to nearest even where it narrows.
 void armserve_cast(int32_t src_dtype, const void* src, int32_t dst_dtype, void* dst, int64_t n) {
-  armserve::cast(src_dtype, src, dst_dtype, dst, n);
+  float a[kRowChunk];
+  for (int64_t c = 0; c < n; c += kRowChunk) {
+    const int64_t len = n - c < kRowChunk ? n - c : kRowChunk;
+    S::load(src_dtype, static_cast<const char*>(src) + c * dtype_size(src_dtype), a, len);
+    S::store(dst_dtype, a, static_cast<char*>(dst) + c * dtype_size(dst_dtype), len);
+  }
 }
 
 // out[r] = index of the largest of x[r, :n] (rows `ld` apart), the first one on ties, and the

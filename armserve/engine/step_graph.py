@@ -9,8 +9,8 @@ size write their token ids, positions, cache slots, context lengths and block ta
 graph's input buffers and replay the calls with one C call (csrc/graph.cpp).
 
 A step that runs any PyTorch op that computes (rather than allocates or makes a view) cannot be
-replayed; capture notices (ops.capture's dispatch guard) and the runner stays eager for that
-model. `enforce_eager=True` (vLLM's flag) turns graphs off.
+replayed; capture notices (ops.capture's dispatch guard) and steps of that batch size stay
+eager. `enforce_eager=True` (vLLM's flag) turns graphs off.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class StepGraphs:
         self.model = model
         self.max_blocks = max_blocks
         self.block_size = block_size
-        self.enabled = enabled and ops.available()
+        self.enabled = enabled  # the runner's: kernels on and not enforce_eager
         self.graphs: dict[int, StepGraph] = {}
         self.replays = 0  # decode steps served by a replay (tests, stats)
 

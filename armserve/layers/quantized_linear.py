@@ -157,9 +157,6 @@ def qlinear_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
 # ---- the layer -----------------------------------------------------------------------------
 
 
-# Up to this many rows the bias is added by the (single-threaded) kernel, beyond by PyTorch.
-_KERNEL_BIAS_ROWS = 64
-
 _ACT_BUFFERS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -254,7 +251,7 @@ class QuantizedLinear(nn.Module):
         else:
             out = self._forward_ref(x2)
         if self.bias is not None:
-            if ops.supports(out) and out.shape[0] <= _KERNEL_BIAS_ROWS:
+            if ops.small_op(out):
                 ops.add_bias(out, self.bias)  # a decode step stays kernel calls only (step_graph.py)
             else:
                 out += self.bias

@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         logits = self.lm_head(hidden)
         # the kernels' cast: a decode step then stays kernel calls only (engine/step_graph.py)
-        return ops.cast(logits, torch.float32) if ops.supports(logits) and logits.shape[0] <= 8 else logits.float()
+        return ops.cast(logits, torch.float32) if ops.small_op(logits) else logits.float()
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
