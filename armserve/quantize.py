@@ -5,7 +5,8 @@ section, and the tokenizer. Every linear weight of the decoder layers becomes
     {name}.qweight  uint8 [n, k / 2]   two 4-bit codes per byte, low nibble = even column
     {name}.scales   float16 [n, k / g]  one scale per group of g columns
     {name}.zeros    float16 [n, k / g]  zero point in code units (asymmetric only; symmetric uses 8)
-so that w = scale * (code - zero). Embeddings and norms stay in `--dtype`. An untied LM head
+so that w = scale * (code - zero), each group's scale and zero chosen to minimise its squared
+rounding error (quantized_linear.quantize_weight). Embeddings and norms stay in `--dtype`. An untied LM head
 becomes int8 by default (`--lm-head int8|int4|keep`):
     lm_head.qweight int8 [n, k]        symmetric codes, w = scale * code
     lm_head.scales  float16 [n, k / 32]

@@ -80,13 +80,36 @@ def test_quantize_weight_round_trip():
     torch.manual_seed(2)
     w = torch.randn(64, 128)
     for symmetric in (True, False):
-        qt = quantize_weight(w, 32, symmetric)
-        assert qt.codes.dtype == torch.uint8 and int(qt.codes.max()) <= 15
-        err = (qt.dequantize() - w).abs()
-        # at most half a step of each group's scale
-        assert torch.all(err <= qt.scales.repeat_interleave(32, 1) * 0.5 + 1e-6)
+        plain = quantize_weight(w, 32, symmetric, search=False)
+        assert plain.codes.dtype == torch.uint8 and int(plain.codes.max()) <= 15
+        err = (plain.dequantize() - w).abs()
+        # min/max rounding: at most half a step of each group's scale
+        assert torch.all(err <= plain.scales.repeat_interleave(32, 1) * 0.5 + 1e-6)
+        # the searched rounding starts from min/max and keeps only improvements, group by group
+        best = quantize_weight(w, 32, symmetric)
+        assert int(best.codes.max()) <= 15 and int(best.codes.min()) >= 0
+        group_err = lambda qt: (qt.dequantize() - w).square().view(64, 4, 32).sum(-1)  # noqa: E731
+        assert torch.all(group_err(best) <= group_err(plain) * (1 + 1e-6))
+        assert group_err(best).sum() < 0.9 * group_err(plain).sum()
+        if symmetric:
+            torch.testing.assert_close(best.szp, 8 * best.scales)
     with pytest.raises(ValueError, match="multiple of the group size"):
         quantize_weight(torch.randn(4, 40), 32, False)
+
+
+def test_quantize_weight_flat_and_zero_groups():
+    """Constant groups (zero range) dequantize exactly and produce no NaN scales."""
+    w = torch.zeros(3, 64)
+    w[1] = 0.25
+    w[2, :32] = -1.5
+    w[2, 32:] = torch.linspace(-1, 1, 32)
+    for symmetric in (True, False):
+        qt = quantize_weight(w, 32, symmetric)
+        assert torch.isfinite(qt.scales).all() and torch.isfinite(qt.szp).all()
+        got = qt.dequantize()
+        torch.testing.assert_close(got[:2], w[:2])
+        if not symmetric:
+            torch.testing.assert_close(got[2, :32], w[2, :32])
 
 
 # ---- GGUF blocks ------------------------------------------------------------------------

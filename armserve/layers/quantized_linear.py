@@ -45,29 +45,100 @@ class QuantizedTensor:
         return self.codes.float() * s
 
 
-def quantize_weight(w: torch.Tensor, group: int, symmetric: bool) -> QuantizedTensor:
-    """Round a float weight [n, k] to int4 codes with one scale (and zero point) per group."""
+def quantize_weight(w: torch.Tensor, group: int, symmetric: bool, search: bool = True) -> QuantizedTensor:
+    """Round a float weight [n, k] to int4 codes with one scale (and zero point) per group.
+
+    `search` (the default) picks each group's scale and offset to minimise the squared error of
+    the dequantized group, as llama.cpp's k-quant rounding does, instead of stretching the 16 levels
+    over [min, max]: a slightly narrower range that clips one outlier usually rounds the other 31
+    weights better (about a quarter less squared error on Qwen2.5's projections).
+    """
     n, k = w.shape
     if k % group:
         raise ValueError(f"input size {k} is not a multiple of the group size {group}")
-    wg = w.float().reshape(n, k // group, group)
-    if symmetric:
-        # codes u = q + 8 with q in -8..7; the zero point is the constant 8
-        scale = wg.abs().amax(dim=-1) / 7.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.clamp(torch.round(wg / scale[..., None]), -8, 7)
-        codes = (q + 8).to(torch.uint8)
-        zero = torch.full_like(scale, 8.0)
-    else:
-        # Like GGUF's Q4_1: the group's exact minimum is the offset (a real-valued zero point),
-        # so the 16 levels span [min, max] without wasting any on a range that includes 0.
-        lo = wg.amin(dim=-1)
-        hi = wg.amax(dim=-1)
-        scale = (hi - lo) / 15.0
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        zero = -lo / scale
-        codes = torch.clamp(torch.round((wg - lo[..., None]) / scale[..., None]), 0, 15).to(torch.uint8)
-    return QuantizedTensor("w4", codes.reshape(n, k), scale, scale * zero, group)
+    scale = torch.empty(n, k // group)
+    szp = torch.empty(n, k // group)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    # Row chunks bound the temporaries (an LM head is 100M+ weights).
+    step = max(1, (1 << 22) // k)
+    for r in range(0, n, step):
+        wg = w[r:r + step].float().reshape(-1, group)
+        if symmetric:
+            s, m, u = _round_symmetric(wg, search)
+        else:
+            s, m, u = _round_asymmetric(wg, search)
+        rows = wg.shape[0] * group // k
+        scale[r:r + rows] = s.view(rows, -1)
+        szp[r:r + rows] = m.view(rows, -1)
+        codes[r:r + rows] = u.view(rows, k)
+    return QuantizedTensor("w4", codes, scale, szp, group)
+
+
+def _codes(x: torch.Tensor, s: torch.Tensor, szp: torch.Tensor) -> torch.Tensor:
+    """Nearest codes 0..15 of x [groups, g] for w = s * u - szp (s, szp [groups, 1])."""
+    return torch.clamp(torch.round((x + szp) / s), 0, 15)
+
+
+def _sq_err(x: torch.Tensor, s: torch.Tensor, szp: torch.Tensor) -> torch.Tensor:
+    return (_codes(x, s, szp) * s - szp - x).square().sum(dim=1, keepdim=True)
+
+
+# Candidate inverse step sizes, in steps per group range: llama.cpp's k-quants try the 21 values
+# 14.0..16.0 (`make_qkx2_quants`); wider ranges found nothing more on Qwen2.5's weights.
+_SEARCH_STEPS = [14.0 + 0.1 * i for i in range(21)]
+
+
+def _round_asymmetric(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, szp, codes) of groups x [groups, g], asymmetric: w = scale * u - szp, u in 0..15."""
+    g = x.shape[1]
+    lo = x.amin(dim=1, keepdim=True)
+    hi = x.amax(dim=1, keepdim=True)
+    rng = hi - lo
+    flat = rng <= 0
+    # Like GGUF's Q4_1: the group's exact minimum is the offset (a real-valued zero point), so the
+    # 16 levels span [min, max] without wasting any on a range that includes 0.
+    s = torch.where(flat, torch.ones_like(rng), rng / 15.0)
+    szp = -lo
+    if search:
+        err = _sq_err(x, s, szp)
+        inv = torch.where(flat, torch.zeros_like(rng), 1.0 / torch.where(flat, torch.ones_like(rng), rng))
+        sx = x.sum(dim=1, keepdim=True)
+        for steps in _SEARCH_STEPS:
+            u = torch.clamp(torch.round((x - lo) * (inv * steps)), 0, 15)
+            # least-squares line x ~ a * u + b through this rounding
+            su = u.sum(dim=1, keepdim=True)
+            suu = u.square().sum(dim=1, keepdim=True)
+            sxu = (x * u).sum(dim=1, keepdim=True)
+            det = g * suu - su * su
+            ok = det > 0
+            det = torch.where(ok, det, torch.ones_like(det))
+            a = (g * sxu - su * sx) / det
+            b = (suu * sx - su * sxu) / det
+            # a float16 scale must stay a normal number (the kernels read it as float16)
+            ok &= a > 6.2e-5
+            a = torch.where(ok, a, s)
+            b = torch.where(ok, -b, szp)
+            e = _sq_err(x, a, b)
+            better = e < err
+            err = torch.where(better, e, err)
+            s = torch.where(better, a, s)
+            szp = torch.where(better, b, szp)
+    return s, szp, _codes(x, s, szp).to(torch.uint8)
+
+
+def _round_symmetric(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, szp, codes) of groups x [groups, g], symmetric: codes u = q + 8, q in -8..7."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    s = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+    if search:
+        err = _sq_err(x, s, 8 * s)
+        for f in (0.80, 0.85, 0.90, 0.95, 1.05, 1.10):
+            a = s * f
+            e = _sq_err(x, a, 8 * a)
+            better = e < err
+            err = torch.where(better, e, err)
+            s = torch.where(better, a, s)
+    return s, 8 * s, _codes(x, s, 8 * s).to(torch.uint8)
 
 
 def quantize_weight_int8(w: torch.Tensor) -> QuantizedTensor:
