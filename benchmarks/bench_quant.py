@@ -68,13 +68,21 @@ def qwen_gguf(install: bool) -> str | None:
     return out
 
 
-def quantized_copy(model: str, name: str) -> str:
+def quantized_copy(model: str, name: str, lm_head: str = "int8") -> str:
     from armserve.quantize import quantize_model
 
-    out = os.path.join(CACHE, f"{name}-w4a8-g32-head-int8")  # the defaults: LM head int8
+    # "-mse": made by the squared-error rounding search (older caches used min/max rounding)
+    out = os.path.join(CACHE, f"{name}-w4a8-g32-head-{lm_head}-mse")
     if not os.path.isfile(os.path.join(out, "config.json")):
-        quantize_model(model, out, group_size=32, progress=False)
+        quantize_model(model, out, group_size=32, lm_head=lm_head, progress=False)
     return out
+
+
+def untied_head(model: str) -> bool:
+    from armserve import model_loader
+
+    config = model_loader.load_config(model_loader.resolve_model_path(model))
+    return not getattr(config, "tie_word_embeddings", False)
 
 
 # ---- accuracy -----------------------------------------------------------------------------
@@ -101,8 +109,14 @@ def perplexities(label: str, gguf: str, tokens: int) -> list[tuple[str, str, flo
     llm = LLM(gguf, dtype="float32", **kw)
     rows.append((label, "GGUF blocks kept quantized (w4/w8 weights, int8 activations)", perplexity(llm, ids, tokens)))
     del llm
-    llm = LLM(quantized_copy(gguf, label.split()[0].lower()), dtype="float32", **kw)
-    rows.append((label, "armserve quantize w4a8 of the float32 baseline, group 32, asymmetric", perplexity(llm, ids, tokens)))
+    name = label.split()[0].lower()
+    llm = LLM(quantized_copy(gguf, name), dtype="float32", **kw)
+    rows.append((label, "armserve quantize w4a8 of the float32 baseline, group 32, asymmetric, LM head int8",
+                 perplexity(llm, ids, tokens)))
+    del llm
+    if untied_head(gguf):
+        llm = LLM(quantized_copy(gguf, name, "int4"), dtype="float32", **kw)
+        rows.append((label, "the same with the LM head int4 too (`--lm-head int4`)", perplexity(llm, ids, tokens)))
     return rows
 
 
@@ -195,6 +209,8 @@ def main() -> None:
             systems = {"armserve bf16": lambda m=model: run(m, "none" if m.endswith(".gguf") else None),
                        "armserve w4a8 (armserve quantize, g32)":
                            lambda m=model, n=label.split()[0].lower(): run(quantized_copy(m, n)),
+                       "armserve w4a8, LM head int4 (`--lm-head int4`)":
+                           lambda m=model, n=label.split()[0].lower(): run(quantized_copy(m, n, "int4")),
                        "armserve on the Q4_0 GGUF": lambda q=q4: run(q),
                        "llama.cpp Q4_0": lambda q=q4: llama_bench(q, args.threads, args.tokens, args.runs),
                        "llama.cpp Q8_0": lambda q=q8: llama_bench(q, args.threads, args.tokens, args.runs)}
