@@ -5,6 +5,7 @@
     Q4_K  (256 per super-block, 8 sub-blocks of 32 with 6-bit scale and min;
            w = d * sc * q - dmin * mn)                          -> w4, group 32, szp = dmin * mn
     Q8_0  (32 per block: d, int8 q; w = d * q)                  -> w8, group 32
+    Q5_0  (32 per block: d, 5-bit q; w = d * (q - 16))         -> w8, group 32 (q - 16 as int8)
     Q6_K  (256 per super-block, 16 sub-blocks of 16 with int8 scales, 6-bit q;
            w = d * sc * (q - 32))                               -> w8, group 16
 Layouts follow llama.cpp's ggml-common.h block structs (read for the bit positions only).
@@ -18,7 +19,7 @@ import torch
 
 from armserve.layers.quantized_linear import QuantizedTensor
 
-SUPPORTED = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
+SUPPORTED = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -75,6 +76,20 @@ def _q8_0(data: np.ndarray) -> QuantizedTensor:
     return _w8(q, d, 32)
 
 
+def _q5_0(data: np.ndarray) -> QuantizedTensor:
+    # Q5_0 is what llama.cpp writes for rows too short for k-quants (Qwen2.5-0.5B's hidden size 896
+    # is not a multiple of 256: most of its Q4_K_M file is Q5_0). 5 bits do not fit w4, but int8
+    # holds them exactly at 9 bits a weight instead of bfloat16's 16.
+    b = _blocks(data, 22)
+    d = _f16(b[..., 0:2])
+    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [rows, blocks, 1]: bit j = 5th bit of element j
+    qs = b[..., 6:22]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
+    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
+    q = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 16
+    return _w8(q.astype(np.int8), d, 32)
+
+
 def _q6_k(data: np.ndarray) -> QuantizedTensor:
     b = _blocks(data, 210)
     ql = b[..., 0:128].reshape(*b.shape[:2], 2, 64)
@@ -115,7 +130,7 @@ def _w8(q: np.ndarray, scale: np.ndarray, group: int) -> QuantizedTensor:
     )
 
 
-_CONVERTERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q8_0": _q8_0, "Q6_K": _q6_k}
+_CONVERTERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q6_K": _q6_k}
 
 
 def convert(type_name: str, data: np.ndarray) -> QuantizedTensor | None:

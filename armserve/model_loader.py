@@ -276,7 +276,7 @@ def armserve_quantization(config) -> dict | None:
 def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None) -> nn.Module:
     """Build the model for `config` in `dtype` and fill it from the checkpoint.
 
-    Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q6_K, `armserve quantize` output) stay
+    Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K, `armserve quantize` output) stay
     quantized unless `quantization == "none"`.
     """
     dequantize = quantization == "none"

@@ -127,7 +127,7 @@ def _random_kquant_blocks(name: str, rows: int, blocks: int, rng: np.random.Gene
     return raw.reshape(rows, blocks * size)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_gguf_blocks_convert_exactly(name):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
