@@ -82,12 +82,12 @@ def _q5_0(data: np.ndarray) -> QuantizedTensor:
     # holds them exactly at 9 bits a weight instead of bfloat16's 16.
     b = _blocks(data, 22)
     d = _f16(b[..., 0:2])
-    qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # [rows, blocks, 1]: bit j = 5th bit of element j
+    # qh: a little-endian uint32 whose bit j is the 5th bit of element j, i.e. bit j % 8 of byte j // 8
+    high = np.unpackbits(b[..., 2:6], axis=-1, bitorder="little")  # [rows, blocks, 32] of 0/1
     qs = b[..., 6:22]
-    low = np.concatenate([qs & 15, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
-    high = (qh >> np.arange(32, dtype=np.uint32)) & 1
-    q = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 16
-    return _w8(q.astype(np.int8), d, 32)
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
+    q |= high << 4
+    return _w8(q.view(np.int8) - np.int8(16), d, 32)
 
 
 def _q6_k(data: np.ndarray) -> QuantizedTensor:

@@ -3,11 +3,12 @@ or a single GGUF file (weights dequantized to the chosen dtype, tokenizer from i
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -84,13 +85,71 @@ def resolve_model_path(model: str) -> ModelSource:
     raise ModelLoadError(f"model folder {model!r} has no config.json and no .gguf file")
 
 
+# One parsed GGUF file, shared by the config, the tokenizer and the weights of one load. Parsing a
+# GGUF header means slicing every vocabulary entry out of the file (Qwen2.5: 151k tokens and
+# merges, ~8 s), and transformers parses the whole file again for the config and for the tokenizer.
+_GGUF_READER: tuple[tuple[str, float, int], Any] | None = None
+
+
+def _gguf_reader(path: str):
+    """The GGUFReader of `path`, parsed once (until another file or a changed one is read)."""
+    global _GGUF_READER
+    import numpy as np
+    from gguf.gguf_reader import GGUFReader  # the class itself, not a patched package attribute
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime, st.st_size)
+    if _GGUF_READER is None or _GGUF_READER[0] != key:
+        _GGUF_READER = None  # drop the old one first: its fields hold a few hundred MB
+
+        class _Reader(GGUFReader):
+            # NOTE: the same parse over a plain ndarray view of the file's memory map: slicing a
+            # np.memmap runs its Python __array_finalize__ for every field part (millions of them),
+            # which was most of the parse time.
+            def __setattr__(self, name: str, value: Any) -> None:
+                if name == "data" and isinstance(value, np.memmap):
+                    value = value.view(np.ndarray)
+                super().__setattr__(name, value)
+
+        _GGUF_READER = (key, _Reader(path))
+    return _GGUF_READER[1]
+
+
+def release_gguf_reader() -> None:
+    """Forget the parsed GGUF file (after a load has taken what it needs)."""
+    global _GGUF_READER
+    _GGUF_READER = None
+
+
+@contextlib.contextmanager
+def _transformers_reads_shared_gguf(src: ModelSource) -> Iterator[None]:
+    """While transformers builds a config or tokenizer from `src`'s GGUF file, its
+    `gguf.GGUFReader(path)` returns the reader parsed by `_gguf_reader` instead of a new parse."""
+    import gguf
+
+    original = gguf.GGUFReader
+    mine = os.path.realpath(os.path.join(src.folder, src.gguf_file))
+
+    def reader(path, mode: str = "r"):
+        if mode == "r" and os.path.realpath(path) == mine:
+            return _gguf_reader(mine)
+        return original(path, mode)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def load_config(src: ModelSource):
     """The transformers config of the model, with `architectures` filled in."""
     from transformers import AutoConfig
 
     try:
         if src.is_gguf:
-            config = AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
+            with _transformers_reads_shared_gguf(src):
+                config = AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
         else:
             config = AutoConfig.from_pretrained(src.folder)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
@@ -112,7 +171,8 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
         if tokenizer:
             return AutoTokenizer.from_pretrained(tokenizer)
         if src.is_gguf:
-            return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+            with _transformers_reads_shared_gguf(src):
+                return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
         return AutoTokenizer.from_pretrained(src.folder)
     except Exception as e:  # transformers raises many kinds here
         raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}") from e
@@ -206,11 +266,10 @@ _GGUF_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 
 def _iter_gguf(path: str, config, keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     import numpy as np
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
     try:
-        reader = GGUFReader(path)
+        reader = _gguf_reader(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
     arch_field = reader.fields.get("general.architecture")
@@ -256,6 +315,7 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True) -> Iterator[tuple
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             w = _unpermute_gguf_qk(w, n_head if parts[2] == "attn_q" else n_kv)
         yield name, w
+    release_gguf_reader()  # the weights are copies by now; the parsed header is no longer needed
 
 
 # ---- the model ---------------------------------------------------------------------------------

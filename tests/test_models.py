@@ -98,3 +98,29 @@ def test_bfloat16_close_to_float32(tiny_llama):
         tok = x.outputs[0].token_ids[0]
         lp_b = y.outputs[0].logprobs[0].get(tok)
         assert lp_b is not None and math.isclose(lp_b.logprob, x.outputs[0].logprobs[0][tok].logprob, abs_tol=0.1)
+
+
+def test_gguf_file_is_parsed_once_per_load(smollm2_gguf, monkeypatch):
+    """Config, tokenizer and weights share one parse of the GGUF header (a 150k-entry vocabulary
+    takes seconds to parse), and nothing of it stays patched or cached after the load."""
+    import gguf
+    from gguf.gguf_reader import GGUFReader
+
+    from armserve import model_loader
+
+    parses = []
+    original_init = GGUFReader.__init__
+
+    def counting_init(self, path, *args, **kwargs):
+        parses.append(path)
+        original_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(GGUFReader, "__init__", counting_init)
+    package_reader = gguf.GGUFReader
+    llm = LLM(smollm2_gguf, dtype="float32", kv_cache_space=0.05, max_model_len=128)
+    assert len(parses) == 1
+    assert gguf.GGUFReader is package_reader
+    assert model_loader._GGUF_READER is None
+    assert llm.get_tokenizer().vocab_size == 49152
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
