@@ -144,6 +144,34 @@ print(json.dumps(s))
     return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def paired_decode(systems: dict[str, tuple[str, str | None]], threads: int, tokens: int, pairs: int) -> dict[str, list[float]]:
+    """Batch-1 decode tok/s of several armserve configurations loaded side by side in one process
+    and run in alternation (`pairs` rounds, the order rotating each round), so that every round's
+    samples are seconds apart: their ratios do not see the minutes-long bandwidth drift of this
+    machine that separate processes do. `systems`: label -> (model, quantization)."""
+    code = f"""
+import json, torch
+torch.set_num_threads({threads})
+from armserve import LLM, SamplingParams
+systems = {systems!r}
+llms = {{k: LLM(m, dtype="bfloat16", kv_cache_space=0.25, max_model_len=512, quantization=q)
+        for k, (m, q) in systems.items()}}
+p = SamplingParams(temperature=0.0, max_tokens={tokens}, ignore_eos=True)
+for llm in llms.values():
+    llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)
+names = list(llms)
+out = {{k: [] for k in names}}
+for r in range({pairs}):
+    for k in names[r % len(names):] + names[:r % len(names)]:
+        m = llms[k].generate(["Once upon a time, in a land far away"], p, use_tqdm=False)[0].metrics
+        out[k].append(({tokens} - 1) / (m.last_token_time - m.first_token_time))
+print(json.dumps(out))
+"""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def requantized_gguf(src: str, qtype: str) -> str | None:
     """`src` re-quantized to `qtype` by llama.cpp's own llama-quantize (a GGUF in the types llama.cpp
     would produce for that model), or None when the tool is not built (benchmarks/peers.py)."""
@@ -178,6 +206,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=3, help="decode runs per process (their median is one sample)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over all systems; the median round counts")
+    ap.add_argument("--pairs", type=int, default=10,
+                    help="alternating rounds of the side-by-side bf16 / w4a8 comparison in one process")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -227,8 +257,17 @@ def main() -> None:
                     if v is not None:
                         samples[k].append(v)
             row = {k: statistics.median(v) if v else None for k, v in samples.items()}
-            speed.append((label, row))
-            print(label, row, samples, flush=True)
+            # The same bf16 and w4a8 configurations again, side by side in one process.
+            bf16 = (model, "none" if model.endswith(".gguf") else None)
+            name = label.split()[0].lower()
+            side = paired_decode({"armserve bf16": bf16,
+                                  "armserve w4a8 (armserve quantize, g32)": (quantized_copy(model, name), None),
+                                  "armserve w4a8, LM head int4 (`--lm-head int4`)":
+                                      (quantized_copy(model, name, "int4"), None)},
+                                 args.threads, args.tokens, args.pairs)
+            paired = {k: statistics.median(a / b for a, b in zip(v, side["armserve bf16"])) for k, v in side.items()}
+            speed.append((label, row, paired))
+            print(label, row, samples, side, flush=True)
 
     lines = [
         "## Quantization: accuracy and decode speed (issue: w4a8 / 8-bit KV cache)",
@@ -253,16 +292,20 @@ def main() -> None:
                   f"median over {args.rounds} rounds that each run every system once, a sample being the median of "
                   f"{args.runs} runs in one process). llama.cpp is `llama-bench -p 0 -n {args.tokens} --repack 0` on the same "
                   "GGUF file armserve reads; armserve w4a8 uses group 32 and per-group int8 activations.", ""]
-        for label, row in speed:
+        lines += ["The last column runs the bf16 and w4a8 configurations again side by side in one process, "
+                  f"alternating for {args.pairs} rounds, and gives the median of the rounds' ratios: samples seconds "
+                  "apart, not minutes, so the machine's bandwidth drift cancels out of the ratio.", ""]
+        for label, row, paired in speed:
             lines.append(f"**{label}**")
             lines.append("")
-            lines.append("| system | tok/s | vs armserve bf16 |")
-            lines.append("|---|---|---|")
+            lines.append("| system | tok/s | vs armserve bf16 | vs bf16, side by side |")
+            lines.append("|---|---|---|---|")
             bf16 = row["armserve bf16"]
             for k, v in row.items():
                 shown = "n/a (llama-bench missing or failed)" if v is None else f"{v:.1f}"
                 ratio = "" if v is None else f"{v / bf16:.2f}x"
-                lines.append(f"| {k} | {shown} | {ratio} |")
+                side = f"{paired[k]:.2f}x" if k in paired else ""
+                lines.append(f"| {k} | {shown} | {ratio} | {side} |")
             lines.append("")
     if speed:
         lines += ["Reading the ratios: w4a8 reads ~0.63 bytes per weight (int4 + inline float16 scales, group 32) "
@@ -273,7 +316,7 @@ def main() -> None:
                   "the same in both rows. For Qwen2.5-0.5B that holds the ratio near 2x (2.0-2.1x in two full runs): 2.5x would need its "
                   "377 MB read at the rate bf16 streams its 988 MB (~35 GB/s on 2 cores) with no fixed work at all.", ""]
     lines += [f"Reproduce: `python benchmarks/bench_quant.py{' --with-qwen' if qwen else ''} --threads {args.threads} "
-              f"--tokens {args.tokens} --rounds {args.rounds}`"]
+              f"--tokens {args.tokens} --rounds {args.rounds} --pairs {args.pairs}`"]
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
