@@ -100,7 +100,7 @@ def _gguf_reader(path: str):
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_mtime, st.st_size)
     if _GGUF_READER is None or _GGUF_READER[0] != key:
-        _GGUF_READER = None  # drop the old one first: its fields hold a few hundred MB
+        _GGUF_READER = None  # drop the old parse first: it holds one small array per vocabulary entry
 
         class _Reader(GGUFReader):
             # NOTE: the same parse over a plain ndarray view of the file's memory map: slicing a
