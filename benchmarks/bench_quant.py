@@ -127,27 +127,6 @@ def perplexities(label: str, gguf: str, tokens: int) -> list[tuple[str, str, flo
 # ---- speed --------------------------------------------------------------------------------
 
 
-def armserve_decode(model: str, dtype: str, threads: int, tokens: int, runs: int,
-                    quantization: str | None = None) -> float:
-    """Median batch-1 decode tok/s of armserve in a fresh process."""
-    code = f"""
-import json, torch
-torch.set_num_threads({threads})
-from armserve import LLM, SamplingParams
-llm = LLM({model!r}, dtype={dtype!r}, kv_cache_space=0.5, max_model_len=512, quantization={quantization!r})
-p = SamplingParams(temperature=0.0, max_tokens={tokens}, ignore_eos=True)
-llm.generate(["Once upon a time"], SamplingParams(max_tokens=4), use_tqdm=False)
-s = []
-for _ in range({runs}):
-    m = llm.generate(["Once upon a time, in a land far away"], p, use_tqdm=False)[0].metrics
-    s.append(({tokens} - 1) / (m.last_token_time - m.first_token_time))
-print(json.dumps(s))
-"""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
-    return statistics.median(json.loads(out.stdout.strip().splitlines()[-1]))
-
-
 def paired_decode(systems: dict[str, tuple[str, str | None]], threads: int, tokens: int, pairs: int) -> dict[str, list[float]]:
     """Batch-1 decode tok/s of several armserve configurations loaded side by side in one process
     and run in alternation (`pairs` rounds, the order rotating each round), so that every round's
@@ -174,6 +153,11 @@ print(json.dumps(out))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def armserve_decode(model: str, threads: int, tokens: int, runs: int, quantization: str | None = None) -> float:
+    """Median batch-1 decode tok/s of armserve (bfloat16 activations) in a fresh process."""
+    return statistics.median(paired_decode({"armserve": (model, quantization)}, threads, tokens, runs)["armserve"])
 
 
 def requantized_gguf(src: str, qtype: str) -> str | None:
@@ -237,14 +221,15 @@ def main() -> None:
             # NOTE: re-quantized from the Q4_K_M file (its only copy here), so the Q4_0/Q8_0 weights
             # carry Q4_K_M's rounding too; fine for speed, which is all this table measures.
             cases.append(("Qwen2.5-Coder-0.5B", qwen, requantized_gguf(qwen, "Q4_0"), requantized_gguf(qwen, "Q8_0")))
-        run = lambda m, q=None: armserve_decode(m, "bfloat16", args.threads, args.tokens, args.runs, q)  # noqa: E731
+        run = lambda m, q=None: armserve_decode(m, args.threads, args.tokens, args.runs, q)  # noqa: E731
         for label, model, q4, q8 in cases:
+            name = label.split()[0].lower()
             # bf16 baseline: the HF folder, or the GGUF with its blocks dequantized
-            systems = {"armserve bf16": lambda m=model: run(m, "none" if m.endswith(".gguf") else None),
-                       "armserve w4a8 (armserve quantize, g32)":
-                           lambda m=model, n=label.split()[0].lower(): run(quantized_copy(m, n)),
-                       "armserve w4a8, LM head int4 (`--lm-head int4`)":
-                           lambda m=model, n=label.split()[0].lower(): run(quantized_copy(m, n, "int4")),
+            bf16 = (model, "none" if model.endswith(".gguf") else None)
+            w4a8, w4a8_head4 = quantized_copy(model, name), quantized_copy(model, name, "int4")
+            systems = {"armserve bf16": lambda b=bf16: run(*b),
+                       "armserve w4a8 (armserve quantize, g32)": lambda m=w4a8: run(m),
+                       "armserve w4a8, LM head int4 (`--lm-head int4`)": lambda m=w4a8_head4: run(m),
                        "armserve on the Q4_0 GGUF": lambda q=q4: run(q),
                        "llama.cpp Q4_0": lambda q=q4: llama_bench(q, args.threads, args.tokens, args.runs),
                        "llama.cpp Q8_0": lambda q=q8: llama_bench(q, args.threads, args.tokens, args.runs)}
@@ -262,12 +247,9 @@ def main() -> None:
                         samples[k].append(v)
             row = {k: statistics.median(v) if v else None for k, v in samples.items()}
             # The same bf16 and w4a8 configurations again, side by side in one process.
-            bf16 = (model, "none" if model.endswith(".gguf") else None)
-            name = label.split()[0].lower()
             side = paired_decode({"armserve bf16": bf16,
-                                  "armserve w4a8 (armserve quantize, g32)": (quantized_copy(model, name), None),
-                                  "armserve w4a8, LM head int4 (`--lm-head int4`)":
-                                      (quantized_copy(model, name, "int4"), None)},
+                                  "armserve w4a8 (armserve quantize, g32)": (w4a8, None),
+                                  "armserve w4a8, LM head int4 (`--lm-head int4`)": (w4a8_head4, None)},
                                  args.threads, args.tokens, args.pairs)
             paired = {k: statistics.median(a / b for a, b in zip(v, side["armserve bf16"])) for k, v in side.items()}
             speed.append((label, row, paired))

@@ -62,15 +62,12 @@ def quantize_weight(w: torch.Tensor, group: int, symmetric: bool, search: bool =
     # Row chunks bound the temporaries (an LM head is 100M+ weights).
     step = max(1, (1 << 22) // k)
     for r in range(0, n, step):
-        wg = w[r:r + step].float().reshape(-1, group)
-        if symmetric:
-            s, m, u = _round_symmetric(wg, search)
-        else:
-            s, m, u = _round_asymmetric(wg, search)
-        rows = wg.shape[0] * group // k
-        scale[r:r + rows] = s.view(rows, -1)
-        szp[r:r + rows] = m.view(rows, -1)
-        codes[r:r + rows] = u.view(rows, k)
+        e = min(r + step, n)
+        wg = w[r:e].float().reshape(-1, group)
+        s, m, u = (_round_symmetric if symmetric else _round_asymmetric)(wg, search)
+        scale[r:e] = s.view(e - r, -1)
+        szp[r:e] = m.view(e - r, -1)
+        codes[r:e] = u.view(e - r, k)
     return QuantizedTensor("w4", codes, scale, szp, group)
 
 
@@ -101,7 +98,7 @@ def _round_asymmetric(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torc
     szp = -lo
     if search:
         err = _sq_err(x, s, szp)
-        inv = torch.where(flat, torch.zeros_like(rng), 1.0 / torch.where(flat, torch.ones_like(rng), rng))
+        inv = 1.0 / torch.where(flat, torch.ones_like(rng), rng)  # (x - lo is 0 in a flat group)
         sx = x.sum(dim=1, keepdim=True)
         for steps in _SEARCH_STEPS:
             u = torch.clamp(torch.round((x - lo) * (inv * steps)), 0, 15)
