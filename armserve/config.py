@@ -132,8 +132,9 @@ class EngineConfig:
                 self.kv_cache_space = DEFAULT_KV_CACHE_SPACE_GIB
         if not self.kv_cache_space > 0:
             raise ConfigError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        # multiples of 16: the attention kernel's key tile (layers/attention.py)
+        if self.block_size not in (16, 32, 64, 128):
+            raise ConfigError(f"block_size must be one of 16, 32, 64, 128, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:

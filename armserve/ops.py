@@ -97,7 +97,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_rms_norm": ([I32, P, P, P, P, I64, I64, F, F], None),
         "armserve_rotary": ([I32, P, P, P, P, I64, I32, I32, I32, I32, I32, I64, I64], None),
         "armserve_act_and_mul": ([I32, I32, P, P, I64, I64], None),
-        "armserve_reshape_and_cache": ([I32, P, P, P, P, P, I64, I64, I64], None),
+        "armserve_reshape_and_cache": ([I32, P, P, P, P, P, I64, I32, I32, I64, I32], None),
         "armserve_qgemm_isa": ([], ctypes.c_char_p),
         "armserve_quantize_act": ([I32, P, I64, I64, I64, P, P, P], None),
         "armserve_gemm_w4": ([I32, P, P, P, P, P, I64, I64, I64, I64, I64], None),
@@ -109,7 +109,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_paged_attention": ([I32, P, P, P, P, P, I32, I32, I32, F, I32, F, I64],
                                      None),
-        "armserve_reshape_and_cache_i8": ([I32, P, P, P, P, P, P, P, I64, I32, I32, I64], None),
+        "armserve_reshape_and_cache_i8": ([I32, P, P, P, P, P, P, P, I64, I32, I32, I64, I32], None),
         "armserve_paged_attention_i8": ([I32, P, P, P, P, P, P, P, I32, I32, I32, F, I32,
                                          F, I64], None),
         "armserve_add_bias": ([I32, P, I32, P, I64, I64, I64], None),
@@ -459,13 +459,31 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     return out
 
 
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """(kv heads, head_dim, block size) of caches in the kernels' block layout (layers/attention.py);
+    the kernels index raw memory, so anything else is refused."""
+    if k_cache.dim() != 5 or v_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"caches must be contiguous K [blocks, kv_heads, block_size // 16, head_dim, 16] and V "
+                         f"[blocks, kv_heads, block_size, head_dim], got {tuple(k_cache.shape)} / "
+                         f"{tuple(v_cache.shape)}")
+    nb, hk, bs, hd = v_cache.shape
+    if tuple(k_cache.shape) != (nb, hk, bs // 16, hd, 16) or bs % 16:
+        raise ValueError(f"K cache {tuple(k_cache.shape)} does not match V cache {tuple(v_cache.shape)}")
+    return hk, hd, bs
+
+
+def _check_head_dim(hd: int) -> None:
+    if hd % 16:
+        raise ValueError(f"the attention kernels need head_dim to be a multiple of 16, got {hd}")
+
+
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """Write rows of k/v ([T, hk*hd], row-strided views are fine) into cache slots."""
-    assert k.stride(0) == v.stride(0) and k.stride(1) == 1
+    hk, hd, bs = _check_cache(k_cache, v_cache)
+    assert k.stride(0) == v.stride(0) and k.stride(1) == 1 and k.shape[1] == hk * hd
     _call("armserve_reshape_and_cache", _DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
-                                    v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], k.shape[1],
-                                    k.stride(0))
+          v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], hk, hd, k.stride(0), bs)
 
 
 def make_attn_batch(q_start: torch.Tensor, q_len: torch.Tensor, context_len: torch.Tensor,
@@ -480,6 +498,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of q rows ([T, hq*hd], row-strided views are fine) over their cached context."""
     assert q.stride(1) == 1
+    hk, hd, bs = _check_cache(k_cache, v_cache)
+    _check_head_dim(hd)
+    if (hk, hd, bs) != (num_kv_heads, head_dim, batch.block_size):
+        raise ValueError(f"caches hold ({hk} heads, head_dim {hd}, block size {bs}), the call says "
+                         f"({num_kv_heads}, {head_dim}, {batch.block_size})")
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
     _call("armserve_paged_attention", _DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
                                   v_cache.data_ptr(), ctypes.addressof(batch), num_heads, num_kv_heads, head_dim,
@@ -488,23 +511,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def _check_i8_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
-                    v_scale: torch.Tensor) -> None:
+                    v_scale: torch.Tensor) -> tuple[int, int, int]:
     """The int8 kernels index raw memory: refuse anything but the layout they assume."""
+    hk, hd, bs = _check_cache(k_cache, v_cache)
     for name, c, s in (("k", k_cache, k_scale), ("v", v_cache, v_scale)):
-        if c.dtype != torch.int8 or c.dim() != 3 or not c.is_contiguous():
-            raise ValueError(f"{name}_cache must be a contiguous int8 [slots, kv_heads, head_dim] tensor, "
-                             f"got {c.dtype} of shape {tuple(c.shape)}")
-        if s.dtype != torch.float32 or tuple(s.shape) != tuple(c.shape[:2]) or not s.is_contiguous():
-            raise ValueError(f"{name}_scale must be a contiguous float32 [slots, kv_heads] = {tuple(c.shape[:2])} "
-                             f"tensor, got {s.dtype} of shape {tuple(s.shape)}")
+        if c.dtype != torch.int8:
+            raise ValueError(f"{name}_cache must be int8, got {c.dtype}")
+        if s.dtype != torch.float32 or tuple(s.shape) != tuple(v_cache.shape[:3]) or not s.is_contiguous():
+            raise ValueError(f"{name}_scale must be a contiguous float32 [blocks, kv_heads, block_size] = "
+                             f"{tuple(v_cache.shape[:3])} tensor, got {s.dtype} of shape {tuple(s.shape)}")
+    return hk, hd, bs
 
 
 def reshape_and_cache_i8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          k_scale: torch.Tensor, v_scale: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantize rows of k/v ([T, hk*hd], row-strided views are fine) into int8 cache slots and their
     per-(slot, kv head) scales (see quantize_kv_ref in layers/attention.py)."""
-    _check_i8_cache(k_cache, v_cache, k_scale, v_scale)
-    hk, hd = k_cache.shape[1], k_cache.shape[2]
+    hk, hd, bs = _check_i8_cache(k_cache, v_cache, k_scale, v_scale)
     if k.stride(0) != v.stride(0) or k.stride(1) != 1 or k.shape[1] != hk * hd or v.shape != k.shape:
         raise ValueError(f"k and v must be [T, {hk * hd}] with unit column stride and equal row strides, "
                          f"got {tuple(k.shape)} / {tuple(v.shape)}")
@@ -515,20 +538,21 @@ def reshape_and_cache_i8(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
                          f"{tuple(slot_mapping.shape)}")
     _call("armserve_reshape_and_cache_i8", _DTYPE_CODES[k.dtype], k.data_ptr(), v.data_ptr(), k_cache.data_ptr(),
                                        v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
-                                       slot_mapping.data_ptr(), k.shape[0], hk, hd, k.stride(0))
+                                       slot_mapping.data_ptr(), k.shape[0], hk, hd, k.stride(0), bs)
 
 
 def paged_attention_i8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor,
                        v_scale: torch.Tensor, batch: AttnBatch, num_heads: int, num_kv_heads: int, head_dim: int,
                        scale: float, sliding_window: int | None = None,
                        softcap: float | None = None) -> torch.Tensor:
-    """`paged_attention` over int8 caches: K/V rows are dequantized (int8 * scale) to fp32 as read."""
-    _check_i8_cache(k_cache, v_cache, k_scale, v_scale)
+    """`paged_attention` over int8 caches (scores (q . k8) * k_scale, values weighted by p * v_scale)."""
+    hk, hd, _ = _check_i8_cache(k_cache, v_cache, k_scale, v_scale)
+    _check_head_dim(hd)
     if q.stride(1) != 1 or q.dtype not in _DTYPE_CODES:
         raise ValueError(f"q must be float32/bfloat16/float16 with unit column stride, got {q.dtype} "
                          f"strides {q.stride()}")
-    if tuple(k_cache.shape[1:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"cache rows are {tuple(k_cache.shape[1:])}, expected ({num_kv_heads}, {head_dim})")
+    if (hk, hd) != (num_kv_heads, head_dim):
+        raise ValueError(f"cache rows are ({hk}, {hd}), expected ({num_kv_heads}, {head_dim})")
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
     _call("armserve_paged_attention_i8", _DTYPE_CODES[q.dtype], out.data_ptr(), q.data_ptr(), k_cache.data_ptr(),
                                      v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),

@@ -54,7 +54,7 @@ def copy_bandwidth_gbs(runs: int = 5) -> float:
 def attention_cases(dtype: torch.dtype):
     """(label, PyTorch-path fn, kernel fn) for paged decode attention at several contexts."""
     from armserve import ops
-    from armserve.layers.attention import Attention, AttentionMetadata, set_attention_metadata
+    from armserve.layers.attention import Attention, AttentionMetadata, kv_cache_shapes, set_attention_metadata
 
     out = []
     for label, hq, hk, hd, batch, ctx in [
@@ -66,8 +66,9 @@ def attention_cases(dtype: torch.dtype):
         nb = -(-ctx // bs)
         num_blocks = batch * nb + 1
         attn = Attention(hq, hd, hd**-0.5, hk)
-        attn.k_cache = torch.randn(num_blocks * bs, hk, hd).to(dtype)
-        attn.v_cache = torch.randn(num_blocks * bs, hk, hd).to(dtype)
+        k_shape, v_shape, _ = kv_cache_shapes(num_blocks, bs, hk, hd)
+        attn.k_cache = torch.randn(k_shape).to(dtype)
+        attn.v_cache = torch.randn(v_shape).to(dtype)
         perm = torch.randperm(num_blocks - 1)[: batch * nb].view(batch, nb)  # scattered blocks, as in use
         slots_new = (perm[:, -1] * bs + (ctx - 1) % bs).long()
         q = torch.randn(batch, hq * hd).to(dtype)

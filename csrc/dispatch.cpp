@@ -198,8 +198,9 @@ void armserve_act_and_mul(int32_t dtype, int32_t act, void* out, const void* x, 
 }
 
 void armserve_reshape_and_cache(int32_t dtype, const void* k, const void* v, void* k_cache, void* v_cache,
-                                const int64_t* slots, int64_t tokens, int64_t row, int64_t src_stride) {
-  table()->reshape_and_cache(dtype, k, v, k_cache, v_cache, slots, tokens, row, src_stride);
+                                const int64_t* slots, int64_t tokens, int32_t hk, int32_t hd, int64_t src_stride,
+                                int32_t bs) {
+  table()->reshape_and_cache(dtype, k, v, k_cache, v_cache, slots, tokens, hk, hd, src_stride, bs);
 }
 
 void armserve_paged_attention(int32_t dtype, void* out, const void* q, const void* k_cache, const void* v_cache,
@@ -211,8 +212,9 @@ void armserve_paged_attention(int32_t dtype, void* out, const void* q, const voi
 
 void armserve_reshape_and_cache_i8(int32_t dtype, const void* k, const void* v, int8_t* k_cache, int8_t* v_cache,
                                    float* k_scale, float* v_scale, const int64_t* slots, int64_t tokens, int32_t hk,
-                                   int32_t hd, int64_t src_stride) {
-  table()->reshape_and_cache_i8(dtype, k, v, k_cache, v_cache, k_scale, v_scale, slots, tokens, hk, hd, src_stride);
+                                   int32_t hd, int64_t src_stride, int32_t bs) {
+  table()->reshape_and_cache_i8(dtype, k, v, k_cache, v_cache, k_scale, v_scale, slots, tokens, hk, hd, src_stride,
+                                bs);
 }
 
 void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const int8_t* k_cache,

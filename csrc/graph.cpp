@@ -22,12 +22,12 @@ void armserve_rms_norm(int32_t, void*, const void*, void*, const void*, int64_t,
 void armserve_rotary(int32_t, const int64_t*, void*, void*, const float*, int64_t, int32_t, int32_t, int32_t,
                      int32_t, int32_t, int64_t, int64_t);
 void armserve_act_and_mul(int32_t, int32_t, void*, const void*, int64_t, int64_t);
-void armserve_reshape_and_cache(int32_t, const void*, const void*, void*, void*, const int64_t*, int64_t, int64_t,
-                                int64_t);
+void armserve_reshape_and_cache(int32_t, const void*, const void*, void*, void*, const int64_t*, int64_t, int32_t,
+                                int32_t, int64_t, int32_t);
 void armserve_paged_attention(int32_t, void*, const void*, const void*, const void*, const AttnBatch*, int32_t,
                               int32_t, int32_t, float, int32_t, float, int64_t);
 void armserve_reshape_and_cache_i8(int32_t, const void*, const void*, int8_t*, int8_t*, float*, float*,
-                                   const int64_t*, int64_t, int32_t, int32_t, int64_t);
+                                   const int64_t*, int64_t, int32_t, int32_t, int64_t, int32_t);
 void armserve_paged_attention_i8(int32_t, void*, const void*, const int8_t*, const int8_t*, const float*,
                                  const float*, const AttnBatch*, int32_t, int32_t, int32_t, float, int32_t, float,
                                  int64_t);
@@ -208,7 +208,7 @@ int64_t armserve_graph_run(const GraphOp* ops, int64_t n) {
         break;
       case G_RESHAPE_AND_CACHE:
         armserve_reshape_and_cache(int32_t(a[0]), P(1), P(2), P(3), P(4), static_cast<const int64_t*>(P(5)), a[6],
-                                   a[7], a[8]);
+                                   int32_t(a[7]), int32_t(a[8]), a[9], int32_t(a[10]));
         break;
       case G_PAGED_ATTENTION:
         armserve_paged_attention(int32_t(a[0]), P(1), P(2), P(3), P(4), static_cast<const AttnBatch*>(P(5)),
@@ -219,7 +219,7 @@ int64_t armserve_graph_run(const GraphOp* ops, int64_t n) {
         armserve_reshape_and_cache_i8(int32_t(a[0]), P(1), P(2), static_cast<int8_t*>(P(3)),
                                       static_cast<int8_t*>(P(4)), static_cast<float*>(P(5)),
                                       static_cast<float*>(P(6)), static_cast<const int64_t*>(P(7)), a[8],
-                                      int32_t(a[9]), int32_t(a[10]), a[11]);
+                                      int32_t(a[9]), int32_t(a[10]), a[11], int32_t(a[12]));
         break;
       case G_PAGED_ATTENTION_I8:
         armserve_paged_attention_i8(int32_t(a[0]), P(1), P(2), static_cast<const int8_t*>(P(3)),

@@ -36,21 +36,23 @@ struct KernelTable {
                  int64_t k_stride);
   // x: [rows, 2d] = [gate | up] -> out [rows, d]; act 0 = silu, 1 = gelu (erf), 2 = gelu (tanh).
   void (*act_and_mul)(int32_t dtype, int32_t act, void* out, const void* x, int64_t rows, int64_t d);
-  // Copy this step's k/v rows ([T, row], rows `src_stride` elements apart) into cache slots.
+  // Copy this step's k/v rows ([T, hk*hd], rows `src_stride` elements apart) into cache slots;
+  // caches in the block layout of attention_impl.h (K tiles transposed), `bs` the block size.
   void (*reshape_and_cache)(int32_t dtype, const void* k, const void* v, void* k_cache, void* v_cache,
-                            const int64_t* slots, int64_t tokens, int64_t row, int64_t src_stride);
-  // out: [T, hq*hd]; q rows `q_stride` elements apart; caches [slots, hk, hd].
+                            const int64_t* slots, int64_t tokens, int32_t hk, int32_t hd, int64_t src_stride,
+                            int32_t bs);
+  // out: [T, hq*hd]; q rows `q_stride` elements apart; caches in the layout of attention_impl.h.
   void (*paged_attention)(int32_t dtype, void* out, const void* q, const void* k_cache, const void* v_cache,
                           const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
                           int32_t sliding_window, float softcap, int64_t q_stride);
   // ---- 8-bit KV cache (appended: the entries above keep their offsets) ----
   // Quantize each (token, kv head) row of k/v ([T, hk*hd], rows `src_stride` elements apart)
-  // symmetrically into int8 caches [slots, hk, hd] with float32 scales [slots, hk]:
+  // symmetrically into int8 caches (attention_impl.h's layout) with float32 scales [blocks, hk, bs]:
   //   scale = absmax(row) / 127, q = round_half_even(x / scale) (all zeros when scale == 0).
   void (*reshape_and_cache_i8)(int32_t dtype, const void* k, const void* v, int8_t* k_cache, int8_t* v_cache,
                                float* k_scale, float* v_scale, const int64_t* slots, int64_t tokens, int32_t hk,
-                               int32_t hd, int64_t src_stride);
-  // paged_attention over int8 caches: every K/V row is dequantized (q * scale) to fp32 on load.
+                               int32_t hd, int64_t src_stride, int32_t bs);
+  // paged_attention over int8 caches: scores are (q . k8) * k_scale, values weighted by p * v_scale.
   void (*paged_attention_i8)(int32_t dtype, void* out, const void* q, const int8_t* k_cache,
                              const int8_t* v_cache, const float* k_scale, const float* v_scale,
                              const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,

@@ -207,6 +207,14 @@ static inline int num_threads() {
 #endif
 }
 
+}  // namespace
+}  // namespace armserve
+
+#include "attention_impl.h"
+
+namespace armserve {
+namespace {
+
 template <class Isa>
 struct Kernels {
   // Round a fp32 row through `dtype` and back: PyTorch rounds every intermediate tensor.
@@ -313,226 +321,6 @@ struct Kernels {
     }
   }
 
-  static void reshape_and_cache(int32_t dtype, const void* k, const void* v, void* kc, void* vc,
-                                const int64_t* slots, int64_t tokens, int64_t row, int64_t src_stride) {
-    const int64_t bytes = row * dtype_size(dtype);
-    const int64_t src_bytes = src_stride * dtype_size(dtype);
-#pragma omp parallel for schedule(static) if (tokens * row >= (1 << 16))
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::memcpy(static_cast<char*>(kc) + slots[t] * bytes, static_cast<const char*>(k) + t * src_bytes, bytes);
-      std::memcpy(static_cast<char*>(vc) + slots[t] * bytes, static_cast<const char*>(v) + t * src_bytes, bytes);
-    }
-  }
-
-  // int8 KV cache: quantize each (token, kv head) row of this step's k/v into its cache slot.
-  static void reshape_and_cache_i8(int32_t dtype, const void* k, const void* v, int8_t* kc, int8_t* vc, float* ks,
-                                   float* vs, const int64_t* slots, int64_t tokens, int32_t hk, int32_t hd,
-                                   int64_t src_stride) {
-    const int es = dtype_size(dtype);
-#pragma omp parallel for schedule(static) if (tokens * hk * hd >= (1 << 14))
-    for (int64_t t = 0; t < tokens; ++t) {
-      float* row = scratch(0, hd);
-      for (int which = 0; which < 2; ++which) {
-        const char* src = static_cast<const char*>(which == 0 ? k : v) + t * src_stride * es;
-        int8_t* cache = which == 0 ? kc : vc;
-        float* scales = which == 0 ? ks : vs;
-        for (int h = 0; h < hk; ++h) {
-          Isa::load(dtype, src + int64_t(h) * hd * es, row, hd);
-          const int64_t r = slots[t] * hk + h;
-          scales[r] = quantize_row_i8(row, cache + r * hd, hd);
-        }
-      }
-    }
-  }
-
-  // One K or V row of the cache (row = slot * hk + head) as fp32. `scales` non-null means an
-  // int8 cache; the branch is per row of hd elements, so both caches share one attention loop.
-  static void load_kv(int dtype, const void* cache, const float* scales, int64_t row, int32_t hd, float* dst) {
-    if (scales)
-      Isa::load_i8(static_cast<const int8_t*>(cache) + row * hd, scales[row], dst, hd);
-    else
-      Isa::load(dtype, static_cast<const char*>(cache) + row * hd * dtype_size(dtype), dst, hd);
-  }
-
-  // ---- paged attention -----------------------------------------------------------------------
-  //
-  // Work is split into items (sequence, tile of up to QT query positions, KV head, key
-  // partition). Every item computes, for each of its query heads, the running max m, the sum
-  // of exponentials l and the unnormalised output acc over its keys; a second pass merges the
-  // partitions of a tile:  out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M).
-  // Keys are split only when there are too few (sequence, tile, head) items to feed every
-  // thread, i.e. for decode of a few long sequences (flash-decoding).
-  struct Item {
-    int32_t seq, q0, qn, k0, k1, head;
-    int64_t partial;  // offset of this item's partials (floats)
-  };
-
-  static void paged_attention(int32_t dtype, void* out, const void* q, const void* kc, const void* vc,
-                              const AttnBatch* b, int32_t hq, int32_t hk, int32_t hd, float scale,
-                              int32_t window, float softcap, int64_t q_stride) {
-    attend(dtype, out, q, kc, vc, nullptr, nullptr, b, hq, hk, hd, scale, window, softcap, q_stride);
-  }
-
-  static void paged_attention_i8(int32_t dtype, void* out, const void* q, const int8_t* kc, const int8_t* vc,
-                                 const float* ks, const float* vs, const AttnBatch* b, int32_t hq, int32_t hk,
-                                 int32_t hd, float scale, int32_t window, float softcap, int64_t q_stride) {
-    attend(dtype, out, q, kc, vc, ks, vs, b, hq, hk, hd, scale, window, softcap, q_stride);
-  }
-
-  // q and out in `dtype`; caches in `dtype`, or int8 with per-(slot, head) scales when ks/vs are set.
-  static void attend(int32_t dtype, void* out, const void* q, const void* kc, const void* vc, const float* ks,
-                     const float* vs, const AttnBatch* b, int32_t hq, int32_t hk, int32_t hd, float scale,
-                     int32_t window, float softcap, int64_t q_stride) {
-    const int group = hq / hk;
-    const int QT = 16;
-    const int es = dtype_size(dtype);
-    const int nthreads = num_threads();
-
-    int64_t tiles = 0;
-    for (int s = 0; s < b->num_seqs; ++s) tiles += (b->q_len[s] + QT - 1) / QT;
-    const bool split = tiles * hk < 2LL * nthreads;
-    const int P = 256;
-
-    // Upper bound on items: every tile may need ceil(ctx / P) partitions when split.
-    int64_t max_items = 0;
-    for (int s = 0; s < b->num_seqs; ++s)
-      max_items += int64_t((b->q_len[s] + QT - 1) / QT) * hk * (split ? (b->context_len[s] + P - 1) / P + 1 : 1);
-    Buffer<Item> items(max_items);
-    int64_t n_items = 0;
-    int64_t partial_floats = 0;
-    for (int s = 0; s < b->num_seqs; ++s) {
-      const int ql = b->q_len[s], ctx = b->context_len[s];
-      for (int q0 = 0; q0 < ql; q0 += QT) {
-        const int qn = imin(QT, ql - q0);
-        const int p_first = ctx - ql + q0, p_last = p_first + qn - 1;
-        const int lo = window > 0 ? imax(0, p_first - window + 1) : 0;
-        const int hi = p_last + 1;
-        const int step = split ? P : imax(1, hi - lo);
-        for (int h = 0; h < hk; ++h) {
-          for (int k0 = lo; k0 < hi; k0 += step) {
-            items[n_items++] = Item{s, q0, qn, k0, imin(hi, k0 + step), h, partial_floats};
-            partial_floats += int64_t(qn) * group * (hd + 2);
-          }
-        }
-      }
-    }
-    Buffer<float> partials(partial_floats);
-
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n_items; ++it) {
-      const Item& w = items[it];
-      const int rows = w.qn * group;
-      const int nk = w.k1 - w.k0;
-      const int ql = b->q_len[w.seq], ctx = b->context_len[w.seq];
-      const int32_t* bt = b->block_tables + int64_t(w.seq) * b->max_blocks;
-      float* qf = scratch(0, int64_t(rows) * hd);
-      float* sc = scratch(1, int64_t(rows) * nk);
-      float* kv = scratch(2, hd);
-      float* out_p = partials.p + w.partial;  // [rows][hd + 2]: acc..., m, l
-      for (int i = 0; i < w.qn; ++i) {
-        const int64_t tok = b->q_start[w.seq] + w.q0 + i;
-        for (int g = 0; g < group; ++g) {
-          const int head = w.head * group + g;
-          float* dst = qf + int64_t(i * group + g) * hd;
-          Isa::load(dtype, static_cast<const char*>(q) + (tok * q_stride + int64_t(head) * hd) * es, dst, hd);
-        }
-      }
-      // scores
-      for (int j = w.k0; j < w.k1; ++j) {
-        const int64_t slot = int64_t(bt[j / b->block_size]) * b->block_size + j % b->block_size;
-        load_kv(dtype, kc, ks, slot * hk + w.head, hd, kv);
-        for (int i = 0; i < w.qn; ++i) {
-          const int pos = ctx - ql + w.q0 + i;
-          const bool visible = j <= pos && (window <= 0 || pos - j < window);
-          for (int g = 0; g < group; ++g) {
-            const int r = i * group + g;
-            float s = -INFINITY;
-            if (visible) {
-              s = Isa::dot(qf + int64_t(r) * hd, kv, hd) * scale;
-              if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
-            }
-            sc[int64_t(r) * nk + (j - w.k0)] = s;
-          }
-        }
-      }
-      // softmax pieces
-      for (int r = 0; r < rows; ++r) {
-        float* srow = sc + int64_t(r) * nk;
-        // Four running maxima (the max is the same in any order): one chain of compares is
-        // latency-bound, and a float max reduction does not vectorise without -ffast-math.
-        float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
-        int j = 0;
-        for (; j + 4 <= nk; j += 4)
-          for (int u = 0; u < 4; ++u) m4[u] = fmax2(m4[u], srow[j + u]);
-        for (; j < nk; ++j) m4[0] = fmax2(m4[0], srow[j]);
-        const float m = fmax2(fmax2(m4[0], m4[1]), fmax2(m4[2], m4[3]));
-        float l = 0.f;
-        if (m != -INFINITY) {
-          // The exponentials in a loop of their own, which vectorises; summed after, in order.
-          for (int jj = 0; jj < nk; ++jj) srow[jj] = srow[jj] == -INFINITY ? 0.f : exp_fast(srow[jj] - m);
-          for (int jj = 0; jj < nk; ++jj) l += srow[jj];
-        } else {
-          for (int j = 0; j < nk; ++j) srow[j] = 0.f;
-        }
-        float* o = out_p + int64_t(r) * (hd + 2);
-        zero(o, hd);
-        o[hd] = m;
-        o[hd + 1] = l;
-      }
-      // weighted values
-      for (int j = w.k0; j < w.k1; ++j) {
-        const int64_t slot = int64_t(bt[j / b->block_size]) * b->block_size + j % b->block_size;
-        bool any = false;
-        for (int r = 0; r < rows && !any; ++r) any = sc[int64_t(r) * nk + (j - w.k0)] != 0.f;
-        if (!any) continue;
-        load_kv(dtype, vc, vs, slot * hk + w.head, hd, kv);
-        for (int r = 0; r < rows; ++r) {
-          const float p = sc[int64_t(r) * nk + (j - w.k0)];
-          if (p != 0.f) Isa::axpy(out_p + int64_t(r) * (hd + 2), p, kv, hd);
-        }
-      }
-    }
-
-    // Merge partitions: items of one (seq, tile, head) are adjacent in `items`.
-    Buffer<int64_t> starts(n_items + 1);
-    int64_t n_groups = 0;
-    for (int64_t i = 0; i < n_items; ++i) {
-      if (i == 0 || items[i].seq != items[i - 1].seq || items[i].q0 != items[i - 1].q0 ||
-          items[i].head != items[i - 1].head)
-        starts[n_groups++] = i;
-    }
-    starts[n_groups] = n_items;
-#pragma omp parallel for schedule(static)
-    for (int64_t gi = 0; gi < n_groups; ++gi) {
-      const int64_t a = starts[gi], z = starts[gi + 1];
-      const Item& w0 = items[a];
-      float* acc = scratch(3, hd);
-      for (int i = 0; i < w0.qn; ++i) {
-        for (int g = 0; g < group; ++g) {
-          const int r = i * group + g;
-          float M = -INFINITY;
-          for (int64_t p = a; p < z; ++p) M = fmax2(M, partials[items[p].partial + int64_t(r) * (hd + 2) + hd]);
-          zero(acc, hd);
-          float L = 0.f;
-          if (M != -INFINITY) {
-            for (int64_t p = a; p < z; ++p) {
-              const float* o = partials.p + items[p].partial + int64_t(r) * (hd + 2);
-              if (o[hd] == -INFINITY) continue;
-              const float f = std::exp(o[hd] - M);
-              L += o[hd + 1] * f;
-              Isa::axpy(acc, f, o, hd);
-            }
-          }
-          const float invL = L > 0.f ? 1.0f / L : 0.f;
-          for (int d = 0; d < hd; ++d) acc[d] *= invL;
-          const int64_t tok = b->q_start[w0.seq] + w0.q0 + i;
-          const int head = w0.head * group + g;
-          Isa::store(dtype, acc, static_cast<char*>(out) + (tok * hq + head) * int64_t(hd) * es, hd);
-        }
-      }
-    }
-  }
-
   // ---- skinny matmul (decode) ----------------------------------------------------------------
   //
   // See kernels.h. Each thread takes a contiguous range of weight rows
@@ -564,8 +352,9 @@ struct Kernels {
   }
 
   static const KernelTable* table(const char* name) {
-    static const KernelTable t = {name, rms_norm, rotary, act_and_mul, reshape_and_cache, paged_attention,
-                                  reshape_and_cache_i8, paged_attention_i8, gemv};
+    using A = Attention<Isa>;
+    static const KernelTable t = {name, rms_norm, rotary, act_and_mul, A::reshape_and_cache, A::paged_attention,
+                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv};
     return &t;
   }
 };

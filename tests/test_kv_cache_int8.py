@@ -17,6 +17,7 @@ from conftest import kernel_isas, random_batch
 from armserve import LLM, SamplingParams, ops
 from armserve.config import ConfigError, EngineConfig
 from armserve.engine.model_runner import kv_cache_num_blocks
+from armserve.layers.attention import cache_from_rows, cache_rows, kv_cache_shapes
 from armserve.evaluate import perplexity
 from armserve.layers.attention import dequantize_kv_ref, paged_attention_ref, quantize_kv_ref
 
@@ -52,18 +53,20 @@ def test_reshape_and_cache_i8_exact(isa, dtype):
     kv = kv.to(dtype)
     k, v = kv[:, hk * hd: 2 * hk * hd], kv[:, 2 * hk * hd:]  # strided views, as in the model
     slots = torch.randperm(96)[:T]
-    kc = torch.zeros(96, hk, hd, dtype=torch.int8)
-    vc = torch.zeros_like(kc)
-    ks = torch.zeros(96, hk)
+    k_shape, v_shape, s_shape = kv_cache_shapes(6, 16, hk, hd)
+    kc = torch.zeros(k_shape, dtype=torch.int8)
+    vc = torch.zeros(v_shape, dtype=torch.int8)
+    ks = torch.zeros(s_shape)
     vs = torch.zeros_like(ks)
     ops.reshape_and_cache_i8(k, v, kc, vc, ks, vs, slots)
     for got_q, got_s, x in ((kc, ks, k), (vc, vs, v)):
         want_q, want_s = quantize_kv_ref(x.reshape(T, hk, hd))
-        assert torch.equal(got_q[slots], want_q)  # exact int8 values
-        assert torch.equal(got_s[slots], want_s)  # exact scales
+        assert torch.equal(cache_rows(got_q, slots), want_q)  # exact int8 values
+        assert torch.equal(cache_rows(got_s, slots), want_s)  # exact scales
     untouched = torch.ones(96, dtype=torch.bool)
     untouched[slots] = False
-    assert not kc[untouched].any() and not vs[untouched].any()
+    rest = torch.arange(96)[untouched]
+    assert not cache_rows(kc, rest).any() and not cache_rows(vs, rest).any()
 
 
 ATTN_CASES = [
@@ -100,7 +103,8 @@ def test_paged_attention_i8(isa, dtype, case):
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     keep = (i32(q_start), i32(q_len), i32(ctx), bt)
     batch = ops.make_attn_batch(*keep, block_size)
-    got = ops.paged_attention_i8(q, kc, vc, ks, vs, batch, hq, hk, hd, scale, window, softcap)
+    layout = [cache_from_rows(x, block_size, key=key) for x, key in ((kc, True), (vc, False), (ks, None), (vs, None))]
+    got = ops.paged_attention_i8(q, *layout, batch, hq, hk, hd, scale, window, softcap)
     args = (q_start, q_len, ctx, tables, block_size, hq, hk, hd, scale, window, softcap)
     want = paged_attention_ref(q, kc, vc, *args, k_scale=ks, v_scale=vs)
     atol, rtol = TOL[dtype]
@@ -114,16 +118,19 @@ def test_int8_kernels_refuse_bad_input():
     if not ops.available():
         pytest.skip("kernels not built")
     k = torch.randn(4, 32)
-    kc, ks = torch.zeros(16, 2, 16, dtype=torch.int8), torch.zeros(16, 2)
+    k_shape, v_shape, s_shape = kv_cache_shapes(1, 16, 2, 16)
+    kc, vc, ks = torch.zeros(k_shape, dtype=torch.int8), torch.zeros(v_shape, dtype=torch.int8), torch.zeros(s_shape)
     slots = torch.arange(4)
-    with pytest.raises(ValueError, match="k_cache must be a contiguous int8"):
-        ops.reshape_and_cache_i8(k, k, kc.float(), kc, ks, ks, slots)
+    with pytest.raises(ValueError, match="k_cache must be int8"):
+        ops.reshape_and_cache_i8(k, k, kc.float(), vc, ks, ks, slots)
+    with pytest.raises(ValueError, match="caches must be contiguous K"):
+        ops.reshape_and_cache_i8(k, k, vc, vc, ks, ks, slots)  # V's layout passed as K
     with pytest.raises(ValueError, match="v_scale must be a contiguous float32"):
-        ops.reshape_and_cache_i8(k, k, kc, kc, ks, ks.half(), slots)
+        ops.reshape_and_cache_i8(k, k, kc, vc, ks, ks.half(), slots)
     with pytest.raises(ValueError, match="k and v must be"):
-        ops.reshape_and_cache_i8(torch.randn(4, 30), torch.randn(4, 30), kc, kc, ks, ks, slots)
+        ops.reshape_and_cache_i8(torch.randn(4, 30), torch.randn(4, 30), kc, vc, ks, ks, slots)
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
-        ops.reshape_and_cache_i8(k, k, kc, kc, ks, ks, slots.int())
+        ops.reshape_and_cache_i8(k, k, kc, vc, ks, ks, slots.int())
 
 
 # ---- engine on a tiny model ---------------------------------------------------------------------

@@ -16,7 +16,7 @@ from armserve.engine.sampler import (
 from armserve import ops
 from armserve.engine.scheduler import SchedulerOutput
 from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs
-from armserve.layers.attention import AttentionMetadata, PrefillChunk, set_attention_metadata
+from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
 
 
 KV_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head) of an int8 cache
@@ -52,13 +52,14 @@ class ModelRunnerOutput:
 class ModelRunner:
     """Owns the paged KV cache and runs the model over one scheduled step at a time.
 
-    Cache layout (one allocation; layer i's K is kv_cache[0, i], its V kv_cache[1, i]):
+    Cache layout (one allocation; layer i's K is kv_cache[0, i], its V kv_cache[1, i], each seen
+    in the block layout of layers/attention.py, K with its 16-key tiles transposed):
 
-        kv_cache  [2, layers, num_blocks * block_size, kv_heads, head_dim]   cache_dtype
-        kv_scales [2, layers, num_blocks * block_size, kv_heads]             float32, int8 cache only
+        kv_cache  [2, layers, num_blocks, kv_heads, block_size, head_dim]   cache_dtype
+        kv_scales [2, layers, num_blocks, kv_heads, block_size]             float32, int8 cache only
 
-    A scale lives at the same slot index as its row, so anything that keeps a block (prefix
-    caching) keeps its scales with it.
+    A scale lives in the same block as its row, so anything that keeps a block (prefix caching)
+    keeps its scales with it.
     """
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
@@ -75,15 +76,16 @@ class ModelRunner:
         attn_layers = model.attention_layers()
         a0 = attn_layers[0]
         slots = num_blocks * block_size
+        k_shape, v_shape, s_shape = kv_cache_shapes(num_blocks, block_size, a0.num_kv_heads, a0.head_dim)
         # One allocation for all layers; torch.empty touches no pages until they are written.
-        self.kv_cache = torch.empty(2, len(attn_layers), slots, a0.num_kv_heads, a0.head_dim, dtype=self.cache_dtype)
+        self.kv_cache = torch.empty(2, len(attn_layers), *v_shape, dtype=self.cache_dtype)
         self.kv_scales: torch.Tensor | None = None
         if self.cache_dtype == torch.int8:
             # NOTE: zeros, not empty: the PyTorch decode path gathers padding slots (masked out),
             # and a garbage NaN scale would turn 0-weight * NaN into NaN. It is 1/head_dim of the cache.
-            self.kv_scales = torch.zeros(2, len(attn_layers), slots, a0.num_kv_heads, dtype=KV_SCALE_DTYPE)
+            self.kv_scales = torch.zeros(2, len(attn_layers), *s_shape, dtype=KV_SCALE_DTYPE)
         for i, attn in enumerate(attn_layers):
-            attn.k_cache = self.kv_cache[0, i]
+            attn.k_cache = self.kv_cache[0, i].view(k_shape)
             attn.v_cache = self.kv_cache[1, i]
             attn.k_scale = None if self.kv_scales is None else self.kv_scales[0, i]
             attn.v_scale = None if self.kv_scales is None else self.kv_scales[1, i]
@@ -91,7 +93,8 @@ class ModelRunner:
         self.sampler = Sampler()
         # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
         # switches to the PyTorch path (the reference the kernels are tested against).
-        self.use_kernels = ops.available() and dtype in (torch.float32, torch.bfloat16, torch.float16)
+        self.use_kernels = (ops.available() and dtype in (torch.float32, torch.bfloat16, torch.float16)
+                            and a0.head_dim % 16 == 0)  # the attention kernel walks head_dim in 16s
         # Decode steps replayed from recorded kernel calls (step_graph.py); block tables wide
         # enough for the longest sequence.
         max_blocks = -(-(max_model_len or slots) // block_size)

@@ -5,10 +5,17 @@ code stays `forward(positions, hidden_states)`. Token rows of a step are laid ou
 
     [ decode tokens (one per request) | prefill chunk of req A | prefill chunk of req B | ... ]
 
-KV cache of one layer: `[num_blocks * block_size, num_kv_heads, head_dim]` for K and for V; a
-token's slot is `block_id * block_size + offset` (see kv_cache_manager.py). An int8 cache also
-has `k_scale`/`v_scale` `[num_blocks * block_size, num_kv_heads]` float32: each (token, kv head)
-row is stored as round(x / scale) with scale = absmax(row) / 127 (`quantize_kv_ref`).
+A token's cache slot is `block_id * block_size + offset` (see kv_cache_manager.py). The cache of
+one layer is laid out for the attention kernel (csrc/attention_impl.h), block by block, head by
+head, with each tile of `KEY_TILE` keys transposed so that its keys are the lanes of a vector:
+
+    K  [num_blocks, num_kv_heads, block_size // KEY_TILE, head_dim, KEY_TILE]
+    V  [num_blocks, num_kv_heads, block_size, head_dim]
+
+An int8 cache also has `k_scale`/`v_scale` `[num_blocks, num_kv_heads, block_size]` float32: each
+(token, kv head) row is stored as round(x / scale) with scale = absmax(row) / 127
+(`quantize_kv_ref`). `cache_rows` / `write_cache_rows` read and write rows by slot whatever the
+layout, so nothing else needs to know it.
 
 This is the PyTorch path: it gathers each request's context from its blocks and calls
 `scaled_dot_product_attention`. The C++ kernels implement the same interface.
@@ -23,6 +30,52 @@ import torch.nn.functional as F
 from torch import nn
 
 from armserve import ops
+
+
+KEY_TILE = 16  # keys per transposed K tile; block sizes are multiples of it
+
+
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's K cache, V cache and int8 scales (see the module docstring)."""
+    if block_size % KEY_TILE:
+        raise ValueError(f"block_size must be a multiple of {KEY_TILE}, got {block_size}")
+    return ((num_blocks, num_kv_heads, block_size // KEY_TILE, head_dim, KEY_TILE),
+            (num_blocks, num_kv_heads, block_size, head_dim), (num_blocks, num_kv_heads, block_size))
+
+
+def _slot_index(cache: torch.Tensor, slots: torch.Tensor) -> tuple:
+    """Index tuple selecting the [num_kv_heads, head_dim] rows (or [num_kv_heads] scales) of `slots`."""
+    if cache.dim() == 5:  # K: [blocks, heads, tiles, head_dim, KEY_TILE]
+        bs = cache.shape[2] * cache.shape[4]
+        o = slots % bs
+        return (slots // bs, slice(None), o // KEY_TILE, slice(None), o % KEY_TILE)
+    bs = cache.shape[2]  # V [blocks, heads, bs, head_dim] or scales [blocks, heads, bs]
+    return (slots // bs, slice(None), slots % bs)
+
+
+def cache_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[len(slots), num_kv_heads, head_dim] rows of a K or V cache (or [len(slots), heads] scales)."""
+    return cache[_slot_index(cache, slots)]
+
+
+def write_cache_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Store rows [len(slots), num_kv_heads, head_dim] (or scales [len(slots), heads]) at `slots`."""
+    cache[_slot_index(cache, slots)] = rows
+
+
+def cache_from_rows(rows: torch.Tensor, block_size: int, key: bool) -> torch.Tensor:
+    """A K (`key`) or V cache (or, for 2-d `rows`, a scale tensor) holding `rows` [slots, ...] at
+    their slot index: for tests and benchmarks that think of a cache as rows."""
+    slots = rows.shape[0]
+    nb = slots // block_size
+    if rows.dim() == 2:
+        out = torch.empty(nb, rows.shape[1], block_size, dtype=rows.dtype)
+    else:
+        k_shape, v_shape, _ = kv_cache_shapes(nb, block_size, rows.shape[1], rows.shape[2])
+        out = torch.empty(k_shape if key else v_shape, dtype=rows.dtype)
+    write_cache_rows(out, torch.arange(slots), rows)
+    return out
 
 
 @dataclass
@@ -183,16 +236,16 @@ class Attention(nn.Module):
         if quantized:
             kq, ks = quantize_kv_ref(k)
             vq, vs = quantize_kv_ref(v)
-            k_cache.index_copy_(0, md.slot_mapping, kq)
-            v_cache.index_copy_(0, md.slot_mapping, vq)
-            self.k_scale.index_copy_(0, md.slot_mapping, ks)
-            self.v_scale.index_copy_(0, md.slot_mapping, vs)
+            write_cache_rows(k_cache, md.slot_mapping, kq)
+            write_cache_rows(v_cache, md.slot_mapping, vq)
+            write_cache_rows(self.k_scale, md.slot_mapping, ks)
+            write_cache_rows(self.v_scale, md.slot_mapping, vs)
             # NOTE: a fresh prefill attends to what the cache holds (as the kernel does), not to the
             # exact k/v: otherwise the tokens would depend on how a prompt was chunked.
             k, v = dequantize_kv_ref(kq, ks).to(q.dtype), dequantize_kv_ref(vq, vs).to(q.dtype)
         else:
-            k_cache.index_copy_(0, md.slot_mapping, k.to(k_cache.dtype))
-            v_cache.index_copy_(0, md.slot_mapping, v.to(v_cache.dtype))
+            write_cache_rows(k_cache, md.slot_mapping, k.to(k_cache.dtype))
+            write_cache_rows(v_cache, md.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
@@ -231,9 +284,13 @@ class Attention(nn.Module):
     def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
                 dtype: torch.dtype) -> torch.Tensor:
         """Cache rows at `slots` in `dtype`, dequantized when the cache is int8."""
+        shape = slots.shape
+        flat = slots.reshape(-1)
         if scale is None:
-            return cache[slots].to(dtype)
-        return dequantize_kv_ref(cache[slots], scale[slots]).to(dtype)
+            rows = cache_rows(cache, flat).to(dtype)
+        else:
+            rows = dequantize_kv_ref(cache_rows(cache, flat), cache_rows(scale, flat)).to(dtype)
+        return rows.reshape(*shape, *rows.shape[1:])
 
     def _sdpa(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
         if self.logit_softcap is None:

@@ -1,0 +1,585 @@
+// Paged attention and the KV-cache writes, written once over 16-lane generic vectors
+// (GCC vector extensions: one zmm on AVX-512, two ymm on AVX2, four q registers on NEON/SVE,
+// SSE2 on the x86 reference variant), included by every kernels_<isa>.cpp.
+//
+// Cache layout of one layer (`bs` = block size, a multiple of 16; 16 keys make a tile):
+//
+//   K  [num_blocks, kv_heads, bs / 16, head_dim, 16]   a tile's keys transposed: lane = key
+//   V  [num_blocks, kv_heads, bs, head_dim]            a tile's values row by row
+//   int8 scales (K and V alike) [num_blocks, kv_heads, bs]
+//
+// so the 16 keys of a tile are 16 lanes of one vector per head dimension: the scores of a query
+// row against a tile are `head_dim` FMAs with the query element broadcast, no horizontal sum per
+// key, and one K/V load serves every query row of the GQA group (and of the prefill tile).
+//
+// Work is split into items (sequence, tile of up to QT query positions, KV head). An item's rows
+// are its query positions times the group's query heads. Keys are walked in fixed partitions of
+// P positions (absolute, so the same for every batch); each partition keeps its own running max,
+// sum and output, and partitions are merged in order with `merge_row`. When there are too few
+// items to feed every thread, partitions become items of their own and a second pass merges
+// them, with the same function in the same order: a sequence's result never depends on what else
+// is in the batch or on the thread count (batch invariance).
+#pragma once
+#pragma GCC diagnostic ignored "-Wpsabi"  // 64-byte vectors by value: all internal, no ABI involved
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+namespace armserve {
+namespace {
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef int8_t vb16 __attribute__((vector_size(16)));
+
+static inline vf16 vload(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+static inline void vstore(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
+// (Not `vf16{} + x`: 0 + x is not x for x = -0, so that costs an add before the broadcast.)
+static inline vf16 vsplat(float x) { return vf16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// a * b + c, fused where the TU's ISA has an FMA (the build disables implicit contraction).
+static inline vf16 vfma(vf16 a, vf16 b, vf16 c) {
+#if defined(__AVX512F__)
+  return (vf16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  union U {
+    vf16 v;
+    __m256 h[2];
+  } x{a}, y{b}, z{c}, r;
+  r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
+  r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
+  return r.v;
+#elif defined(__aarch64__)
+  union U {
+    vf16 v;
+    float32x4_t q[4];
+  } x{a}, y{b}, z{c}, r;
+  for (int i = 0; i < 4; ++i) r.q[i] = vfmaq_f32(z.q[i], x.q[i], y.q[i]);
+  return r.v;
+#else
+  return a * b + c;
+#endif
+}
+
+static inline float hmax(vf16 v) {
+  float m[8];
+  for (int i = 0; i < 8; ++i) m[i] = v[i] > v[i + 8] ? v[i] : v[i + 8];
+  for (int i = 0; i < 4; ++i) m[i] = m[i] > m[i + 4] ? m[i] : m[i + 4];
+  const float x = m[0] > m[2] ? m[0] : m[2], y = m[1] > m[3] ? m[1] : m[3];
+  return x > y ? x : y;
+}
+
+// Pairwise, so the compiler keeps it in registers; fixed order, so the same sum every time.
+static inline float hsum(vf16 v) {
+  float s[8];
+  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 4; ++i) s[i] += s[i + 4];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// exp_fast (kernels_impl.h) lane by lane, as vector arithmetic.
+static inline vf16 vexp(vf16 x) {
+  const vf16 lo = vsplat(-87.33654f), hi = vsplat(88.72283f);
+  x = x < lo ? lo : (x > hi ? hi : x);
+  const vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  vf16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf16 p = vsplat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return p * (vf16)e;
+}
+
+// Cache element types: the model dtypes (AS_F32, AS_BF16, AS_F16) and int8.
+enum CacheType : int { CT_F32 = AS_F32, CT_BF16 = AS_BF16, CT_F16 = AS_F16, CT_I8 = 3 };
+
+// 16 consecutive cache elements (at element index i) as fp32 lanes; int8 without its scale.
+template <int CT>
+static inline vf16 load16(const void* base, int64_t i) {
+  if (CT == CT_F32) return vload(static_cast<const float*>(base) + i);
+  if (CT == CT_BF16) {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + i;
+#if defined(__AVX512F__)
+    return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#elif defined(__AVX2__)
+    union U {
+      vf16 v;
+      __m256i h[2];
+    } u;
+    u.h[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+    u.h[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
+    return u.v;
+#elif defined(__aarch64__)
+    union U {
+      vf16 v;
+      uint32x4_t q[4];
+    } u;
+    for (int j = 0; j < 4; ++j) u.q[j] = vshll_n_u16(vld1_u16(p + 4 * j), 16);
+    return u.v;
+#else
+    vh16 h;
+    std::memcpy(&h, p, sizeof h);
+    return (vf16)(__builtin_convertvector(h, vu16) << 16);
+#endif
+  }
+  if (CT == CT_I8) {
+    vb16 b;
+    std::memcpy(&b, static_cast<const int8_t*>(base) + i, sizeof b);
+    return __builtin_convertvector(b, vf16);
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(base) + i;
+#if defined(__AVX512F__)
+  return (vf16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  union U {
+    vf16 v;
+    __m256 h[2];
+  } u;
+  u.h[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  u.h[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return u.v;
+#else
+  float t[16];
+  for (int j = 0; j < 16; ++j) t[j] = f16_to_f32(p[j]);
+  return vload(t);
+#endif
+}
+
+template <class Isa>
+struct Attention {
+  static constexpr int KT = 16;   // keys per tile (one vector of lanes)
+  static constexpr int QT = 16;   // query positions per prefill item
+  static constexpr int P = 256;   // keys per partition (a multiple of KT)
+#if defined(__AVX512F__)
+  static constexpr int RB = 8;  // query rows whose scores / outputs stay in registers together
+#else
+  static constexpr int RB = 4;
+#endif
+
+  static inline void prefetch(const char* p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+  }
+
+  // Where a key/value of cache slot `slot`, head `h` lives (element indices; see the layout above).
+  static inline int64_t block_base(int64_t slot, int bs, int hk, int h) { return (slot / bs * hk + h) * bs; }
+  static inline int64_t k_index(int64_t slot, int bs, int hk, int h, int hd) {
+    const int o = int(slot % bs);
+    return ((slot / bs * hk + h) * (bs / KT) + o / KT) * int64_t(hd) * KT + o % KT;  // + d * KT
+  }
+  static inline int64_t v_index(int64_t slot, int bs, int hk, int h, int hd) {
+    return (block_base(slot, bs, hk, h) + slot % bs) * hd;
+  }
+
+  // ---- cache writes ---------------------------------------------------------------------------
+
+  static void reshape_and_cache(int32_t dtype, const void* k, const void* v, void* kc, void* vc, const int64_t* slots,
+                                int64_t tokens, int32_t hk, int32_t hd, int64_t src_stride, int32_t bs) {
+    const int es = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (tokens * hk * hd >= (1 << 16))
+    for (int64_t t = 0; t < tokens; ++t) {
+      const char* kr = static_cast<const char*>(k) + t * src_stride * es;
+      const char* vr = static_cast<const char*>(v) + t * src_stride * es;
+      for (int h = 0; h < hk; ++h) {
+        char* kd = static_cast<char*>(kc) + k_index(slots[t], bs, hk, h, hd) * es;
+        const char* ks = kr + int64_t(h) * hd * es;
+        for (int d = 0; d < hd; ++d) std::memcpy(kd + int64_t(d) * KT * es, ks + int64_t(d) * es, es);
+        std::memcpy(static_cast<char*>(vc) + v_index(slots[t], bs, hk, h, hd) * es, vr + int64_t(h) * hd * es,
+                    size_t(hd) * es);
+      }
+    }
+  }
+
+  // int8 KV cache: quantize each (token, kv head) row of this step's k/v into its cache slot.
+  static void reshape_and_cache_i8(int32_t dtype, const void* k, const void* v, int8_t* kc, int8_t* vc, float* ks,
+                                   float* vs, const int64_t* slots, int64_t tokens, int32_t hk, int32_t hd,
+                                   int64_t src_stride, int32_t bs) {
+    const int es = dtype_size(dtype);
+#pragma omp parallel for schedule(static) if (tokens * hk * hd >= (1 << 14))
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* row = scratch(0, hd);
+      int8_t* q8 = reinterpret_cast<int8_t*>(scratch(1, hd / 4 + 1));
+      for (int h = 0; h < hk; ++h) {
+        const int64_t srow = block_base(slots[t], bs, hk, h) + slots[t] % bs;
+        Isa::load(dtype, static_cast<const char*>(k) + (t * src_stride + int64_t(h) * hd) * es, row, hd);
+        ks[srow] = quantize_row_i8(row, q8, hd);
+        int8_t* kd = kc + k_index(slots[t], bs, hk, h, hd);
+        for (int d = 0; d < hd; ++d) kd[int64_t(d) * KT] = q8[d];
+        Isa::load(dtype, static_cast<const char*>(v) + (t * src_stride + int64_t(h) * hd) * es, row, hd);
+        vs[srow] = quantize_row_i8(row, vc + v_index(slots[t], bs, hk, h, hd), hd);
+      }
+    }
+  }
+
+  // ---- micro-kernels ------------------------------------------------------------------------------
+
+  // Two accumulator sets (even and odd steps) where the registers allow: with a few rows, one
+  // chain per row would wait on the FMA latency every step.
+  template <int NR>
+  static constexpr int chains() {
+    return NR * 2 <= RB ? 2 : 1;
+  }
+
+  // s[r][0..16) = q[r] . key tile (kt: [hd][16]) for NR rows of scaled queries (q rows hd apart,
+  // s rows P apart).
+  template <int CT, int NR>
+  static void scores(const float* q, const void* kt, int hd, float* s) {
+    constexpr int U = chains<NR>();
+    vf16 a[U][NR];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < NR; ++r) a[u][r] = vf16{};
+    for (int d = 0; d < hd; d += U) {  // hd is a multiple of 16
+      for (int u = 0; u < U; ++u) {
+        const vf16 kv = load16<CT>(kt, int64_t(d + u) * KT);
+        for (int r = 0; r < NR; ++r) a[u][r] = vfma(vsplat(q[r * hd + d + u]), kv, a[u][r]);
+      }
+    }
+    for (int r = 0; r < NR; ++r) vstore(s + r * P, U == 2 ? a[0][r] + a[U - 1][r] : a[0][r]);
+  }
+
+  // acc[r] += sum_j p[r][j] * v[j] over the tile's first jn keys, for NR rows (p rows P apart, acc
+  // rows hd apart; value tile vt: [16][hd]). NOTE: keys past the context are never read, not even with weight 0:
+  // their slots hold whatever the (torch.empty) cache held, and 0 * NaN is NaN.
+  template <int CT, int NR>
+  static void weighted_values(const float* p, const void* vt, int hd, float* acc, int jn) {
+    constexpr int U = chains<NR>();
+    for (int c = 0; c < hd; c += 16) {
+      vf16 a[U][NR];
+      for (int r = 0; r < NR; ++r) a[0][r] = vload(acc + r * hd + c);
+      for (int u = 1; u < U; ++u)
+        for (int r = 0; r < NR; ++r) a[u][r] = vf16{};
+      int j = 0;
+      for (; j + U <= jn; j += U) {
+        for (int u = 0; u < U; ++u) {
+          const vf16 vv = load16<CT>(vt, int64_t(j + u) * hd + c);
+          for (int r = 0; r < NR; ++r) a[u][r] = vfma(vsplat(p[r * P + j + u]), vv, a[u][r]);
+        }
+      }
+      for (; j < jn; ++j) {
+        const vf16 vv = load16<CT>(vt, int64_t(j) * hd + c);
+        for (int r = 0; r < NR; ++r) a[0][r] = vfma(vsplat(p[r * P + j]), vv, a[0][r]);
+      }
+      for (int r = 0; r < NR; ++r) vstore(acc + r * hd + c, U == 2 ? a[0][r] + a[U - 1][r] : a[0][r]);
+    }
+  }
+
+  template <int CT>
+  static void scores_n(int nr, const float* q, const void* kt, int hd, float* s) {
+    switch (nr) {
+      case 1: return scores<CT, 1>(q, kt, hd, s);
+      case 2: return scores<CT, 2>(q, kt, hd, s);
+      case 3: return scores<CT, 3>(q, kt, hd, s);
+      case 4: return scores<CT, 4>(q, kt, hd, s);
+#if defined(__AVX512F__)
+      case 5: return scores<CT, 5>(q, kt, hd, s);
+      case 6: return scores<CT, 6>(q, kt, hd, s);
+      case 7: return scores<CT, 7>(q, kt, hd, s);
+      case 8: return scores<CT, 8>(q, kt, hd, s);
+#endif
+    }
+  }
+
+  template <int CT>
+  static void weighted_values_n(int nr, const float* p, const void* vt, int hd, float* acc, int jn) {
+    switch (nr) {
+      case 1: return weighted_values<CT, 1>(p, vt, hd, acc, jn);
+      case 2: return weighted_values<CT, 2>(p, vt, hd, acc, jn);
+      case 3: return weighted_values<CT, 3>(p, vt, hd, acc, jn);
+      case 4: return weighted_values<CT, 4>(p, vt, hd, acc, jn);
+#if defined(__AVX512F__)
+      case 5: return weighted_values<CT, 5>(p, vt, hd, acc, jn);
+      case 6: return weighted_values<CT, 6>(p, vt, hd, acc, jn);
+      case 7: return weighted_values<CT, 7>(p, vt, hd, acc, jn);
+      case 8: return weighted_values<CT, 8>(p, vt, hd, acc, jn);
+#endif
+    }
+  }
+
+  // Fold one partition's state (m, l, acc) into a running one (M, L, T). Both the in-item walk
+  // over partitions and the cross-item merge call this, in partition order: same bits either way.
+  static void merge_row(float& M, float& L, float* T, float m, float l, const float* a, int hd) {
+    if (m == -INFINITY) return;
+    if (M == -INFINITY) {
+      M = m;
+      L = l;
+      std::memcpy(T, a, sizeof(float) * hd);
+      return;
+    }
+    const float Mn = fmax2(M, m), f1 = exp_fast(M - Mn), f2 = exp_fast(m - Mn);
+    L = L * f1 + l * f2;
+    for (int d = 0; d < hd; ++d) T[d] = T[d] * f1 + a[d] * f2;
+    M = Mn;
+  }
+
+  static void finish_row(int dtype, float L, float* T, int hd, void* dst) {
+    const float inv = L > 0.f ? 1.0f / L : 0.f;
+    for (int d = 0; d < hd; ++d) T[d] *= inv;
+    Isa::store(dtype, T, dst, hd);
+  }
+
+  // ---- one item -------------------------------------------------------------------------------------
+
+  struct Item {
+    int32_t seq, q0, qn, head, part;  // part: the one partition this item computes, or -1 for all
+    int64_t partial;                  // part >= 0: offset of its state in the partials (floats)
+  };
+
+  struct Args {
+    int32_t dtype;
+    void* out;
+    const void* q;
+    const void* kc;
+    const void* vc;
+    const float* ks;
+    const float* vs;
+    const AttnBatch* b;
+    int32_t hq, hk, hd, window;
+    float scale, softcap;
+    int64_t q_stride;
+  };
+
+  // First and one-past-last key position a tile of queries may see.
+  static void key_range(const Args& a, int seq, int q0, int qn, int* lo, int* hi) {
+    const int first = a.b->context_len[seq] - a.b->q_len[seq] + q0;
+    *lo = a.window > 0 ? imax(0, first - a.window + 1) : 0;
+    *hi = first + qn;
+  }
+
+  template <int CT>
+  static void run_item(const Args& a, const Item& w, float* partials) {
+    const AttnBatch* b = a.b;
+    const int group = a.hq / a.hk, hd = a.hd, bs = b->block_size, R = w.qn * group;
+    const int es = dtype_size(a.dtype);
+    const int first = b->context_len[w.seq] - b->q_len[w.seq] + w.q0;  // position of the item's first query
+    const int32_t* bt = b->block_tables + int64_t(w.seq) * b->max_blocks;
+    int lo, hi;
+    key_range(a, w.seq, w.q0, w.qn, &lo, &hi);
+
+    float* qf = scratch(0, int64_t(R) * hd);
+    float* acc = scratch(1, int64_t(R) * hd);
+    float* tot = scratch(2, int64_t(R) * hd);
+    float* st = scratch(3, int64_t(R) * 4 + int64_t(RB) * P);
+    float *m = st, *l = st + R, *M = st + 2 * R, *L = st + 3 * R;
+    float* sb = st + 4 * R;  // [RB][P]: one row block's scores, then probabilities, over a partition
+
+    for (int i = 0; i < w.qn; ++i) {
+      const int64_t tok = b->q_start[w.seq] + w.q0 + i;
+      for (int g = 0; g < group; ++g) {
+        float* dst = qf + int64_t(i * group + g) * hd;
+        Isa::load(a.dtype, static_cast<const char*>(a.q) + (tok * a.q_stride + int64_t(w.head * group + g) * hd) * es,
+                  dst, hd);
+        for (int d = 0; d < hd; ++d) dst[d] *= a.scale;
+      }
+    }
+    for (int r = 0; r < R; ++r) M[r] = -INFINITY, L[r] = 0.f;
+
+    const int p_first = w.part >= 0 ? w.part : lo / P;
+    const int p_last = w.part >= 0 ? w.part : (hi - 1) / P;
+    // Rows of the last query position see the narrowest window; rows of the first, the fewest keys.
+    const int lo_all = a.window > 0 ? imax(0, first + w.qn - 1 - a.window + 1) : 0;
+    const char* kbase = static_cast<const char*>(a.kc);
+    const char* vbase = static_cast<const char*>(a.vc);
+    const int cs = CT == CT_I8 ? 1 : es;  // cache element size
+    for (int p = p_first; p <= p_last; ++p) {
+      // A partition in two passes per row block: every score first, so that the max, the
+      // exponentials and their sum run over whole vectors (no per-tile rescaling, one horizontal
+      // reduction per row and partition), then the values.
+      const int k0 = imax(lo, p * P), k1 = imin(hi, (p + 1) * P);
+      const int t0 = k0 / KT * KT, nt = (k1 - t0 + KT - 1) / KT;  // tiles [t0, t0 + nt * KT)
+      std::memset(acc, 0, sizeof(float) * R * hd);
+      for (int r0 = 0; r0 < R; r0 += RB) {
+        const int nr = imin(RB, R - r0);
+        for (int t = 0; t < nt; ++t) {
+          const int j0 = t0 + t * KT;
+          const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
+          if (t + 1 < nt) {  // the next tile is usually another block: too far for the prefetcher to guess
+            const int64_t next = int64_t(bt[(j0 + KT) / bs]) * bs + (j0 + KT) % bs;
+            prefetch(kbase + k_index(next, bs, a.hk, w.head, hd) * cs, int64_t(hd) * KT * cs);
+            prefetch(vbase + v_index(next, bs, a.hk, w.head, hd) * cs, int64_t(hd) * KT * cs);
+          }
+          scores_n<CT>(nr, qf + int64_t(r0) * hd, kbase + k_index(slot, bs, a.hk, w.head, hd) * cs, hd, sb + t * KT);
+          if (CT == CT_I8) {
+            const vf16 ksv = vload(a.ks + block_base(slot, bs, a.hk, w.head) + slot % bs);
+            for (int r = 0; r < nr; ++r) vstore(sb + r * P + t * KT, vload(sb + r * P + t * KT) * ksv);
+          }
+        }
+        for (int r = 0; r < nr; ++r) {
+          float* sr = sb + r * P;
+          const int pos = first + (r0 + r) / group;
+          const int klo = imax(k0, a.window > 0 ? pos - a.window + 1 : 0), khi = imin(k1, pos + 1);
+          vf16 mv = vsplat(-INFINITY);
+          for (int t = 0; t < nt; ++t) {
+            const int j0 = t0 + t * KT;
+            vf16 sv = vload(sr + t * KT);
+            if (a.softcap > 0.f)
+              for (int j = 0; j < KT; ++j) sv[j] = std::tanh(sv[j] / a.softcap) * a.softcap;
+            if (!(j0 >= imax(k0, lo_all) && j0 + KT <= imin(k1, first + 1))) {  // a tile at an edge
+              vi16 keys;
+              for (int j = 0; j < KT; ++j) keys[j] = j0 + j;
+              sv = (keys >= klo) & (keys < khi) ? sv : vsplat(-INFINITY);
+            }
+            vstore(sr + t * KT, sv);
+            mv = mv > sv ? mv : sv;
+          }
+          const float mr = hmax(mv);
+          m[r0 + r] = mr;
+          if (mr == -INFINITY) {  // no key of this partition is visible to this row
+            l[r0 + r] = 0.f;
+            std::memset(sr, 0, sizeof(float) * nt * KT);
+            continue;
+          }
+          vf16 lv = vf16{};
+          const vf16 mrv = vsplat(mr), ninf = vsplat(-INFINITY);
+          for (int t = 0; t < nt; ++t) {
+            const vf16 sv = vload(sr + t * KT);
+            vf16 pv = vexp(sv - mrv);
+            pv = sv == ninf ? vf16{} : pv;
+            lv += pv;
+            if (CT == CT_I8) {  // V's scale, once per key rather than per element
+              const int j0 = t0 + t * KT;
+              const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
+              pv *= vload(a.vs + block_base(slot, bs, a.hk, w.head) + slot % bs);
+            }
+            vstore(sr + t * KT, pv);
+          }
+          l[r0 + r] = hsum(lv);
+        }
+        for (int t = 0; t < nt; ++t) {
+          const int j0 = t0 + t * KT;
+          const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
+          weighted_values_n<CT>(nr, sb + t * KT, vbase + v_index(slot, bs, a.hk, w.head, hd) * cs, hd, acc + int64_t(r0) * hd,
+                                imin(KT, k1 - j0));
+        }
+      }
+      if (w.part >= 0) {  // a partition of its own: the merge pass combines it with the others
+        float* o = partials + w.partial;
+        for (int r = 0; r < R; ++r) {
+          std::memcpy(o + int64_t(r) * (hd + 2), acc + int64_t(r) * hd, sizeof(float) * hd);
+          o[int64_t(r) * (hd + 2) + hd] = m[r];
+          o[int64_t(r) * (hd + 2) + hd + 1] = l[r];
+        }
+        return;
+      }
+      for (int r = 0; r < R; ++r) merge_row(M[r], L[r], tot + int64_t(r) * hd, m[r], l[r], acc + int64_t(r) * hd, hd);
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t tok = b->q_start[w.seq] + w.q0 + r / group;
+      const int head = w.head * group + r % group;
+      if (M[r] == -INFINITY) std::memset(tot + int64_t(r) * hd, 0, sizeof(float) * hd);
+      finish_row(a.dtype, L[r], tot + int64_t(r) * hd, hd,
+                 static_cast<char*>(a.out) + (tok * a.hq + head) * int64_t(hd) * es);
+    }
+  }
+
+  // ---- the step -------------------------------------------------------------------------------------
+
+  // q and out in `dtype`; caches in `dtype`, or int8 with per-(slot, head) scales when ks/vs are set.
+  static void attend(const Args& a) {
+    const AttnBatch* b = a.b;
+    const int group = a.hq / a.hk;
+    const int nthreads = num_threads();
+    int64_t tiles = 0, max_items = 0;
+    for (int s = 0; s < b->num_seqs; ++s) {
+      const int t = (b->q_len[s] + QT - 1) / QT;
+      tiles += t;
+      max_items += int64_t(t) * a.hk * ((b->context_len[s] + P - 1) / P + 1);
+    }
+    // Partitions become items only when there are too few (sequence, tile, head) items for the threads.
+    const bool split = tiles * a.hk < 2LL * nthreads;
+    Buffer<Item> items(split ? max_items : tiles * a.hk);
+    int64_t n_items = 0, partial_floats = 0;
+    for (int s = 0; s < b->num_seqs; ++s) {
+      for (int q0 = 0; q0 < b->q_len[s]; q0 += QT) {
+        const int qn = imin(QT, b->q_len[s] - q0);
+        int lo, hi;
+        key_range(a, s, q0, qn, &lo, &hi);
+        for (int h = 0; h < a.hk; ++h) {
+          if (!split) {
+            items[n_items++] = Item{s, q0, qn, h, -1, 0};
+            continue;
+          }
+          for (int p = lo / P; p <= (hi - 1) / P; ++p) {
+            items[n_items++] = Item{s, q0, qn, h, p, partial_floats};
+            partial_floats += int64_t(qn) * group * (a.hd + 2);
+          }
+        }
+      }
+    }
+    Buffer<float> partials(partial_floats);
+    const int ct = a.ks ? int(CT_I8) : a.dtype;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t it = 0; it < n_items; ++it) {
+      switch (ct) {
+        case CT_F32: run_item<CT_F32>(a, items[it], partials.p); break;
+        case CT_BF16: run_item<CT_BF16>(a, items[it], partials.p); break;
+        case CT_F16: run_item<CT_F16>(a, items[it], partials.p); break;
+        default: run_item<CT_I8>(a, items[it], partials.p); break;
+      }
+    }
+    if (partial_floats == 0) return;
+
+    // Merge the partitions of each split (seq, tile, head): its items are adjacent, in order.
+    Buffer<int64_t> starts(n_items + 1);
+    int64_t n_groups = 0;
+    for (int64_t i = 0; i < n_items; ++i) {
+      if (items[i].part < 0) continue;
+      if (i == 0 || items[i - 1].part < 0 || items[i].seq != items[i - 1].seq || items[i].q0 != items[i - 1].q0 ||
+          items[i].head != items[i - 1].head)
+        starts[n_groups++] = i;
+    }
+    const int es = dtype_size(a.dtype);
+#pragma omp parallel for schedule(static)
+    for (int64_t gi = 0; gi < n_groups; ++gi) {
+      const int64_t first = starts[gi];
+      int64_t last = first;
+      while (last < n_items && items[last].part >= 0 && items[last].seq == items[first].seq &&
+             items[last].q0 == items[first].q0 && items[last].head == items[first].head)
+        ++last;
+      const Item& w0 = items[first];
+      float* tot = scratch(2, a.hd);
+      for (int r = 0; r < w0.qn * group; ++r) {
+        float M = -INFINITY, L = 0.f;
+        for (int64_t p = first; p < last; ++p) {
+          const float* o = partials.p + items[p].partial + int64_t(r) * (a.hd + 2);
+          merge_row(M, L, tot, o[a.hd], o[a.hd + 1], o, a.hd);
+        }
+        if (M == -INFINITY) std::memset(tot, 0, sizeof(float) * a.hd);
+        const int64_t tok = b->q_start[w0.seq] + w0.q0 + r / group;
+        const int head = w0.head * group + r % group;
+        finish_row(a.dtype, L, tot, a.hd, static_cast<char*>(a.out) + (tok * a.hq + head) * int64_t(a.hd) * es);
+      }
+    }
+  }
+
+  static void paged_attention(int32_t dtype, void* out, const void* q, const void* kc, const void* vc,
+                              const AttnBatch* b, int32_t hq, int32_t hk, int32_t hd, float scale, int32_t window,
+                              float softcap, int64_t q_stride) {
+    attend(Args{dtype, out, q, kc, vc, nullptr, nullptr, b, hq, hk, hd, window, scale, softcap, q_stride});
+  }
+
+  static void paged_attention_i8(int32_t dtype, void* out, const void* q, const int8_t* kc, const int8_t* vc,
+                                 const float* ks, const float* vs, const AttnBatch* b, int32_t hq, int32_t hk,
+                                 int32_t hd, float scale, int32_t window, float softcap, int64_t q_stride) {
+    attend(Args{dtype, out, q, kc, vc, ks, vs, b, hq, hk, hd, window, scale, softcap, q_stride});
+  }
+};
+
+}  // namespace
+}  // namespace armserve
