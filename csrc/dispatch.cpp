@@ -123,19 +123,39 @@ const KernelTable* table() {
   return g_table;
 }
 
+// Whether variant `t` computes bf16 natively on this CPU. A variant stands for the CPUs it is
+// built for: forced to avx2 (or scalar) on an AVX512-BF16 machine, armserve behaves as on a CPU
+// without bf16 instructions (no bf16 dot, dtype "auto" -> float32), so that CPU can be tested here.
+bool variant_bf16(const KernelTable* t) {
+  const CpuFeatures& f = features();
+  if (!std::strcmp(t->name, "avx512")) return f.avx512_bf16 || f.amx;
+  if (!std::strcmp(t->name, "neon") || !std::strcmp(t->name, "sve")) return f.bf16;
+  return false;
+}
+
+int g_bf16_dot_wanted = 1;  // armserve_set_bf16_dot's last word (on by default)
+
 }  // namespace
 
 extern "C" {
 
-int armserve_bf16_dot = has_bf16_dot() ? 1 : 0;
+int armserve_bf16_dot = 0;
 
 const CpuFeatures* armserve_cpu() { return &features(); }
 
+// Nonzero when the selected variant computes bf16 natively on this CPU (see variant_bf16).
+int armserve_native_bf16() { return variant_bf16(table()) ? 1 : 0; }
+
+static void update_bf16_dot() { armserve_bf16_dot = g_bf16_dot_wanted && variant_bf16(table()) ? 1 : 0; }
+static const bool g_bf16_dot_init = (update_bf16_dot(), true);  // for the variant picked at load
+
 // Use the CPU's bf16 dot instruction in the skinny matmul (on = 1) or widen to fp32 (on = 0).
-// Returns 0 on success, 2 if `on` and this CPU has no such instruction.
+// Returns 0 on success, 2 if `on` and this CPU has no such instruction. The instruction is used
+// only while the selected variant has it (avx512 with AVX512-BF16, neon/sve with BF16).
 int armserve_set_bf16_dot(int on) {
   if (on && !has_bf16_dot()) return 2;
-  armserve_bf16_dot = on ? 1 : 0;
+  g_bf16_dot_wanted = on ? 1 : 0;
+  update_bf16_dot();
   return 0;
 }
 
@@ -144,12 +164,14 @@ int armserve_set_bf16_dot(int on) {
 int armserve_select_isa(const char* name) {
   if (!name || !*name || !std::strcmp(name, "auto")) {
     g_table = best();
+    update_bf16_dot();
     return 0;
   }
   int unsupported = 0;
   const KernelTable* t = by_name(name, &unsupported);
   if (!t) return unsupported ? 2 : 1;
   g_table = t;
+  update_bf16_dot();
   return 0;
 }
 
