@@ -472,13 +472,17 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     """(kv heads, head_dim, block size) of caches in the kernels' block layout (layers/attention.py);
     the kernels index raw memory, so anything else is refused."""
-    if k_cache.dim() != 5 or v_cache.dim() != 4 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"caches must be contiguous K [blocks, kv_heads, block_size // 16, head_dim, 16] and V "
-                         f"[blocks, kv_heads, block_size, head_dim], got {tuple(k_cache.shape)} / "
-                         f"{tuple(v_cache.shape)}")
-    nb, hk, bs, hd = v_cache.shape
-    if tuple(k_cache.shape) != (nb, hk, bs // 16, hd, 16) or bs % 16:
-        raise ValueError(f"K cache {tuple(k_cache.shape)} does not match V cache {tuple(v_cache.shape)}")
+    from armserve.layers.attention import kv_cache_shapes
+
+    ok = v_cache.dim() in (4, 5) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if ok:
+        nb, hk = v_cache.shape[:2]
+        bs, hd = (v_cache.shape[2] * 2, v_cache.shape[3]) if v_cache.dim() == 5 else v_cache.shape[2:]
+        ok = bs % 16 == 0 and (tuple(k_cache.shape), tuple(v_cache.shape)) == kv_cache_shapes(
+            nb, bs, hk, hd, v_cache.dtype)[:2]
+    if not ok:
+        raise ValueError(f"caches must be contiguous K and V in the block layout of kv_cache_shapes() for "
+                         f"their dtype, got K {tuple(k_cache.shape)} / V {tuple(v_cache.shape)} {v_cache.dtype}")
     return hk, hd, bs
 
 

@@ -4,13 +4,21 @@
 //
 // Cache layout of one layer (`bs` = block size, a multiple of 16; 16 keys make a tile):
 //
-//   K  [num_blocks, kv_heads, bs / 16, head_dim, 16]   a tile's keys transposed: lane = key
-//   V  [num_blocks, kv_heads, bs, head_dim]            a tile's values row by row
+//   float32 / float16 / int8 caches
+//     K  [num_blocks, kv_heads, bs / 16, head_dim, 16]       a tile's keys transposed: lane = key
+//     V  [num_blocks, kv_heads, bs, head_dim]                 a tile's values row by row
+//   bfloat16 caches: the same, with neighbours paired for bf16 dot instructions (AVX512-BF16
+//   vdpbf16ps, ARM BFDOT: each fp32 lane += a[2i] * b[2i] + a[2i+1] * b[2i+1])
+//     K  [num_blocks, kv_heads, bs / 16, head_dim / 2, 16, 2]  lane = key, pair = 2 head dims
+//     V  [num_blocks, kv_heads, bs / 2, head_dim, 2]          lane = head dim, pair = 2 keys
 //   int8 scales (K and V alike) [num_blocks, kv_heads, bs]
 //
-// so the 16 keys of a tile are 16 lanes of one vector per head dimension: the scores of a query
-// row against a tile are `head_dim` FMAs with the query element broadcast, no horizontal sum per
-// key, and one K/V load serves every query row of the GQA group (and of the prefill tile).
+// so the 16 keys of a tile are 16 lanes of one vector per head dimension (pair): the scores of a
+// query row against a tile are `head_dim` FMAs (head_dim / 2 bf16 dots) with the query element
+// (pair) broadcast, no horizontal sum per key, and one K/V load serves every query row of the GQA
+// group (and of the prefill tile). Without a bf16 dot instruction a pair widens to two fp32
+// vectors with a shift and a mask. With one, the probabilities are rounded to bf16 for the
+// values' dot (as flash attention does on GPUs); scores and sums stay fp32.
 //
 // Work is split into items (sequence, tile of up to QT query positions, KV head). An item's rows
 // are its query positions times the group's query heads. Keys are walked in fixed partitions of
@@ -90,20 +98,20 @@ static inline float hsum(vf16 v) {
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
 
-// exp_fast (kernels_impl.h) lane by lane, as vector arithmetic.
+// exp_fast (kernels_impl.h) lane by lane, as vector arithmetic, with fused multiply-adds where the
+// ISA has them (a short dependency chain: the softmax is a fair part of the attention's time).
 static inline vf16 vexp(vf16 x) {
   const vf16 lo = vsplat(-87.33654f), hi = vsplat(88.72283f);
   x = x < lo ? lo : (x > hi ? hi : x);
-  const vf16 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  vf16 r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf16 p = vsplat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const vf16 n = vfma(x, vsplat(1.44269504088896341f), vsplat(12582912.0f)) - 12582912.0f;
+  vf16 r = vfma(n, vsplat(-0.693359375f), x);
+  r = vfma(n, vsplat(2.12194440e-4f), r);
+  vf16 p = vfma(vsplat(1.9875691500e-4f), r, vsplat(1.3981999507e-3f));
+  p = vfma(p, r, vsplat(8.3334519073e-3f));
+  p = vfma(p, r, vsplat(4.1665795894e-2f));
+  p = vfma(p, r, vsplat(1.6666665459e-1f));
+  p = vfma(p, r, vsplat(5.0000001201e-1f));
+  p = vfma(p * r, r, r + 1.0f);
   const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
   return p * (vf16)e;
 }
@@ -163,11 +171,119 @@ static inline vf16 load16(const void* base, int64_t i) {
 #endif
 }
 
+constexpr int kKT = 16;   // keys per tile
+constexpr int kP = 256;   // keys per partition; score rows are kP floats apart
+
+// ---- bfloat16 pairs: the dot-instruction micro-kernels (only called when armserve_bf16_dot) ----
+#if defined(__AVX512F__)
+#define ARMSERVE_ATTN_BF16_DOT 1
+// s[r] = q[r] . key tile for NR rows of bf16 queries (rows hd apart); kt: [hd / 2][16][2].
+template <int NR>
+__attribute__((target("avx512bf16"))) static void scores_bf16_dot(const uint16_t* q, const uint16_t* kt, int hd,
+                                                                   float* s) {
+  __m512 a[2][NR];
+  for (int u = 0; u < 2; ++u)
+    for (int r = 0; r < NR; ++r) a[u][r] = _mm512_setzero_ps();
+  for (int dp = 0; dp < hd / 2; dp += 2) {  // hd is a multiple of 16
+    for (int u = 0; u < 2; ++u) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + (dp + u) * 2 * kKT);
+      for (int r = 0; r < NR; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, q + r * hd + 2 * (dp + u), 4);
+        a[u][r] = _mm512_dpbf16_ps(a[u][r], (__m512bh)_mm512_set1_epi32(int(pair)), kv);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s + r * kP, _mm512_add_ps(a[0][r], a[1][r]));
+}
+
+// acc[r] += sum_j p[r][j] v[j] over the tile's first jn keys (p rows kP apart, rounded to bf16 here;
+// vt: [8][hd][2], pairs of keys).
+template <int NR>
+__attribute__((target("avx512bf16"))) static void values_bf16_dot(const float* p, const uint16_t* vt, int hd,
+                                                                   float* acc, int jn) {
+  uint32_t pb[NR][kKT / 2];
+  for (int r = 0; r < NR; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * kP)));
+  const int np = (jn + 1) / 2;
+  // An odd last key: the pair's other value belongs to a slot past the context (garbage, maybe NaN).
+  const __m512i last_mask = _mm512_set1_epi32(jn % 2 ? 0x0000ffff : -1);
+  for (int c = 0; c < hd; c += 16) {
+    __m512 a[2][NR];
+    for (int r = 0; r < NR; ++r) a[0][r] = _mm512_loadu_ps(acc + r * hd + c), a[1][r] = _mm512_setzero_ps();
+    for (int jp = 0; jp < np; jp += 2) {
+      for (int u = 0; u < 2 && jp + u < np; ++u) {  // two accumulator sets (static index: registers)
+        __m512i v = _mm512_loadu_si512(vt + (int64_t(jp + u) * hd + c) * 2);
+        if (jp + u == np - 1) v = _mm512_and_si512(v, last_mask);
+        for (int r = 0; r < NR; ++r)
+          a[u][r] = _mm512_dpbf16_ps(a[u][r], (__m512bh)_mm512_set1_epi32(int(pb[r][jp + u])), (__m512bh)v);
+      }
+    }
+    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc + r * hd + c, _mm512_add_ps(a[0][r], a[1][r]));
+  }
+}
+#elif defined(__aarch64__)
+#define ARMSERVE_ATTN_BF16_DOT 1
+#if defined(__ARM_FEATURE_SVE)
+#define ARMSERVE_BF16_TARGET __attribute__((target("arch=armv8.2-a+sve+bf16")))
+#else
+#define ARMSERVE_BF16_TARGET __attribute__((target("arch=armv8.2-a+bf16")))
+#endif
+template <int NR>
+ARMSERVE_BF16_TARGET static void scores_bf16_dot(const uint16_t* q, const uint16_t* kt, int hd, float* s) {
+  float32x4_t a[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < 4; ++i) a[r][i] = vdupq_n_f32(0.f);
+  for (int dp = 0; dp < hd / 2; ++dp) {
+    const uint16_t* k = kt + dp * 2 * kKT;
+    bfloat16x8_t kv[4];
+    for (int i = 0; i < 4; ++i) kv[i] = vreinterpretq_bf16_u16(vld1q_u16(k + 8 * i));
+    for (int r = 0; r < NR; ++r) {
+      uint32_t pair;
+      std::memcpy(&pair, q + r * hd + 2 * dp, 4);
+      const bfloat16x8_t qv = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+      for (int i = 0; i < 4; ++i) a[r][i] = vbfdotq_f32(a[r][i], qv, kv[i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < 4; ++i) vst1q_f32(s + r * kP + 4 * i, a[r][i]);
+}
+
+template <int NR>
+ARMSERVE_BF16_TARGET static void values_bf16_dot(const float* p, const uint16_t* vt, int hd, float* acc, int jn) {
+  uint32_t pb[NR][kKT / 2];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < kKT / 2; ++i) pb[r][i] = uint32_t(f32_to_bf16(p[r * kP + 2 * i])) |
+                                                  uint32_t(f32_to_bf16(p[r * kP + 2 * i + 1])) << 16;
+  const int np = (jn + 1) / 2;
+  const uint32x4_t last_mask = vdupq_n_u32(jn % 2 ? 0x0000ffffu : 0xffffffffu);
+  for (int c = 0; c < hd; c += 16) {
+    float32x4_t a[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) a[r][i] = vld1q_f32(acc + r * hd + c + 4 * i);
+    for (int jp = 0; jp < np; ++jp) {
+      bfloat16x8_t v[4];
+      for (int i = 0; i < 4; ++i) {
+        uint32x4_t w = vreinterpretq_u32_u16(vld1q_u16(vt + (int64_t(jp) * hd + c + 4 * i) * 2));
+        if (jp == np - 1) w = vandq_u32(w, last_mask);
+        v[i] = vreinterpretq_bf16_u32(w);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const bfloat16x8_t pv = vreinterpretq_bf16_u32(vdupq_n_u32(pb[r][jp]));
+        for (int i = 0; i < 4; ++i) a[r][i] = vbfdotq_f32(a[r][i], pv, v[i]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) vst1q_f32(acc + r * hd + c + 4 * i, a[r][i]);
+  }
+}
+#endif
+
 template <class Isa>
 struct Attention {
-  static constexpr int KT = 16;   // keys per tile (one vector of lanes)
+  static constexpr int KT = kKT;  // keys per tile (one vector of lanes)
   static constexpr int QT = 16;   // query positions per prefill item
-  static constexpr int P = 256;   // keys per partition (a multiple of KT)
+  static constexpr int P = kP;    // keys per partition (a multiple of KT)
 #if defined(__AVX512F__)
   static constexpr int RB = 8;  // query rows whose scores / outputs stay in registers together
 #else
@@ -178,14 +294,20 @@ struct Attention {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
   }
 
-  // Where a key/value of cache slot `slot`, head `h` lives (element indices; see the layout above).
+  // Where element d of the key/value of cache slot `slot`, head `h` lives (element indices; see
+  // the layout above). `pairs`: the bfloat16 layout.
   static inline int64_t block_base(int64_t slot, int bs, int hk, int h) { return (slot / bs * hk + h) * bs; }
-  static inline int64_t k_index(int64_t slot, int bs, int hk, int h, int hd) {
-    const int o = int(slot % bs);
-    return ((slot / bs * hk + h) * (bs / KT) + o / KT) * int64_t(hd) * KT + o % KT;  // + d * KT
+  static inline int64_t k_tile(int64_t slot, int bs, int hk, int h, int hd) {
+    return ((slot / bs * hk + h) * (bs / KT) + slot % bs / KT) * int64_t(hd) * KT;
   }
-  static inline int64_t v_index(int64_t slot, int bs, int hk, int h, int hd) {
-    return (block_base(slot, bs, hk, h) + slot % bs) * hd;
+  static inline int64_t k_index(int64_t slot, int bs, int hk, int h, int hd, int d, bool pairs) {
+    const int lane = int(slot % KT);
+    return k_tile(slot, bs, hk, h, hd) + (pairs ? (d / 2) * 2 * KT + lane * 2 + d % 2 : int64_t(d) * KT + lane);
+  }
+  static inline int64_t v_index(int64_t slot, int bs, int hk, int h, int hd, int d, bool pairs) {
+    const int64_t base = block_base(slot, bs, hk, h) * hd;
+    const int o = int(slot % bs);
+    return base + (pairs ? (o / 2) * 2 * int64_t(hd) + d * 2 + o % 2 : int64_t(o) * hd + d);
   }
 
   // ---- cache writes ---------------------------------------------------------------------------
@@ -193,16 +315,28 @@ struct Attention {
   static void reshape_and_cache(int32_t dtype, const void* k, const void* v, void* kc, void* vc, const int64_t* slots,
                                 int64_t tokens, int32_t hk, int32_t hd, int64_t src_stride, int32_t bs) {
     const int es = dtype_size(dtype);
+    const bool pairs = dtype == AS_BF16;
 #pragma omp parallel for schedule(static) if (tokens * hk * hd >= (1 << 16))
     for (int64_t t = 0; t < tokens; ++t) {
       const char* kr = static_cast<const char*>(k) + t * src_stride * es;
       const char* vr = static_cast<const char*>(v) + t * src_stride * es;
       for (int h = 0; h < hk; ++h) {
-        char* kd = static_cast<char*>(kc) + k_index(slots[t], bs, hk, h, hd) * es;
+        const int64_t kt = k_index(slots[t], bs, hk, h, hd, 0, pairs);
+        const int64_t vt = v_index(slots[t], bs, hk, h, hd, 0, pairs);
         const char* ks = kr + int64_t(h) * hd * es;
-        for (int d = 0; d < hd; ++d) std::memcpy(kd + int64_t(d) * KT * es, ks + int64_t(d) * es, es);
-        std::memcpy(static_cast<char*>(vc) + v_index(slots[t], bs, hk, h, hd) * es, vr + int64_t(h) * hd * es,
-                    size_t(hd) * es);
+        const char* vs = vr + int64_t(h) * hd * es;
+        if (!pairs) {
+          for (int d = 0; d < hd; ++d)
+            std::memcpy(static_cast<char*>(kc) + (kt + int64_t(d) * KT) * es, ks + int64_t(d) * es, es);
+          std::memcpy(static_cast<char*>(vc) + vt * es, vs, size_t(hd) * es);
+          continue;
+        }
+        uint16_t* kd = static_cast<uint16_t*>(kc) + kt;  // K: pairs of head dims, 2 * KT apart
+        uint16_t* vd = static_cast<uint16_t*>(vc) + vt;  // V: every other element (pairs of keys)
+        const uint16_t* k16 = reinterpret_cast<const uint16_t*>(ks);
+        const uint16_t* v16 = reinterpret_cast<const uint16_t*>(vs);
+        for (int d = 0; d < hd; ++d) kd[(d / 2) * 2 * KT + d % 2] = k16[d];
+        for (int d = 0; d < hd; ++d) vd[2 * d] = v16[d];
       }
     }
   }
@@ -220,10 +354,10 @@ struct Attention {
         const int64_t srow = block_base(slots[t], bs, hk, h) + slots[t] % bs;
         Isa::load(dtype, static_cast<const char*>(k) + (t * src_stride + int64_t(h) * hd) * es, row, hd);
         ks[srow] = quantize_row_i8(row, q8, hd);
-        int8_t* kd = kc + k_index(slots[t], bs, hk, h, hd);
+        int8_t* kd = kc + k_index(slots[t], bs, hk, h, hd, 0, false);
         for (int d = 0; d < hd; ++d) kd[int64_t(d) * KT] = q8[d];
         Isa::load(dtype, static_cast<const char*>(v) + (t * src_stride + int64_t(h) * hd) * es, row, hd);
-        vs[srow] = quantize_row_i8(row, vc + v_index(slots[t], bs, hk, h, hd), hd);
+        vs[srow] = quantize_row_i8(row, vc + v_index(slots[t], bs, hk, h, hd, 0, false), hd);
       }
     }
   }
@@ -237,10 +371,30 @@ struct Attention {
     return NR * 2 <= RB ? 2 : 1;
   }
 
-  // s[r][0..16) = q[r] . key tile (kt: [hd][16]) for NR rows of scaled queries (q rows hd apart,
-  // s rows P apart).
+  // s[r][0..16) = q[r] . key tile for NR rows of queries (fp32 rows `q`, and for a bfloat16 cache
+  // the same rows in bf16, `qb`; rows hd apart; s rows P apart). kt: [hd][16], or [hd / 2][16][2].
   template <int CT, int NR>
-  static void scores(const float* q, const void* kt, int hd, float* s) {
+  static void scores(const float* q, const uint16_t* qb, const void* kt, int hd, float* s) {
+#ifdef ARMSERVE_ATTN_BF16_DOT
+    if (CT == CT_BF16 && armserve_bf16_dot) return scores_bf16_dot<NR>(qb, static_cast<const uint16_t*>(kt), hd, s);
+#endif
+    (void)qb;
+    if (CT == CT_BF16) {  // pairs widened: even head dims by a shift, odd ones by a mask
+      vf16 a[2][NR];
+      for (int u = 0; u < 2; ++u)
+        for (int r = 0; r < NR; ++r) a[u][r] = vf16{};
+      for (int dp = 0; dp < hd / 2; ++dp) {
+        vu16 w;
+        std::memcpy(&w, static_cast<const uint16_t*>(kt) + dp * 2 * KT, sizeof w);
+        const vf16 lo = (vf16)(w << 16), hi = (vf16)(w & 0xffff0000u);
+        for (int r = 0; r < NR; ++r) {
+          a[0][r] = vfma(vsplat(q[r * hd + 2 * dp]), lo, a[0][r]);
+          a[1][r] = vfma(vsplat(q[r * hd + 2 * dp + 1]), hi, a[1][r]);
+        }
+      }
+      for (int r = 0; r < NR; ++r) vstore(s + r * P, a[0][r] + a[1][r]);
+      return;
+    }
     constexpr int U = chains<NR>();
     vf16 a[U][NR];
     for (int u = 0; u < U; ++u)
@@ -255,10 +409,34 @@ struct Attention {
   }
 
   // acc[r] += sum_j p[r][j] * v[j] over the tile's first jn keys, for NR rows (p rows P apart, acc
-  // rows hd apart; value tile vt: [16][hd]). NOTE: keys past the context are never read, not even with weight 0:
-  // their slots hold whatever the (torch.empty) cache held, and 0 * NaN is NaN.
+  // rows hd apart; value tile vt: [16][hd], or [8][hd][2]). NOTE: keys past the context are never
+  // read, not even with weight 0: their slots hold whatever the (torch.empty) cache held, and
+  // 0 * NaN is NaN.
   template <int CT, int NR>
   static void weighted_values(const float* p, const void* vt, int hd, float* acc, int jn) {
+#ifdef ARMSERVE_ATTN_BF16_DOT
+    if (CT == CT_BF16 && armserve_bf16_dot)
+      return values_bf16_dot<NR>(p, static_cast<const uint16_t*>(vt), hd, acc, jn);
+#endif
+    if (CT == CT_BF16) {  // pairs of keys widened: the even key by a shift, the odd one by a mask
+      const uint16_t* v16 = static_cast<const uint16_t*>(vt);
+      for (int c = 0; c < hd; c += 16) {
+        vf16 a[2][NR];
+        for (int r = 0; r < NR; ++r) a[0][r] = vload(acc + r * hd + c), a[1][r] = vf16{};
+        for (int jp = 0; 2 * jp < jn; ++jp) {
+          vu16 w;
+          std::memcpy(&w, v16 + (int64_t(jp) * hd + c) * 2, sizeof w);
+          const vf16 lo = (vf16)(w << 16);
+          for (int r = 0; r < NR; ++r) a[0][r] = vfma(vsplat(p[r * P + 2 * jp]), lo, a[0][r]);
+          if (2 * jp + 1 < jn) {
+            const vf16 hi = (vf16)(w & 0xffff0000u);
+            for (int r = 0; r < NR; ++r) a[1][r] = vfma(vsplat(p[r * P + 2 * jp + 1]), hi, a[1][r]);
+          }
+        }
+        for (int r = 0; r < NR; ++r) vstore(acc + r * hd + c, a[0][r] + a[1][r]);
+      }
+      return;
+    }
     constexpr int U = chains<NR>();
     for (int c = 0; c < hd; c += 16) {
       vf16 a[U][NR];
@@ -281,17 +459,17 @@ struct Attention {
   }
 
   template <int CT>
-  static void scores_n(int nr, const float* q, const void* kt, int hd, float* s) {
+  static void scores_n(int nr, const float* q, const uint16_t* qb, const void* kt, int hd, float* s) {
     switch (nr) {
-      case 1: return scores<CT, 1>(q, kt, hd, s);
-      case 2: return scores<CT, 2>(q, kt, hd, s);
-      case 3: return scores<CT, 3>(q, kt, hd, s);
-      case 4: return scores<CT, 4>(q, kt, hd, s);
+      case 1: return scores<CT, 1>(q, qb, kt, hd, s);
+      case 2: return scores<CT, 2>(q, qb, kt, hd, s);
+      case 3: return scores<CT, 3>(q, qb, kt, hd, s);
+      case 4: return scores<CT, 4>(q, qb, kt, hd, s);
 #if defined(__AVX512F__)
-      case 5: return scores<CT, 5>(q, kt, hd, s);
-      case 6: return scores<CT, 6>(q, kt, hd, s);
-      case 7: return scores<CT, 7>(q, kt, hd, s);
-      case 8: return scores<CT, 8>(q, kt, hd, s);
+      case 5: return scores<CT, 5>(q, qb, kt, hd, s);
+      case 6: return scores<CT, 6>(q, qb, kt, hd, s);
+      case 7: return scores<CT, 7>(q, qb, kt, hd, s);
+      case 8: return scores<CT, 8>(q, qb, kt, hd, s);
 #endif
     }
   }
@@ -378,14 +556,16 @@ struct Attention {
     float* st = scratch(3, int64_t(R) * 4 + int64_t(RB) * P);
     float *m = st, *l = st + R, *M = st + 2 * R, *L = st + 3 * R;
     float* sb = st + 4 * R;  // [RB][P]: one row block's scores, then probabilities, over a partition
+    // The queries as fp32, and for a bfloat16 cache also as they are (the dot instructions' operand).
+    uint16_t* qb = CT == CT_BF16 ? reinterpret_cast<uint16_t*>(scratch(4, int64_t(R) * hd / 2 + 1)) : nullptr;
 
     for (int i = 0; i < w.qn; ++i) {
       const int64_t tok = b->q_start[w.seq] + w.q0 + i;
       for (int g = 0; g < group; ++g) {
-        float* dst = qf + int64_t(i * group + g) * hd;
-        Isa::load(a.dtype, static_cast<const char*>(a.q) + (tok * a.q_stride + int64_t(w.head * group + g) * hd) * es,
-                  dst, hd);
-        for (int d = 0; d < hd; ++d) dst[d] *= a.scale;
+        const int64_t r = i * group + g;
+        const char* src = static_cast<const char*>(a.q) + (tok * a.q_stride + int64_t(w.head * group + g) * hd) * es;
+        Isa::load(a.dtype, src, qf + r * hd, hd);
+        if (CT == CT_BF16) std::memcpy(qb + r * hd, src, sizeof(uint16_t) * hd);
       }
     }
     for (int r = 0; r < R; ++r) M[r] = -INFINITY, L[r] = 0.f;
@@ -397,6 +577,7 @@ struct Attention {
     const char* kbase = static_cast<const char*>(a.kc);
     const char* vbase = static_cast<const char*>(a.vc);
     const int cs = CT == CT_I8 ? 1 : es;  // cache element size
+    const bool pairs = CT == CT_BF16;
     for (int p = p_first; p <= p_last; ++p) {
       // A partition in two passes per row block: every score first, so that the max, the
       // exponentials and their sum run over whole vectors (no per-tile rescaling, one horizontal
@@ -409,16 +590,18 @@ struct Attention {
         for (int t = 0; t < nt; ++t) {
           const int j0 = t0 + t * KT;
           const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
-          if (t + 1 < nt) {  // the next tile is usually another block: too far for the prefetcher to guess
+          if (r0 == 0 && t + 1 < nt) {  // the next tile is usually another block: too far for the prefetcher
             const int64_t next = int64_t(bt[(j0 + KT) / bs]) * bs + (j0 + KT) % bs;
-            prefetch(kbase + k_index(next, bs, a.hk, w.head, hd) * cs, int64_t(hd) * KT * cs);
-            prefetch(vbase + v_index(next, bs, a.hk, w.head, hd) * cs, int64_t(hd) * KT * cs);
+            prefetch(kbase + k_index(next, bs, a.hk, w.head, hd, 0, pairs) * cs, int64_t(hd) * KT * cs);
+            prefetch(vbase + v_index(next, bs, a.hk, w.head, hd, 0, pairs) * cs, int64_t(hd) * KT * cs);
           }
-          scores_n<CT>(nr, qf + int64_t(r0) * hd, kbase + k_index(slot, bs, a.hk, w.head, hd) * cs, hd, sb + t * KT);
-          if (CT == CT_I8) {
-            const vf16 ksv = vload(a.ks + block_base(slot, bs, a.hk, w.head) + slot % bs);
-            for (int r = 0; r < nr; ++r) vstore(sb + r * P + t * KT, vload(sb + r * P + t * KT) * ksv);
-          }
+          scores_n<CT>(nr, qf + int64_t(r0) * hd, CT == CT_BF16 ? qb + int64_t(r0) * hd : nullptr,
+                       kbase + k_index(slot, bs, a.hk, w.head, hd, 0, pairs) * cs, hd, sb + t * KT);
+          // softmax scale (and an int8 cache's per-key scales) on the scores, not the queries: the
+          // bf16 dot takes the queries as they are
+          const vf16 sc = CT == CT_I8 ? vload(a.ks + block_base(slot, bs, a.hk, w.head) + slot % bs) * a.scale
+                                      : vsplat(a.scale);
+          for (int r = 0; r < nr; ++r) vstore(sb + r * P + t * KT, vload(sb + r * P + t * KT) * sc);
         }
         for (int r = 0; r < nr; ++r) {
           float* sr = sb + r * P;
@@ -464,7 +647,8 @@ struct Attention {
         for (int t = 0; t < nt; ++t) {
           const int j0 = t0 + t * KT;
           const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
-          weighted_values_n<CT>(nr, sb + t * KT, vbase + v_index(slot, bs, a.hk, w.head, hd) * cs, hd, acc + int64_t(r0) * hd,
+          weighted_values_n<CT>(nr, sb + t * KT, vbase + v_index(slot, bs, a.hk, w.head, hd, 0, pairs) * cs, hd,
+                                acc + int64_t(r0) * hd,
                                 imin(KT, k1 - j0));
         }
       }

@@ -106,16 +106,17 @@ def test_reshape_and_cache(isa, dtype):
     T, hk, hd, bs = 6, 2, 24, 32  # head_dim not a multiple of 16: the cache write takes any
     kv = torch.randn(T, 3 * hk * hd).to(dtype)  # k and v as strided views of a wider row
     k, v = kv[:, hk * hd: 2 * hk * hd], kv[:, 2 * hk * hd:]
-    k_shape, v_shape, _ = kv_cache_shapes(2, bs, hk, hd)
+    k_shape, v_shape, _ = kv_cache_shapes(2, bs, hk, hd, dtype)
     kc = torch.zeros(k_shape, dtype=dtype)
     vc = torch.zeros(v_shape, dtype=dtype)
     slots = torch.tensor([3, 17, 0, 63, 40, 41])
     ops.reshape_and_cache(k, v, kc, vc, slots)
-    assert torch.equal(cache_rows(kc, slots).reshape(T, -1), k) and torch.equal(cache_rows(vc, slots).reshape(T, -1), v)
+    assert torch.equal(cache_rows(kc, slots, key=True).reshape(T, -1), k)
+    assert torch.equal(cache_rows(vc, slots, key=False).reshape(T, -1), v)
     untouched = torch.ones(64, dtype=torch.bool)
     untouched[slots] = False
     rest = torch.arange(64)[untouched]
-    assert cache_rows(kc, rest).abs().sum() == 0 and cache_rows(vc, rest).abs().sum() == 0
+    assert cache_rows(kc, rest, key=True).abs().sum() == 0 and cache_rows(vc, rest, key=False).abs().sum() == 0
 
 
 ATTN_CASES = [
@@ -165,6 +166,12 @@ def test_paged_attention(isa, dtype, case):
     batch = ops.make_attn_batch(*keep, block_size)
     got = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap)
     close(got, want, dtype)
+    if dtype == torch.bfloat16 and ops.bf16_dot():  # bf16 pairs also without the dot instruction
+        ops.set_bf16_dot(False)
+        try:
+            close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
+        finally:
+            ops.set_bf16_dot(True)
 
 
 def test_paged_attention_threads_split_long_decode(isa):

@@ -76,9 +76,11 @@ class ModelRunner:
         attn_layers = model.attention_layers()
         a0 = attn_layers[0]
         slots = num_blocks * block_size
-        k_shape, v_shape, s_shape = kv_cache_shapes(num_blocks, block_size, a0.num_kv_heads, a0.head_dim)
+        k_shape, v_shape, s_shape = kv_cache_shapes(num_blocks, block_size, a0.num_kv_heads, a0.head_dim,
+                                                   self.cache_dtype)
         # One allocation for all layers; torch.empty touches no pages until they are written.
-        self.kv_cache = torch.empty(2, len(attn_layers), *v_shape, dtype=self.cache_dtype)
+        self.kv_cache = torch.empty(2, len(attn_layers), num_blocks, a0.num_kv_heads, block_size, a0.head_dim,
+                                    dtype=self.cache_dtype)
         self.kv_scales: torch.Tensor | None = None
         if self.cache_dtype == torch.int8:
             # NOTE: zeros, not empty: the PyTorch decode path gathers padding slots (masked out),
@@ -86,7 +88,7 @@ class ModelRunner:
             self.kv_scales = torch.zeros(2, len(attn_layers), *s_shape, dtype=KV_SCALE_DTYPE)
         for i, attn in enumerate(attn_layers):
             attn.k_cache = self.kv_cache[0, i].view(k_shape)
-            attn.v_cache = self.kv_cache[1, i]
+            attn.v_cache = self.kv_cache[1, i].view(v_shape)
             attn.k_scale = None if self.kv_scales is None else self.kv_scales[0, i]
             attn.v_scale = None if self.kv_scales is None else self.kv_scales[1, i]
             attn.enable_key_smoothing(self.cache_dtype == torch.int8)

@@ -35,46 +35,64 @@ from armserve import ops
 KEY_TILE = 16  # keys per transposed K tile; block sizes are multiples of it
 
 
-def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int,
-                    head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's K cache, V cache and int8 scales (see the module docstring)."""
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype = torch.float32) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's K cache, V cache and int8 scales for a cache of `dtype` (see the module
+    docstring; bfloat16 pairs neighbours for the bf16 dot instructions)."""
     if block_size % KEY_TILE:
         raise ValueError(f"block_size must be a multiple of {KEY_TILE}, got {block_size}")
-    return ((num_blocks, num_kv_heads, block_size // KEY_TILE, head_dim, KEY_TILE),
-            (num_blocks, num_kv_heads, block_size, head_dim), (num_blocks, num_kv_heads, block_size))
+    nb, hk, bs, hd, t = num_blocks, num_kv_heads, block_size, head_dim, KEY_TILE
+    scales = (nb, hk, bs)
+    if dtype == torch.bfloat16:
+        if hd % 2:
+            raise ValueError(f"a bfloat16 cache needs an even head_dim, got {hd}")
+        return (nb, hk, bs // t, hd // 2, t, 2), (nb, hk, bs // 2, hd, 2), scales
+    return (nb, hk, bs // t, hd, t), (nb, hk, bs, hd), scales
 
 
-def _slot_index(cache: torch.Tensor, slots: torch.Tensor) -> tuple:
-    """Index tuple selecting the [num_kv_heads, head_dim] rows (or [num_kv_heads] scales) of `slots`."""
-    if cache.dim() == 5:  # K: [blocks, heads, tiles, head_dim, KEY_TILE]
-        bs = cache.shape[2] * cache.shape[4]
+def _slot_index(cache: torch.Tensor, slots: torch.Tensor, key: bool | None) -> tuple:
+    """Index tuple selecting the rows of `slots` in a K (`key`) or V cache, or scales (None)."""
+    paired = cache.dtype == torch.bfloat16
+    if key is None:  # scales [blocks, heads, bs]
+        bs = cache.shape[2]
+        return (slots // bs, slice(None), slots % bs)
+    if key:  # [blocks, heads, tiles, hd(/2), KEY_TILE(, 2)]
+        bs = cache.shape[2] * KEY_TILE
         o = slots % bs
-        return (slots // bs, slice(None), o // KEY_TILE, slice(None), o % KEY_TILE)
-    bs = cache.shape[2]  # V [blocks, heads, bs, head_dim] or scales [blocks, heads, bs]
+        return (slots // bs, slice(None), o // KEY_TILE, slice(None), o % KEY_TILE) + ((slice(None),) if paired else ())
+    if paired:  # V [blocks, heads, bs / 2, hd, 2]
+        bs = cache.shape[2] * 2
+        o = slots % bs
+        return (slots // bs, slice(None), o // 2, slice(None), o % 2)
+    bs = cache.shape[2]  # V [blocks, heads, bs, hd]
     return (slots // bs, slice(None), slots % bs)
 
 
-def cache_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[len(slots), num_kv_heads, head_dim] rows of a K or V cache (or [len(slots), heads] scales)."""
-    return cache[_slot_index(cache, slots)]
+def cache_rows(cache: torch.Tensor, slots: torch.Tensor, key: bool | None) -> torch.Tensor:
+    """Rows [len(slots), num_kv_heads, head_dim] of a K (`key`) or V cache, or scales [len(slots),
+    num_kv_heads] (`key` None)."""
+    rows = cache[_slot_index(cache, slots, key)]
+    return rows.flatten(2) if key and cache.dim() == 6 else rows
 
 
-def write_cache_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """Store rows [len(slots), num_kv_heads, head_dim] (or scales [len(slots), heads]) at `slots`."""
-    cache[_slot_index(cache, slots)] = rows
+def write_cache_rows(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, key: bool | None) -> None:
+    """Store rows [len(slots), num_kv_heads, head_dim] (or scales) at `slots` (see `cache_rows`)."""
+    if key and cache.dim() == 6:
+        rows = rows.unflatten(2, (-1, 2))
+    cache[_slot_index(cache, slots, key)] = rows
 
 
-def cache_from_rows(rows: torch.Tensor, block_size: int, key: bool) -> torch.Tensor:
-    """A K (`key`) or V cache (or, for 2-d `rows`, a scale tensor) holding `rows` [slots, ...] at
-    their slot index: for tests and benchmarks that think of a cache as rows."""
+def cache_from_rows(rows: torch.Tensor, block_size: int, key: bool | None) -> torch.Tensor:
+    """A K (`key`) or V cache, or a scale tensor (`key` None, 2-d rows), holding `rows` [slots, ...]
+    at their slot index: for tests and benchmarks that think of a cache as rows."""
     slots = rows.shape[0]
     nb = slots // block_size
-    if rows.dim() == 2:
+    if key is None:
         out = torch.empty(nb, rows.shape[1], block_size, dtype=rows.dtype)
     else:
-        k_shape, v_shape, _ = kv_cache_shapes(nb, block_size, rows.shape[1], rows.shape[2])
+        k_shape, v_shape, _ = kv_cache_shapes(nb, block_size, rows.shape[1], rows.shape[2], rows.dtype)
         out = torch.empty(k_shape if key else v_shape, dtype=rows.dtype)
-    write_cache_rows(out, torch.arange(slots), rows)
+    write_cache_rows(out, torch.arange(slots), rows, key)
     return out
 
 
@@ -236,23 +254,23 @@ class Attention(nn.Module):
         if quantized:
             kq, ks = quantize_kv_ref(k)
             vq, vs = quantize_kv_ref(v)
-            write_cache_rows(k_cache, md.slot_mapping, kq)
-            write_cache_rows(v_cache, md.slot_mapping, vq)
-            write_cache_rows(self.k_scale, md.slot_mapping, ks)
-            write_cache_rows(self.v_scale, md.slot_mapping, vs)
+            write_cache_rows(k_cache, md.slot_mapping, kq, key=True)
+            write_cache_rows(v_cache, md.slot_mapping, vq, key=False)
+            write_cache_rows(self.k_scale, md.slot_mapping, ks, key=None)
+            write_cache_rows(self.v_scale, md.slot_mapping, vs, key=None)
             # NOTE: a fresh prefill attends to what the cache holds (as the kernel does), not to the
             # exact k/v: otherwise the tokens would depend on how a prompt was chunked.
             k, v = dequantize_kv_ref(kq, ks).to(q.dtype), dequantize_kv_ref(vq, vs).to(q.dtype)
         else:
-            write_cache_rows(k_cache, md.slot_mapping, k.to(k_cache.dtype))
-            write_cache_rows(v_cache, md.slot_mapping, v.to(v_cache.dtype))
+            write_cache_rows(k_cache, md.slot_mapping, k.to(k_cache.dtype), key=True)
+            write_cache_rows(v_cache, md.slot_mapping, v.to(v_cache.dtype), key=False)
 
         out = torch.empty_like(q)
         gqa = self.num_heads != self.num_kv_heads
         nd = md.num_decodes
         if nd:
-            kk = self._gather(k_cache, self.k_scale, md.decode_slots, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-            vv = self._gather(v_cache, self.v_scale, md.decode_slots, q.dtype).transpose(1, 2)
+            kk = self._gather(k_cache, self.k_scale, md.decode_slots, q.dtype, True).transpose(1, 2)  # [B, Hkv, L, D]
+            vv = self._gather(v_cache, self.v_scale, md.decode_slots, q.dtype, False).transpose(1, 2)
             # Padding rows hold whatever the (torch.empty) cache held: the mask gives them weight 0,
             # but 0 * NaN is NaN, so clear them first.
             pad = md.decode_padding()
@@ -267,8 +285,8 @@ class Attention(nn.Module):
             if p.fresh:
                 kk, vv = k[rows], v[rows]
             else:
-                kk = self._gather(k_cache, self.k_scale, p.slots, q.dtype)
-                vv = self._gather(v_cache, self.v_scale, p.slots, q.dtype)
+                kk = self._gather(k_cache, self.k_scale, p.slots, q.dtype, True)
+                vv = self._gather(v_cache, self.v_scale, p.slots, q.dtype, False)
             kk = kk.transpose(0, 1).unsqueeze(0)
             vv = vv.transpose(0, 1).unsqueeze(0)
             if p.fresh and self.sliding_window is None and self.logit_softcap is None:
@@ -282,14 +300,14 @@ class Attention(nn.Module):
 
     @staticmethod
     def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-        """Cache rows at `slots` in `dtype`, dequantized when the cache is int8."""
+                dtype: torch.dtype, key: bool) -> torch.Tensor:
+        """K (`key`) or V cache rows at `slots` in `dtype`, dequantized when the cache is int8."""
         shape = slots.shape
         flat = slots.reshape(-1)
         if scale is None:
-            rows = cache_rows(cache, flat).to(dtype)
+            rows = cache_rows(cache, flat, key).to(dtype)
         else:
-            rows = dequantize_kv_ref(cache_rows(cache, flat), cache_rows(scale, flat)).to(dtype)
+            rows = dequantize_kv_ref(cache_rows(cache, flat, key), cache_rows(scale, flat, None)).to(dtype)
         return rows.reshape(*shape, *rows.shape[1:])
 
     def _sdpa(self, q, k, v, mask, gqa: bool) -> torch.Tensor:
