@@ -279,6 +279,44 @@ ARMSERVE_BF16_TARGET static void values_bf16_dot(const float* p, const uint16_t*
 }
 #endif
 
+// 16 fp32 lanes stored as cache/activation elements (round to nearest even, NaN as PyTorch's).
+template <int CT>
+static inline void store16(void* base, int64_t i, vf16 v) {
+  if (CT == CT_F32) return vstore(static_cast<float*>(base) + i, v);
+  if (CT == CT_BF16) {
+    const vu16 u = (vu16)v;
+    vu16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    r = (u & 0x7fffffffu) > 0x7f800000u ? vu16{} + 0x7fc0u : r;
+    const vh16 h = __builtin_convertvector(r, vh16);
+    std::memcpy(static_cast<uint16_t*>(base) + i, &h, sizeof h);
+    return;
+  }
+  uint16_t* p = static_cast<uint16_t*>(base) + i;
+  float t[16];
+  vstore(t, v);
+  for (int j = 0; j < 16; ++j) p[j] = f32_to_f16(t[j]);
+}
+
+// v rounded through element type CT and back (PyTorch rounds every intermediate tensor).
+template <int CT>
+static inline vf16 round16(vf16 v) {
+  if (CT == CT_F32) return v;
+  uint16_t t[16];
+  store16<CT>(t, 0, v);
+  return load16<CT>(t, 0);
+}
+
+// out row [d] = silu(x[:d]) * x[d:2d] for one row, d a multiple of 16; silu rounded to the
+// element type before the product, as PyTorch's F.silu(gate) * up.
+template <int CT>
+static void silu_and_mul_row(const void* x, void* out, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) {
+    const vf16 g = load16<CT>(x, i), u = load16<CT>(x, d + i);
+    const vf16 s = round16<CT>(g / (vexp(-g) + 1.0f));
+    store16<CT>(out, i, s * u);
+  }
+}
+
 template <class Isa>
 struct Attention {
   static constexpr int KT = kKT;  // keys per tile (one vector of lanes)
