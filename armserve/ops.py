@@ -104,6 +104,9 @@ def _setup(lib: ctypes.CDLL) -> None:
         "armserve_gemm_w8": ([I32, P, P, P, P, P, I64, I64, I64, I64, I64], None),
         "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
         "armserve_gemv": ([I32, P, P, P, I64, I64, I64], None),
+        "armserve_dense_isa": ([], ctypes.c_char_p),
+        "armserve_pack_bf16": ([P, I64, I64, P], None),
+        "armserve_gemm_bf16": ([I32, P, P, P, I64, I64, I64, I64], None),
         "armserve_set_bf16_dot": ([ctypes.c_int], ctypes.c_int),
         "armserve_native_bf16": ([], ctypes.c_int),
         "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
@@ -689,3 +692,69 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _call("armserve_argmax", x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
     return out
+
+
+# ---- dense bf16 GEMM on prepacked weights (csrc/dense_gemm.h) ----------------------------------
+
+
+def dense_isa() -> str:
+    """The dense bf16 GEMM variant in use (follows the kernel variant and the bf16-dot switch)."""
+    lib = _load()
+    return lib.armserve_dense_isa().decode() if lib is not None else "torch"
+
+
+def packed_bf16_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """Shape of `pack_bf16`'s result for a weight [n, k]: (ceil(n / 16), ceil(k / 2), 16, 2)."""
+    return (-(-n // 16), -(-k // 2), 16, 2)
+
+
+def pack_bf16(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Prepack a bf16 weight [n, k] (done once at load) for `gemm_bf16`.
+
+    Returns a bfloat16 tensor of shape (ceil(n / 16), ceil(k / 2), 16, 2): for column block b,
+    k-pair p, column c, the pair (w[16b + c, 2p], w[16b + c, 2p + 1]), zero-padded in n and k (the
+    operand layout of AVX512-BF16 vdpbf16ps / ARM BFDOT; see csrc/dense_gemm.h)."""
+    assert w.dim() == 2 and w.dtype == torch.bfloat16
+    w = w.contiguous()
+    n, k = w.shape
+    if out is None:
+        out = torch.empty(packed_bf16_shape(n, k), dtype=torch.bfloat16)
+    nb, kp = packed_bf16_shape(n, k)[:2]
+    assert out.is_contiguous() and out.numel() * out.element_size() == nb * kp * 64
+    _call("armserve_pack_bf16", w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+_GEMM_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [m, k] bf16 @ W^T for a weight W [n, k] packed by `pack_bf16`, any m (decode and prefill).
+
+    `out` (bfloat16 or float32 [m, n], unit column stride) may be a column range of a wider tensor,
+    e.g. `fused[:, a:a + n]`: only those columns are written. float32 output keeps the fp32 sums
+    unrounded (LM-head logits)."""
+    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k
+    x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype)
+    assert out.dim() == 2 and out.shape == (m, n) and (out.stride(1) == 1 or m == 0) and out.dtype in _GEMM_OUT_CODES
+    _call("armserve_gemm_bf16", _GEMM_OUT_CODES[out.dtype], out.data_ptr(), x.data_ptr(), packed.data_ptr(), m, n, k,
+          out.stride(0))
+    return out
+
+
+def unpack_bf16_ref(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """PyTorch reference inverting `pack_bf16`: the bf16 weight [n, k]."""
+    nb, kp = packed_bf16_shape(n, k)[:2]
+    p = packed.view(torch.bfloat16).reshape(nb, kp, 16, 2)
+    return p.permute(0, 2, 1, 3).reshape(nb * 16, kp * 2)[:n, :k].contiguous()
+
+
+def gemm_bf16_ref(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+                  out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """PyTorch reference of `gemm_bf16`: the float64 product of the bf16 values, rounded once."""
+    w = unpack_bf16_ref(packed, n, k)
+    return (x.double() @ w.double().t()).to(out_dtype)

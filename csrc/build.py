@@ -32,6 +32,11 @@ VARIANTS = {
         "qgemm_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma", "-mf16c"],
         "qdispatch.cpp": [],
         "graph.cpp": [],
+        "dense_gemm_scalar.cpp": SCALAR,
+        "dense_gemm_avx2.cpp": ["-mavx2", "-mfma"],
+        # AVX512-BF16 only inside functions marked target("avx512bf16") (dense_gemm_avx512.cpp).
+        "dense_gemm_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+        "dense_dispatch.cpp": [],
     },
     "aarch64": {
         "kernels_scalar.cpp": ["-march=armv8-a"] + SCALAR,
@@ -44,6 +49,11 @@ VARIANTS = {
         "qgemm_sve.cpp": ["-march=armv8.2-a+sve"],
         "qdispatch.cpp": ["-march=armv8-a"],
         "graph.cpp": ["-march=armv8-a"],
+        "dense_gemm_scalar.cpp": ["-march=armv8-a"] + SCALAR,
+        # BFDOT only inside functions marked target("arch=armv8.2-a+bf16") (dense_gemm_neon.h).
+        "dense_gemm_neon.cpp": ["-march=armv8-a"],
+        "dense_gemm_sve.cpp": ["-march=armv8.2-a+sve"],
+        "dense_dispatch.cpp": ["-march=armv8-a"],
     },
 }
 # NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
@@ -63,7 +73,8 @@ def sources(arch: str) -> list[tuple[str, list[str]]]:
     if arch not in VARIANTS:
         return [(os.path.join(HERE, f), flags) for f, flags in
                 [("kernels_scalar.cpp", SCALAR), ("dispatch.cpp", []), ("threads.cpp", []),
-                 ("qgemm_scalar.cpp", SCALAR), ("qdispatch.cpp", []), ("graph.cpp", [])]]
+                 ("qgemm_scalar.cpp", SCALAR), ("qdispatch.cpp", []), ("graph.cpp", []),
+                 ("dense_gemm_scalar.cpp", SCALAR), ("dense_dispatch.cpp", [])]]
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 

@@ -37,6 +37,7 @@ void armserve_gemm_w4(int32_t, void*, const int8_t*, const float*, const int32_t
                       int64_t, int64_t, int64_t);
 void armserve_gemm_w8(int32_t, void*, const int8_t*, const float*, const int32_t*, const int8_t*, int64_t, int64_t,
                       int64_t, int64_t, int64_t);
+void armserve_gemm_bf16(int32_t, void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t);
 }
 
 namespace {
@@ -74,6 +75,7 @@ enum GraphKind : int32_t {
   G_MUL_COLS,
   G_EMBEDDING,
   G_CAST,
+  G_GEMM_BF16,
   G_NUM_KINDS
 };
 
@@ -85,7 +87,8 @@ int32_t armserve_graph_kind(const char* name) {
       "armserve_reshape_and_cache", "armserve_paged_attention", "armserve_reshape_and_cache_i8",
       "armserve_paged_attention_i8", "armserve_gemv",       "armserve_quantize_act",
       "armserve_gemm_w4",   "armserve_gemm_w8",        "armserve_add_bias",
-      "armserve_mul_cols",  "armserve_embedding",      "armserve_cast"};
+      "armserve_mul_cols",  "armserve_embedding",      "armserve_cast",
+      "armserve_gemm_bf16"};
   for (int32_t k = 0; k < G_NUM_KINDS; ++k)
     if (!std::strcmp(name, names[k])) return k;
   return -1;
@@ -256,6 +259,9 @@ int64_t armserve_graph_run(const GraphOp* ops, int64_t n) {
         break;
       case G_CAST:
         armserve_cast(int32_t(a[0]), P(1), int32_t(a[2]), P(3), a[4]);
+        break;
+      case G_GEMM_BF16:
+        armserve_gemm_bf16(int32_t(a[0]), P(1), P(2), P(3), a[4], a[5], a[6], a[7]);
         break;
       default:
         return idx;

@@ -1,0 +1,57 @@
+// Dense bf16 GEMM variant that goes with the kernel variant in use (dispatch.cpp) and the bf16-dot
+// switch (armserve_bf16_dot): avx512 -> AVX512-BF16 vdpbf16ps tiles when the CPU has it and the
+// switch is on, else widening AVX-512 tiles; neon/sve -> BFDOT tiles likewise (HWCAP2_BF16). A CPU
+// without the instruction never reaches the tiles that use it.
+#include <cstring>
+
+#include "dense_gemm_impl.h"
+
+extern "C" const char* armserve_isa();
+
+namespace {
+
+const DenseTable* pick(const char* isa, int dot) {
+  const CpuFeatures& f = *armserve_cpu();
+#if defined(__x86_64__)
+  if (!std::strcmp(isa, "avx512")) return dot && f.avx512_bf16 ? armserve_dense_avx512_bf16() : armserve_dense_avx512();
+  if (!std::strcmp(isa, "avx2")) return armserve_dense_avx2();
+#elif defined(__aarch64__)
+  if (!std::strcmp(isa, "sve") && f.sve) return dot && f.bf16 ? armserve_dense_sve_bf16() : armserve_dense_sve();
+  if (!std::strcmp(isa, "neon")) return dot && f.bf16 ? armserve_dense_neon_bf16() : armserve_dense_neon();
+#endif
+  (void)f;
+  (void)dot;
+  return armserve_dense_scalar();
+}
+
+const DenseTable* dtable() {
+  static const char* for_isa = nullptr;
+  static int for_dot = -1;
+  static const DenseTable* t = nullptr;
+  const char* isa = armserve_isa();
+  const int dot = armserve_bf16_dot;
+  if (isa != for_isa || dot != for_dot) {  // the kernel variant or the bf16-dot switch changed
+    t = pick(isa, dot);
+    for_isa = isa;
+    for_dot = dot;
+  }
+  return t;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* armserve_dense_isa() { return dtable()->name; }
+
+// w [n, k] bf16 -> packed [ceil(n / 16)][ceil(k / 2)][16][2] (dense_gemm.h), zero-padded.
+void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed) {
+  armserve_dense::pack_bf16(static_cast<const uint16_t*>(w), n, k, static_cast<uint16_t*>(packed));
+}
+
+// out [m, n] (out_dtype 0 = float32, 1 = bf16; rows `ldo` elements apart) = x [m, k] bf16 @ W^T.
+void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n,
+                        int64_t k, int64_t ldo) {
+  dtable()->gemm(out_dtype, out, x, packed, m, n, k, ldo);
+}
+}

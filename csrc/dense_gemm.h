@@ -1,0 +1,38 @@
+// Dense bf16 GEMM with weights prepacked once at load: out [M, N] = x [M, K] @ W [N, K]^T for
+// every row count (decode batches and prefill chunks). C ABI and the per-ISA table.
+//
+// Packed layout (uint16 = bf16 bits): [ceil(N / 16)][ceil(K / 2)][16][2]. For column block b,
+// k-pair p and column c < 16, the element pair (W[16b + c][2p], W[16b + c][2p + 1]); zeros pad
+// the N and K tails. A 64-byte row of the layout (one block, one pair) is exactly the weight
+// operand of AVX512-BF16 vdpbf16ps (16 fp32 lanes += a[2i] b[2i] + a[2i+1] b[2i+1]) and of four
+// ARM BFDOT registers, with the activation pair (x[m][2p], x[m][2p+1]) broadcast as one 32-bit
+// value. Without a bf16 dot instruction a 32-bit lane widens to two fp32 values with
+// `lane << 16` (even k) and `lane & 0xffff0000` (odd k), each multiplied by its fp32 activation.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+extern "C" {
+
+struct DenseTable {
+  const char* name;
+  // out [M, N] (out_dtype AS_F32 or AS_BF16, rows `ldo` elements apart) = x (bf16 [M, K],
+  // contiguous) times the packed weight's transpose.
+  void (*gemm)(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n, int64_t k,
+               int64_t ldo);
+};
+
+const DenseTable* armserve_dense_scalar();
+#if defined(__x86_64__) || defined(_M_X64)
+const DenseTable* armserve_dense_avx2();
+const DenseTable* armserve_dense_avx512();
+const DenseTable* armserve_dense_avx512_bf16();  // needs AVX512-BF16
+#endif
+#if defined(__aarch64__)
+const DenseTable* armserve_dense_neon();
+const DenseTable* armserve_dense_neon_bf16();  // needs BF16 (HWCAP2_BF16)
+const DenseTable* armserve_dense_sve();
+const DenseTable* armserve_dense_sve_bf16();  // needs SVE and BF16
+#endif
+}

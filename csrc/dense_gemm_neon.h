@@ -1,0 +1,109 @@
+// Dense bf16 GEMM tiles for NEON, shared by dense_gemm_neon.cpp and dense_gemm_sve.cpp (see there).
+// A 16-column block of the packed layout is four q registers of 4 k-pair lanes. The activations
+// are loaded 2 (fp32) or 4 (bf16) k-pairs at a time and picked by lane (fmla / bfdot by element),
+// so no broadcast instruction is needed.
+#pragma once
+#include <arm_neon.h>
+
+#include "dense_gemm_impl.h"
+
+namespace armserve_dense {
+namespace {
+
+// Without BF16: each 32-bit pair lane widens to fp32 (<< 16 even k, & 0xffff0000 odd k).
+struct NeonP {
+  static constexpr bool kDot = false;
+  // 4 rows x 1 block: 16 accumulators + 4 activation registers + 3 temporaries of 32.
+  static constexpr int MR = 4, NB = 1, kAlign = 2, kStreamRows = 0;
+  template <int R, int B>
+  static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
+    const float* x = static_cast<const float*>(xa);
+    constexpr int H = 4 * B;
+    // Few accumulators (m = 1, 2): odd k into a second set, two dependency chains, not one.
+    constexpr bool kSplit = R * H <= 8;
+    float32x4_t c[R][H], d[R][H];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) c[r][h] = d[r][h] = vdupq_n_f32(0.f);
+    const uint32x4_t hi = vdupq_n_u32(0xffff0000u);
+    const int64_t bs = kp * 32;
+#define ARMSERVE_NEON_STEP(J)                                                                       \
+  for (int h = 0; h < H; ++h) {                                                                     \
+    const uint32x4_t v = vld1q_u32(reinterpret_cast<const uint32_t*>(w + (h / 4) * bs + (p + J) * 32 + (h % 4) * 8)); \
+    const float32x4_t we = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));                                \
+    const float32x4_t wo = vreinterpretq_f32_u32(vandq_u32(v, hi));                                  \
+    for (int r = 0; r < R; ++r) {                                                                   \
+      c[r][h] = vfmaq_laneq_f32(c[r][h], we, xv[r], 2 * J);                                         \
+      if (kSplit)                                                                                   \
+        d[r][h] = vfmaq_laneq_f32(d[r][h], wo, xv[r], 2 * J + 1);                                   \
+      else                                                                                          \
+        c[r][h] = vfmaq_laneq_f32(c[r][h], wo, xv[r], 2 * J + 1);                                   \
+    }                                                                                               \
+  }
+    int64_t p = 0;
+    for (; p + 2 <= kp; p += 2) {
+      float32x4_t xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = vld1q_f32(x + r * xs + 2 * p);
+      ARMSERVE_NEON_STEP(0)
+      ARMSERVE_NEON_STEP(1)
+    }
+    if (p < kp) {  // one pair left; the activation rows are padded to 2 pairs
+      float32x4_t xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = vld1q_f32(x + r * xs + 2 * p);
+      ARMSERVE_NEON_STEP(0)
+    }
+#undef ARMSERVE_NEON_STEP
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) vst1q_f32(acc + r * B * 16 + h * 4, kSplit ? vaddq_f32(c[r][h], d[r][h]) : c[r][h]);
+  }
+};
+
+// BF16 (Neoverse V1/N2 and later, HWCAP2_BF16): BFDOT by element multiplies a block register by
+// one activation pair of a 4-pair register. The attribute keeps BFDOT out of every other function;
+// the table is only picked when the CPU has it (dense_dispatch.cpp).
+struct NeonBf16P {
+  static constexpr bool kDot = true;
+  // 4 rows x 1 block: 16 accumulators + 4 activation registers + 1 weight register.
+  static constexpr int MR = 4, NB = 1, kAlign = 4, kStreamRows = 0;
+  template <int R, int B>
+  __attribute__((target("arch=armv8.2-a+bf16"))) static void tile(const void* xa, int64_t xs, const uint16_t* w,
+                                                                   int64_t kp, float* acc) {
+    const bfloat16_t* x = reinterpret_cast<const bfloat16_t*>(xa);  // rows xs pairs = 2 xs bf16 apart
+    const bfloat16_t* wb = reinterpret_cast<const bfloat16_t*>(w);
+    constexpr int H = 4 * B;
+    float32x4_t c[R][H];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) c[r][h] = vdupq_n_f32(0.f);
+    const int64_t bs = kp * 32;
+#define ARMSERVE_BFDOT_STEP(J)                                                                \
+  for (int h = 0; h < H; ++h) {                                                               \
+    const bfloat16x8_t v = vld1q_bf16(wb + (h / 4) * bs + (p + J) * 32 + (h % 4) * 8);          \
+    for (int r = 0; r < R; ++r) c[r][h] = vbfdotq_laneq_f32(c[r][h], v, xv[r], J);            \
+  }
+    int64_t p = 0;
+    for (; p + 4 <= kp; p += 4) {
+      bfloat16x8_t xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = vld1q_bf16(x + r * xs * 2 + 2 * p);
+      ARMSERVE_BFDOT_STEP(0)
+      ARMSERVE_BFDOT_STEP(1)
+      ARMSERVE_BFDOT_STEP(2)
+      ARMSERVE_BFDOT_STEP(3)
+    }
+    if (p < kp) {  // 1-3 pairs left; the activation rows are padded to 4 pairs
+      bfloat16x8_t xv[R];
+      for (int r = 0; r < R; ++r) xv[r] = vld1q_bf16(x + r * xs * 2 + 2 * p);
+      ARMSERVE_BFDOT_STEP(0)
+      if (p + 1 < kp) {
+        ARMSERVE_BFDOT_STEP(1)
+      }
+      if (p + 2 < kp) {
+        ARMSERVE_BFDOT_STEP(2)
+      }
+    }
+#undef ARMSERVE_BFDOT_STEP
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h) vst1q_f32(acc + r * B * 16 + h * 4, c[r][h]);
+  }
+};
+
+}  // namespace
+}  // namespace armserve_dense

@@ -1,0 +1,6 @@
+// Dense bf16 GEMM, reference variant (no SIMD flags): what every SIMD variant is checked against.
+#include "dense_gemm_impl.h"
+
+extern "C" const DenseTable* armserve_dense_scalar() {
+  return armserve_dense::DenseGemm<armserve_dense::ScalarP>::table("scalar");
+}

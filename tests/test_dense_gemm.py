@@ -1,0 +1,138 @@
+"""The dense bf16 GEMM on prepacked weights (csrc/dense_gemm.h) against PyTorch, for every ISA
+variant this CPU runs, with and without the CPU's bf16 dot instruction: all row counts the
+register tiles split differently, odd N and K (padding tails), column-range output, float32
+output, and the packing itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from armserve import ops
+
+SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
+ROWS = [1, 2, 3, 5, 8, 17, 33, 64, 130] if not SMALL else [1, 3, 8, 17]
+# (n, k): odd and even, partial 16-column blocks, an odd K (half a k-pair of padding), K not a
+# multiple of 4 pairs (NEON BFDOT tail), several column panels.
+SHAPES = [(37, 19), (100, 77), (129, 256), (16, 2)] if not SMALL else [(37, 19), (100, 77)]
+
+
+def has_dot() -> bool:
+    f = ops.cpu_features()
+    return "avx512_bf16" in f or "bf16" in f
+
+
+def dot_modes() -> list[bool]:
+    return [False, True] if has_dot() else [False]
+
+
+def expected_variant(isa: str, dot: bool) -> str:
+    if isa in ("avx512", "neon", "sve") and dot:
+        return {"avx512": "avx512_bf16", "neon": "neon_bf16", "sve": "sve_bf16"}[isa]
+    return isa
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Error allowed for an fp32 sum of k bf16 products in any order (and ARM BFDOT's own rounding
+    of each pair): a few fp32 ulps per term, relative to the sum of the terms' magnitudes."""
+    k = x.shape[1]
+    return 2.0 ** -21 * k ** 0.5 * (x.double().abs() @ w.double().abs().t()) + 1e-30
+
+
+@pytest.fixture(params=dot_modes(), ids=lambda d: "dot" if d else "widen")
+def dot(request):
+    before = ops.bf16_dot()
+    ops.set_bf16_dot(request.param)
+    yield request.param
+    ops.set_bf16_dot(before)
+
+
+def test_pack_round_trip():
+    torch.manual_seed(0)
+    for n, k in SHAPES + [(1, 1), (17, 33)]:
+        w = torch.randn(n, k).bfloat16()
+        p = ops.pack_bf16(w)
+        assert p.shape == ops.packed_bf16_shape(n, k) == (-(-n // 16), -(-k // 2), 16, 2)
+        assert torch.equal(ops.unpack_bf16_ref(p, n, k), w)
+        # the padding is zeros
+        full = p.permute(0, 2, 1, 3).reshape(p.shape[0] * 16, p.shape[1] * 2)
+        assert not full[n:].any() and not full[:, k:].any()
+
+
+def test_gemm_matches_reference(isa, dot):
+    assert ops.dense_isa() == expected_variant(isa, dot and ops.bf16_dot())
+    torch.manual_seed(1)
+    for n, k in SHAPES:
+        w = torch.randn(n, k).bfloat16()
+        p = ops.pack_bf16(w)
+        for m in ROWS:
+            x = torch.randn(m, k).bfloat16()
+            exact = x.double() @ w.double().t()
+            tol = bound(x, w)
+            y32 = ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32)
+            assert y32.dtype == torch.float32
+            err = (y32.double() - exact).abs()
+            assert (err <= tol).all(), (m, n, k, (err / tol).max().item())
+            y16 = ops.gemm_bf16(x, p, n, k)
+            assert y16.dtype == torch.bfloat16
+            # one bf16 rounding of (nearly) the exact sum
+            err = (y16.double() - exact).abs()
+            assert (err <= 2.0 ** -8 * exact.abs() + tol).all(), (m, n, k)
+            # and it is the bf16 rounding of the float32 result wherever that is not a tie
+            same = y16 == y32.bfloat16()
+            assert same.float().mean() > 0.99 or m * n < 100, (m, n, k)
+    # the PyTorch reference wrapper agrees too
+    x = torch.randn(5, 77).bfloat16()
+    w = torch.randn(100, 77).bfloat16()
+    p = ops.pack_bf16(w)
+    torch.testing.assert_close(ops.gemm_bf16(x, p, 100, 77).float(), ops.gemm_bf16_ref(x, p, 100, 77).float(),
+                               atol=2e-2, rtol=1e-2)
+
+
+def test_column_range_output(isa, dot):
+    """out may be a column range of a wider tensor (fused projections): only it is written."""
+    torch.manual_seed(2)
+    n, k, wide, col = 37, 77, 100, 21
+    w = torch.randn(n, k).bfloat16()
+    p = ops.pack_bf16(w)
+    for m in (1, 7, 33):
+        x = torch.randn(m, k).bfloat16()
+        for dtype in (torch.bfloat16, torch.float32):
+            fused = torch.full((m, wide), 7.0, dtype=dtype)
+            ops.gemm_bf16(x, p, n, k, out=fused[:, col:col + n])
+            assert torch.equal(fused[:, col:col + n], ops.gemm_bf16(x, p, n, k, out_dtype=dtype))
+            assert (fused[:, :col] == 7).all() and (fused[:, col + n:] == 7).all()
+
+
+def test_special_values(isa, dot):
+    """NaN propagates (rounded to bf16 as PyTorch: 0x7fc0), large values round, zeros stay zero."""
+    n, k = 20, 6
+    w = torch.ones(n, k).bfloat16()
+    p = ops.pack_bf16(w)
+    x = torch.zeros(3, k).bfloat16()
+    x[1, 2] = float("nan")
+    x[2] = 3.0e38
+    y = ops.gemm_bf16(x, p, n, k)
+    assert (y[0] == 0).all()
+    assert torch.isnan(y[1]).all() and (y[1].view(torch.int16) == 0x7FC0).all()
+    assert torch.isinf(y[2]).all()  # 6 x 3e38 overflows float32
+
+
+def test_gemm_is_recordable():
+    """A recorded step replays the GEMM (csrc/graph.cpp)."""
+    torch.manual_seed(3)
+    n, k, m = 50, 64, 3
+    w = torch.randn(n, k).bfloat16()
+    p = ops.pack_bf16(w)
+    x = torch.randn(m, k).bfloat16()
+    out = torch.empty(m, n, dtype=torch.float32)
+    with ops.capture() as rec:
+        ops.gemm_bf16(x, p, n, k, out=out)
+    assert not rec.errors
+    want = out.clone()
+    out.zero_()
+    ops.run_graph(rec)
+    assert torch.equal(out, want)
