@@ -363,6 +363,7 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.finalize()  # repack into the kernel layout once
+    model.process_weights_after_loading()
     model.eval()
     return model
 

@@ -17,6 +17,7 @@ import os
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 logger = logging.getLogger("armserve")
 
@@ -628,6 +629,24 @@ def use_gemv(x: torch.Tensor) -> bool:
             limit = GEMV_MAX_TOKENS if wide else 1
         _gemv_limit[x.dtype] = limit
     return x.shape[0] <= limit
+
+
+def packs_dense(w: torch.Tensor) -> bool:
+    """Whether a dense layer's weight is prepacked at load for `dense` (bfloat16 with the kernels on:
+    the dense GEMM then serves every row count, decode and prefill, on every variant)."""
+    return w.dim() == 2 and w.dtype == torch.bfloat16 and available()
+
+
+def dense(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [m, k] @ W^T for a weight W [n, k] prepacked by `pack_bf16` (out bf16, or `out_dtype`).
+
+    The kernels can be switched off after loading (tests force the PyTorch path): the packed
+    weight is then unpacked for PyTorch's GEMM, slowly but with the same values."""
+    lib = _lib if _loaded else _load()
+    if lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+        return gemm_bf16(x, packed, n, k, out_dtype=out_dtype or torch.bfloat16)
+    out = F.linear(x, unpack_bf16_ref(packed, n, k).to(x.dtype))
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

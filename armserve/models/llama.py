@@ -26,20 +26,40 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
-    """A plain linear layer whose weight may be filled shard by shard (fused projections)."""
+    """A plain linear layer whose weight may be filled shard by shard (fused projections).
+
+    After loading, `finalize()` prepacks a bfloat16 weight for the dense GEMM kernel (every row
+    count, decode to prefill) and drops the row-major copy; other dtypes keep the skinny decode
+    kernel and PyTorch's GEMM.
+    """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = _param(out_features, in_features)
         self.bias = _param(out_features) if bias else None
+        self.packed: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def finalize(self) -> None:
+        """Repack the weight into the kernel layout once (process_weights_after_loading)."""
+        if ops.packs_dense(self.weight):
+            self.packed = ops.pack_bf16(self.weight.data)
+            self.weight = None  # the packed copy is the weight now
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            out = ops.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
+            if self.bias is not None:
+                out = ops.add_bias(out, self.bias) if ops.small_op(out) else out.add_(self.bias)
+            return out
         # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
         # the weight near copy speed and PyTorch's bf16 GEMM does not.
         if ops.use_gemv(x):
             out = ops.gemv(x, self.weight)
-            return out if self.bias is None else ops.add_bias(out, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            out = out if self.bias is None else ops.add_bias(out, self.bias)
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        return out if out_dtype is None else out.to(out_dtype)
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -163,6 +183,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.tied_head: Linear | None = None  # a packed copy of the tied table (process_weights_after_loading)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -173,13 +194,32 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:  # tied to the embedding table
+        """float32 logits [rows, vocab] (the dense kernel writes them unrounded from its fp32 sums)."""
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        if getattr(head, "packed", None) is not None:
+            return head(hidden, torch.float32)
+        w = self.embed_tokens.weight if self.lm_head is None else None
+        if w is not None:  # tied to the embedding table
             if ops.use_gemv(hidden):
-                return ops.cast(ops.gemv(hidden, self.embed_tokens.weight), torch.float32)
-            return F.linear(hidden, self.embed_tokens.weight).float()
+                return ops.cast(ops.gemv(hidden, w), torch.float32)
+            return F.linear(hidden, w).float()
         logits = self.lm_head(hidden)
         # the kernels' cast: a decode step then stays kernel calls only (engine/step_graph.py)
         return ops.cast(logits, torch.float32) if ops.small_op(logits) else logits.float()
+
+    def process_weights_after_loading(self) -> None:
+        """Prepack every bfloat16 dense weight for the GEMM kernel, once. A head tied to the
+        embedding table gets a packed copy of it (the lookup keeps the row-major table):
+        vocab x hidden x 2 more bytes, for the head's speed at every batch size."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.finalize()
+        if self.lm_head is None and ops.packs_dense(self.embed_tokens.weight):
+            vocab, hidden = self.embed_tokens.weight.shape
+            head = Linear(hidden, vocab)
+            head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
+            head.finalize()
+            object.__setattr__(self, "tied_head", head)  # not a submodule: its weight is the table's
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
