@@ -89,47 +89,21 @@ def _library_path() -> str | None:
     return paths[0] if paths else None
 
 
+# Letters of `armserve_signature` (csrc/api.cpp) -> ctypes types.
+_CTYPES = {"v": None, "i": ctypes.c_int32, "l": ctypes.c_int64, "f": ctypes.c_float, "d": ctypes.c_double,
+           "s": ctypes.c_char_p, "P": ctypes.c_void_p}
+
+
 def _setup(lib: ctypes.CDLL) -> None:
-    P, I32, I64, F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-    sig = {
-        "armserve_select_isa": ([ctypes.c_char_p], ctypes.c_int),
-        "armserve_isa": ([], ctypes.c_char_p),
-        "armserve_cpu_features": ([ctypes.c_char_p, ctypes.c_int], None),
-        "armserve_rms_norm": ([I32, P, P, P, P, I64, I64, F, F], None),
-        "armserve_rotary": ([I32, P, P, P, P, I64, I32, I32, I32, I32, I32, I64, I64], None),
-        "armserve_act_and_mul": ([I32, I32, P, P, I64, I64], None),
-        "armserve_reshape_and_cache": ([I32, P, P, P, P, P, I64, I32, I32, I64, I32], None),
-        "armserve_qgemm_isa": ([], ctypes.c_char_p),
-        "armserve_quantize_act": ([I32, P, I64, I64, I64, P, P, P], None),
-        "armserve_gemm_w4": ([I32, P, P, P, P, P, I64, I64, I64, I64, I64], None),
-        "armserve_gemm_w8": ([I32, P, P, P, P, P, I64, I64, I64, I64, I64], None),
-        "armserve_openmp_library": ([ctypes.c_char_p, I32], ctypes.c_int),
-        "armserve_gemv": ([I32, P, P, P, I64, I64, I64], None),
-        "armserve_dense_isa": ([], ctypes.c_char_p),
-        "armserve_pack_bf16": ([P, I64, I64, P], None),
-        "armserve_gemm_bf16": ([I32, P, P, P, I64, I64, I64, I64], None),
-        "armserve_set_bf16_dot": ([ctypes.c_int], ctypes.c_int),
-        "armserve_native_bf16": ([], ctypes.c_int),
-        "armserve_bind_threads": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
-        "armserve_thread_cores": ([ctypes.POINTER(ctypes.c_int32), I32], ctypes.c_int),
-        "armserve_paged_attention": ([I32, P, P, P, P, P, I32, I32, I32, F, I32, F, I64],
-                                     None),
-        "armserve_reshape_and_cache_i8": ([I32, P, P, P, P, P, P, P, I64, I32, I32, I64, I32], None),
-        "armserve_paged_attention_i8": ([I32, P, P, P, P, P, P, P, I32, I32, I32, F, I32,
-                                         F, I64], None),
-        "armserve_add_bias": ([I32, P, I32, P, I64, I64, I64], None),
-        "armserve_mul_cols": ([I32, P, P, I64, I64, I64], None),
-        "armserve_embedding": ([P, P, P, I64, I64], None),
-        "armserve_cast": ([I32, P, I32, P, I64], None),
-        "armserve_argmax": ([P, I64, I64, I64, P], None),
-        "armserve_graph_kind": ([ctypes.c_char_p], I32),
-        "armserve_graph_op_size": ([], I32),
-        "armserve_graph_run": ([P, I64], I64),
-    }
-    for name, (args, res) in sig.items():
+    """Bind every exported function with the argument types the library itself reports: the
+    signatures are declared once, in csrc/api.h."""
+    lib.armserve_exports.argtypes, lib.armserve_exports.restype = [], ctypes.c_char_p
+    lib.armserve_signature.argtypes, lib.armserve_signature.restype = [ctypes.c_char_p], ctypes.c_char_p
+    for name in lib.armserve_exports().decode().strip(",").split(","):
+        res, args = lib.armserve_signature(name.encode()).decode().split(":")
         fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = res
+        fn.argtypes = [_CTYPES[c] for c in args]
+        fn.restype = _CTYPES[res]
 
 
 def _load() -> ctypes.CDLL | None:
@@ -331,7 +305,7 @@ class Recording:
         ints: list[int] = []
         floats: list[float] = []
         for t, a in zip(getattr(_lib, name).argtypes, args):
-            if t is ctypes.c_float:
+            if t in (ctypes.c_float, ctypes.c_double):
                 floats.append(float(a))
             else:
                 ints.append(0 if a is None else int(a))

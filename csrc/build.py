@@ -37,6 +37,7 @@ VARIANTS = {
         # AVX512-BF16 only inside functions marked target("avx512bf16") (dense_gemm_avx512.cpp).
         "dense_gemm_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
         "dense_dispatch.cpp": [],
+        "api.cpp": [],
     },
     "aarch64": {
         "kernels_scalar.cpp": ["-march=armv8-a"] + SCALAR,
@@ -54,6 +55,7 @@ VARIANTS = {
         "dense_gemm_neon.cpp": ["-march=armv8-a"],
         "dense_gemm_sve.cpp": ["-march=armv8.2-a+sve"],
         "dense_dispatch.cpp": ["-march=armv8-a"],
+        "api.cpp": ["-march=armv8-a"],
     },
 }
 # NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
@@ -74,7 +76,7 @@ def sources(arch: str) -> list[tuple[str, list[str]]]:
         return [(os.path.join(HERE, f), flags) for f, flags in
                 [("kernels_scalar.cpp", SCALAR), ("dispatch.cpp", []), ("threads.cpp", []),
                  ("qgemm_scalar.cpp", SCALAR), ("qdispatch.cpp", []), ("graph.cpp", []),
-                 ("dense_gemm_scalar.cpp", SCALAR), ("dense_dispatch.cpp", [])]]
+                 ("dense_gemm_scalar.cpp", SCALAR), ("dense_dispatch.cpp", []), ("api.cpp", [])]]
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 

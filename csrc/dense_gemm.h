@@ -18,9 +18,8 @@ extern "C" {
 struct DenseTable {
   const char* name;
   // out [M, N] (out_dtype AS_F32 or AS_BF16, rows `ldo` elements apart) = x (bf16 [M, K],
-  // contiguous) times the packed weight's transpose.
-  void (*gemm)(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n, int64_t k,
-               int64_t ldo);
+  // contiguous) times the packed weight's transpose; the type of armserve_gemm_bf16 (api.h).
+  decltype(&armserve_gemm_bf16) gemm;
 };
 
 const DenseTable* armserve_dense_scalar();

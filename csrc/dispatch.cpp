@@ -144,7 +144,7 @@ int armserve_bf16_dot = 0;
 const CpuFeatures* armserve_cpu() { return &features(); }
 
 // Nonzero when the selected variant computes bf16 natively on this CPU (see variant_bf16).
-int armserve_native_bf16() { return variant_bf16(table()) ? 1 : 0; }
+int32_t armserve_native_bf16() { return variant_bf16(table()) ? 1 : 0; }
 
 static void update_bf16_dot() { armserve_bf16_dot = g_bf16_dot_wanted && variant_bf16(table()) ? 1 : 0; }
 static const bool g_bf16_dot_init = (update_bf16_dot(), true);  // for the variant picked at load
@@ -152,7 +152,7 @@ static const bool g_bf16_dot_init = (update_bf16_dot(), true);  // for the varia
 // Use the CPU's bf16 dot instruction in the skinny matmul (on = 1) or widen to fp32 (on = 0).
 // Returns 0 on success, 2 if `on` and this CPU has no such instruction. The instruction is used
 // only while the selected variant has it (avx512 with AVX512-BF16, neon/sve with BF16).
-int armserve_set_bf16_dot(int on) {
+int32_t armserve_set_bf16_dot(int32_t on) {
   if (on && !has_bf16_dot()) return 2;
   g_bf16_dot_wanted = on ? 1 : 0;
   update_bf16_dot();
@@ -161,7 +161,7 @@ int armserve_set_bf16_dot(int on) {
 
 // Pick a variant: "" or "auto" = best for this CPU. Returns 0 on success, 1 if the name is
 // unknown on this architecture, 2 if this CPU cannot run it.
-int armserve_select_isa(const char* name) {
+int32_t armserve_select_isa(const char* name) {
   if (!name || !*name || !std::strcmp(name, "auto")) {
     g_table = best();
     update_bf16_dot();
@@ -178,7 +178,7 @@ int armserve_select_isa(const char* name) {
 const char* armserve_isa() { return table()->name; }
 
 // Space-separated list of the CPU features that matter to armserve.
-void armserve_cpu_features(char* buf, int n) {
+void armserve_cpu_features(char* buf, int32_t n) {
   const CpuFeatures& f = features();
   std::string s;
   auto add = [&](bool on, const char* name) {

@@ -13,45 +13,14 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "kernels_impl.h"
 #include "qgemm.h"
 
-extern "C" {
-void armserve_rms_norm(int32_t, void*, const void*, void*, const void*, int64_t, int64_t, float, float);
-void armserve_rotary(int32_t, const int64_t*, void*, void*, const float*, int64_t, int32_t, int32_t, int32_t,
-                     int32_t, int32_t, int64_t, int64_t);
-void armserve_act_and_mul(int32_t, int32_t, void*, const void*, int64_t, int64_t);
-void armserve_reshape_and_cache(int32_t, const void*, const void*, void*, void*, const int64_t*, int64_t, int32_t,
-                                int32_t, int64_t, int32_t);
-void armserve_paged_attention(int32_t, void*, const void*, const void*, const void*, const AttnBatch*, int32_t,
-                              int32_t, int32_t, float, int32_t, float, int64_t);
-void armserve_reshape_and_cache_i8(int32_t, const void*, const void*, int8_t*, int8_t*, float*, float*,
-                                   const int64_t*, int64_t, int32_t, int32_t, int64_t, int32_t);
-void armserve_paged_attention_i8(int32_t, void*, const void*, const int8_t*, const int8_t*, const float*,
-                                 const float*, const AttnBatch*, int32_t, int32_t, int32_t, float, int32_t, float,
-                                 int64_t);
-void armserve_gemv(int32_t, void*, const void*, const void*, int64_t, int64_t, int64_t);
-void armserve_quantize_act(int32_t, const void*, int64_t, int64_t, int64_t, int8_t*, float*, int32_t*);
-void armserve_gemm_w4(int32_t, void*, const int8_t*, const float*, const int32_t*, const uint8_t*, int64_t, int64_t,
-                      int64_t, int64_t, int64_t);
-void armserve_gemm_w8(int32_t, void*, const int8_t*, const float*, const int32_t*, const int8_t*, int64_t, int64_t,
-                      int64_t, int64_t, int64_t);
-void armserve_gemm_bf16(int32_t, void*, const void*, const void*, int64_t, int64_t, int64_t, int64_t);
-}
-
-namespace {
-using S = armserve::ScalarOps;
-using armserve::dtype_size;
-
-// Rows of a few hundred to a few thousand elements: one pass through an fp32 row buffer, no threads.
-constexpr int64_t kRowChunk = 1024;
-}  // namespace
-
-extern "C" {
-
 // One recorded call: which function (`kind`, see armserve_graph_kind) and its arguments in
-// order, integers and pointers in `i`, floats in `f`.
+// order, integers and pointers in `i`, floats in `f` (each in its own sequence).
 struct GraphOp {
   int32_t kind;
   int32_t pad;
@@ -59,36 +28,62 @@ struct GraphOp {
   double f[4];
 };
 
+namespace {
+using S = armserve::ScalarOps;
+using armserve::dtype_size;
+
+// Rows of a few hundred to a few thousand elements: one pass through an fp32 row buffer, no threads.
+constexpr int64_t kRowChunk = 1024;
+
+// Argument `pos` of a recorded call: floats come from o.f and everything else from o.i, each in
+// the order of the declared parameters (ops.Recording splits them the same way).
+template <size_t N>
+constexpr int count_before(const bool (&is_float)[N], size_t pos, bool want) {
+  int c = 0;
+  for (size_t j = 0; j < pos; ++j) c += is_float[j] == want;
+  return c;
+}
+
+template <class T>
+T arg(const GraphOp& o, int ii, int fi) {
+  if constexpr (std::is_floating_point_v<T>)
+    return T(o.f[fi]);
+  else if constexpr (std::is_pointer_v<T>)
+    return reinterpret_cast<T>(o.i[ii]);
+  else
+    return T(o.i[ii]);
+}
+
+template <class... A, size_t... I>
+void replay_args(void (*fn)(A...), const GraphOp& o, std::index_sequence<I...>) {
+  static constexpr bool is_float[] = {std::is_floating_point_v<A>..., false};
+  fn(arg<A>(o, count_before(is_float, I, false), count_before(is_float, I, true))...);
+}
+
+// Call `fn` (a recordable function of api.h) with the arguments recorded in `o`.
+template <class... A>
+void replay(void (*fn)(A...), const GraphOp& o) {
+  static_assert(sizeof...(A) <= 16, "GraphOp holds 16 integer and 4 float arguments");
+  replay_args(fn, o, std::index_sequence_for<A...>{});
+}
+}  // namespace
+
+extern "C" {
+
+// Kinds in ARMSERVE_RECORDABLE's order (api.h).
 enum GraphKind : int32_t {
-  G_RMS_NORM,
-  G_ROTARY,
-  G_ACT_AND_MUL,
-  G_RESHAPE_AND_CACHE,
-  G_PAGED_ATTENTION,
-  G_RESHAPE_AND_CACHE_I8,
-  G_PAGED_ATTENTION_I8,
-  G_GEMV,
-  G_QUANTIZE_ACT,
-  G_GEMM_W4,
-  G_GEMM_W8,
-  G_ADD_BIAS,
-  G_MUL_COLS,
-  G_EMBEDDING,
-  G_CAST,
-  G_GEMM_BF16,
+#define ARMSERVE_KIND(fn) G_##fn,
+  ARMSERVE_RECORDABLE(ARMSERVE_KIND)
+#undef ARMSERVE_KIND
   G_NUM_KINDS
 };
 
 // The kind of a recordable function, by its exported name (-1: not recordable). Python asks
 // this rather than keeping its own copy of the enum.
 int32_t armserve_graph_kind(const char* name) {
-  static const char* names[G_NUM_KINDS] = {
-      "armserve_rms_norm",  "armserve_rotary",         "armserve_act_and_mul",
-      "armserve_reshape_and_cache", "armserve_paged_attention", "armserve_reshape_and_cache_i8",
-      "armserve_paged_attention_i8", "armserve_gemv",       "armserve_quantize_act",
-      "armserve_gemm_w4",   "armserve_gemm_w8",        "armserve_add_bias",
-      "armserve_mul_cols",  "armserve_embedding",      "armserve_cast",
-      "armserve_gemm_bf16"};
+#define ARMSERVE_NAME(fn) #fn,
+  static const char* names[G_NUM_KINDS] = {ARMSERVE_RECORDABLE(ARMSERVE_NAME)};
+#undef ARMSERVE_NAME
   for (int32_t k = 0; k < G_NUM_KINDS; ++k)
     if (!std::strcmp(name, names[k])) return k;
   return -1;
@@ -193,81 +188,15 @@ void armserve_argmax(const float* x, int64_t rows, int64_t n, int64_t ld, int64_
 
 // Replay `n` recorded calls in order. Returns the index of the first op of unknown kind, or -1.
 int64_t armserve_graph_run(const GraphOp* ops, int64_t n) {
-#define P(j) reinterpret_cast<void*>(o.i[j])
+  using Thunk = void (*)(const GraphOp&);
+#define ARMSERVE_THUNK(fn) [](const GraphOp& o) { replay(&fn, o); },
+  static const Thunk thunks[G_NUM_KINDS] = {ARMSERVE_RECORDABLE(ARMSERVE_THUNK)};
+#undef ARMSERVE_THUNK
   for (int64_t idx = 0; idx < n; ++idx) {
-    const GraphOp& o = ops[idx];
-    const int64_t* a = o.i;
-    switch (o.kind) {
-      case G_RMS_NORM:
-        armserve_rms_norm(int32_t(a[0]), P(1), P(2), P(3), P(4), a[5], a[6], float(o.f[0]), float(o.f[1]));
-        break;
-      case G_ROTARY:
-        armserve_rotary(int32_t(a[0]), static_cast<const int64_t*>(P(1)), P(2), P(3), static_cast<const float*>(P(4)),
-                        a[5], int32_t(a[6]), int32_t(a[7]), int32_t(a[8]), int32_t(a[9]), int32_t(a[10]), a[11],
-                        a[12]);
-        break;
-      case G_ACT_AND_MUL:
-        armserve_act_and_mul(int32_t(a[0]), int32_t(a[1]), P(2), P(3), a[4], a[5]);
-        break;
-      case G_RESHAPE_AND_CACHE:
-        armserve_reshape_and_cache(int32_t(a[0]), P(1), P(2), P(3), P(4), static_cast<const int64_t*>(P(5)), a[6],
-                                   int32_t(a[7]), int32_t(a[8]), a[9], int32_t(a[10]));
-        break;
-      case G_PAGED_ATTENTION:
-        armserve_paged_attention(int32_t(a[0]), P(1), P(2), P(3), P(4), static_cast<const AttnBatch*>(P(5)),
-                                 int32_t(a[6]), int32_t(a[7]), int32_t(a[8]), float(o.f[0]), int32_t(a[9]),
-                                 float(o.f[1]), a[10]);
-        break;
-      case G_RESHAPE_AND_CACHE_I8:
-        armserve_reshape_and_cache_i8(int32_t(a[0]), P(1), P(2), static_cast<int8_t*>(P(3)),
-                                      static_cast<int8_t*>(P(4)), static_cast<float*>(P(5)),
-                                      static_cast<float*>(P(6)), static_cast<const int64_t*>(P(7)), a[8],
-                                      int32_t(a[9]), int32_t(a[10]), a[11], int32_t(a[12]));
-        break;
-      case G_PAGED_ATTENTION_I8:
-        armserve_paged_attention_i8(int32_t(a[0]), P(1), P(2), static_cast<const int8_t*>(P(3)),
-                                    static_cast<const int8_t*>(P(4)), static_cast<const float*>(P(5)),
-                                    static_cast<const float*>(P(6)), static_cast<const AttnBatch*>(P(7)),
-                                    int32_t(a[8]), int32_t(a[9]), int32_t(a[10]), float(o.f[0]), int32_t(a[11]),
-                                    float(o.f[1]), a[12]);
-        break;
-      case G_GEMV:
-        armserve_gemv(int32_t(a[0]), P(1), P(2), P(3), a[4], a[5], a[6]);
-        break;
-      case G_QUANTIZE_ACT:
-        armserve_quantize_act(int32_t(a[0]), P(1), a[2], a[3], a[4], static_cast<int8_t*>(P(5)),
-                              static_cast<float*>(P(6)), static_cast<int32_t*>(P(7)));
-        break;
-      case G_GEMM_W4:
-        armserve_gemm_w4(int32_t(a[0]), P(1), static_cast<const int8_t*>(P(2)), static_cast<const float*>(P(3)),
-                         static_cast<const int32_t*>(P(4)), static_cast<const uint8_t*>(P(5)), a[6], a[7], a[8],
-                         a[9], a[10]);
-        break;
-      case G_GEMM_W8:
-        armserve_gemm_w8(int32_t(a[0]), P(1), static_cast<const int8_t*>(P(2)), static_cast<const float*>(P(3)),
-                         static_cast<const int32_t*>(P(4)), static_cast<const int8_t*>(P(5)), a[6], a[7], a[8],
-                         a[9], a[10]);
-        break;
-      case G_ADD_BIAS:
-        armserve_add_bias(int32_t(a[0]), P(1), int32_t(a[2]), P(3), a[4], a[5], a[6]);
-        break;
-      case G_MUL_COLS:
-        armserve_mul_cols(int32_t(a[0]), P(1), static_cast<const float*>(P(2)), a[3], a[4], a[5]);
-        break;
-      case G_EMBEDDING:
-        armserve_embedding(P(0), P(1), static_cast<const int64_t*>(P(2)), a[3], a[4]);
-        break;
-      case G_CAST:
-        armserve_cast(int32_t(a[0]), P(1), int32_t(a[2]), P(3), a[4]);
-        break;
-      case G_GEMM_BF16:
-        armserve_gemm_bf16(int32_t(a[0]), P(1), P(2), P(3), a[4], a[5], a[6], a[7]);
-        break;
-      default:
-        return idx;
-    }
+    const int32_t kind = ops[idx].kind;
+    if (kind < 0 || kind >= G_NUM_KINDS) return idx;
+    thunks[kind](ops[idx]);
   }
-#undef P
   return -1;
 }
 

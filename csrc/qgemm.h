@@ -30,17 +30,12 @@
 
 extern "C" {
 
-struct QKernelTable {
+struct QKernelTable {  // member types from the exported functions (api.h)
   const char* name;
-  // x [M, K] (f32/bf16/f16) -> q int8 [M, K], scale [M, K / G] (group absmax / 127), gsum int32 [M, K / G].
-  void (*quantize_act)(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q,
-                       float* scale, int32_t* gsum);
-  // out [M, N] (dtype, rows `ldo` elements apart) = the quantized activations times dequant(W)^T;
+  decltype(&armserve_quantize_act) quantize_act;
   // W's N rows are padded to a multiple of 16 in the packed layout, scales inline.
-  void (*gemm_w4)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                  const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
-  void (*gemm_w8)(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
-                  const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
+  decltype(&armserve_gemm_w4) gemm_w4;
+  decltype(&armserve_gemm_w8) gemm_w8;
 };
 
 const QKernelTable* armserve_qtable_scalar();

@@ -1,6 +1,8 @@
 // Pin the OpenMP threads (shared with PyTorch) to a list of cores, one thread per core.
 #include <cstdint>
 
+#include "api.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -14,7 +16,7 @@
 extern "C" {
 
 // Returns 0 on success, or the first errno-like failure (1 = no OpenMP, 2 = setaffinity failed).
-int armserve_bind_threads(const int32_t* cores, int32_t n) {
+int32_t armserve_bind_threads(const int32_t* cores, int32_t n) {
 #if defined(_OPENMP) && defined(__linux__)
   omp_set_num_threads(n);
   int failed = 0;
@@ -38,7 +40,7 @@ int armserve_bind_threads(const int32_t* cores, int32_t n) {
 }
 
 // The core each OpenMP thread runs on now (for `armserve info` and tests).
-int armserve_thread_cores(int32_t* out, int32_t max) {
+int32_t armserve_thread_cores(int32_t* out, int32_t max) {
 #if defined(_OPENMP) && defined(__linux__)
   int n = omp_get_max_threads();
   if (n > max) n = max;
@@ -53,7 +55,7 @@ int armserve_thread_cores(int32_t* out, int32_t max) {
 }
 
 // Path of the OpenMP runtime this library's omp_* calls bound to (must be PyTorch's).
-int armserve_openmp_library(char* buf, int32_t n) {
+int32_t armserve_openmp_library(char* buf, int32_t n) {
 #if defined(_OPENMP) && defined(__linux__)
   Dl_info info;
   if (dladdr(reinterpret_cast<void*>(&omp_get_max_threads), &info) && info.dli_fname) {

@@ -1,0 +1,150 @@
+// The library's C ABI, declared once: every exported function's signature is written here and
+// nowhere else. The per-ISA tables (kernels.h, qgemm.h, dense_gemm.h) take their members' types
+// from these declarations (decltype), step-graph replay (graph.cpp) unpacks recorded arguments
+// by the declared parameter types, and Python (armserve/ops.py) reads each function's argument
+// types from `armserve_signature` (api.cpp): a signature changed here changes everywhere, and a
+// definition that disagrees with it does not compile.
+#pragma once
+#include <cstdint>
+
+extern "C" {
+
+// Element types of activations, weights and KV cache.
+enum ArmDType : int32_t { AS_F32 = 0, AS_BF16 = 1, AS_F16 = 2 };
+
+// One step's attention layout, shared by every layer of the step (built once in Python).
+// Token rows of the step: sequence s owns rows [q_start[s], q_start[s] + q_len[s]); its
+// queries sit at positions context_len[s] - q_len[s] ... context_len[s] - 1 and attend to
+// cache tokens [0, position] (or the last `sliding_window` of them).
+struct AttnBatch {
+  int32_t num_seqs;
+  const int32_t* q_start;
+  const int32_t* q_len;
+  const int32_t* context_len;
+  const int32_t* block_tables;  // [num_seqs, max_blocks]
+  int32_t max_blocks;
+  int32_t block_size;
+};
+
+struct GraphOp;  // graph.cpp
+
+// ---- kernels, by the selected ISA variant (dispatch.cpp) ----------------------------------------
+// out = norm(x (+ residual)) * (w + w_offset); with residual, residual <- x + residual first.
+void armserve_rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
+                       int64_t dim, float eps, float w_offset);
+// In place on q [T, nq*hd] and k [T, nk*hd] (rows `q_stride`/`k_stride` elements apart, so q and k
+// may be views into a fused qkv output); cos_sin: [max_pos, rot_dim] float32 (cos | sin).
+void armserve_rotary(int32_t dtype, const int64_t* positions, void* q, void* k, const float* cos_sin,
+                     int64_t tokens, int32_t nq, int32_t nk, int32_t head_dim, int32_t rot_dim, int32_t neox,
+                     int64_t q_stride, int64_t k_stride);
+// x: [rows, 2d] = [gate | up] -> out [rows, d]; act 0 = silu, 1 = gelu (erf), 2 = gelu (tanh).
+void armserve_act_and_mul(int32_t dtype, int32_t act, void* out, const void* x, int64_t rows, int64_t d);
+// Copy this step's k/v rows ([T, hk*hd], rows `src_stride` elements apart) into cache slots;
+// caches in the block layout of attention_impl.h (K tiles transposed), `bs` the block size.
+void armserve_reshape_and_cache(int32_t dtype, const void* k, const void* v, void* k_cache, void* v_cache,
+                                const int64_t* slots, int64_t tokens, int32_t hk, int32_t hd, int64_t src_stride,
+                                int32_t bs);
+// out: [T, hq*hd]; q rows `q_stride` elements apart; caches in the layout of attention_impl.h.
+void armserve_paged_attention(int32_t dtype, void* out, const void* q, const void* k_cache, const void* v_cache,
+                              const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
+                              int32_t sliding_window, float softcap, int64_t q_stride);
+// Quantize each (token, kv head) row of k/v symmetrically into int8 caches (attention_impl.h's
+// layout) with float32 scales [blocks, hk, bs]: scale = absmax(row) / 127, q = round_half_even(x / scale).
+void armserve_reshape_and_cache_i8(int32_t dtype, const void* k, const void* v, int8_t* k_cache, int8_t* v_cache,
+                                   float* k_scale, float* v_scale, const int64_t* slots, int64_t tokens, int32_t hk,
+                                   int32_t hd, int64_t src_stride, int32_t bs);
+// paged_attention over int8 caches: scores are (q . k8) * k_scale, values weighted by p * v_scale.
+void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const int8_t* k_cache,
+                                 const int8_t* v_cache, const float* k_scale, const float* v_scale,
+                                 const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
+                                 int32_t sliding_window, float softcap, int64_t q_stride);
+// Skinny matmul for decode: out [M, N] = x [M, K] @ w [N, K]^T, M small, x and w of one dtype;
+// each weight row is read once per call as one sequential stream per thread.
+void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k);
+
+// ---- quantized linear layers (qdispatch.cpp; layouts in qgemm.h) --------------------------------
+// x [M, K] (f32/bf16/f16) -> q int8 [M, K], scale [M, K / G] (group absmax / 127), gsum int32 [M, K / G].
+void armserve_quantize_act(int32_t dtype, const void* x, int64_t m, int64_t k, int64_t group, int8_t* q,
+                           float* scale, int32_t* gsum);
+// out [M, N] (dtype, rows `ldo` elements apart) = the quantized activations times dequant(W)^T.
+void armserve_gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
+void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
+
+// ---- dense bf16 GEMM on prepacked weights (dense_dispatch.cpp; layout in dense_gemm.h) ----------
+// out [m, n] (out_dtype AS_F32 or AS_BF16, rows `ldo` elements apart) = x [m, k] bf16 @ W^T.
+void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n,
+                        int64_t k, int64_t ldo);
+// w [n, k] bf16 -> packed [ceil(n / 16)][ceil(k / 2)][16][2], zero-padded.
+void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed);
+
+// ---- small ops a recorded step needs besides the kernels (graph.cpp) ----------------------------
+void armserve_add_bias(int32_t dtype, void* out, int32_t bias_dtype, const void* bias, int64_t rows, int64_t n,
+                       int64_t ldo);
+void armserve_mul_cols(int32_t dtype, void* x, const float* mul, int64_t rows, int64_t n, int64_t ld);
+void armserve_embedding(void* out, const void* table, const int64_t* ids, int64_t m, int64_t row_bytes);
+void armserve_cast(int32_t src_dtype, const void* src, int32_t dst_dtype, void* dst, int64_t n);
+void armserve_argmax(const float* x, int64_t rows, int64_t n, int64_t ld, int64_t* out);
+
+// ---- step graphs (graph.cpp) ----------------------------------------------------------------------
+int32_t armserve_graph_kind(const char* name);  // -1: not recordable
+int32_t armserve_graph_op_size();
+int64_t armserve_graph_run(const GraphOp* ops, int64_t n);  // index of an unknown op, or -1
+
+// ---- variants, CPU, threads (dispatch.cpp, qdispatch.cpp, dense_dispatch.cpp, threads.cpp) -------
+int32_t armserve_select_isa(const char* name);  // 0 ok, 1 unknown name, 2 this CPU cannot run it
+const char* armserve_isa();
+const char* armserve_qgemm_isa();
+const char* armserve_dense_isa();
+void armserve_cpu_features(char* buf, int32_t n);
+int32_t armserve_set_bf16_dot(int32_t on);  // 0 ok, 2 this CPU has no bf16 dot instruction
+int32_t armserve_native_bf16();
+int32_t armserve_bind_threads(const int32_t* cores, int32_t n);
+int32_t armserve_thread_cores(int32_t* out, int32_t max);
+int32_t armserve_openmp_library(char* buf, int32_t n);
+
+// ---- the ABI described at run time (api.cpp) -----------------------------------------------------
+const char* armserve_exports();  // comma-separated names of everything Python binds
+// "r:a1a2..." for an exported function: return and argument types, one letter each (v void,
+// i int32, l int64, f float, d double, s char pointer, P any other pointer); nullptr if unknown.
+const char* armserve_signature(const char* name);
+}
+
+// Functions a step graph may record, in GraphKind order (graph.cpp).
+#define ARMSERVE_RECORDABLE(X)                                                                                 \
+  X(armserve_rms_norm)                                                                                         \
+  X(armserve_rotary)                                                                                           \
+  X(armserve_act_and_mul)                                                                                      \
+  X(armserve_reshape_and_cache)                                                                                \
+  X(armserve_paged_attention)                                                                                  \
+  X(armserve_reshape_and_cache_i8)                                                                             \
+  X(armserve_paged_attention_i8)                                                                               \
+  X(armserve_gemv)                                                                                             \
+  X(armserve_quantize_act)                                                                                     \
+  X(armserve_gemm_w4)                                                                                          \
+  X(armserve_gemm_w8)                                                                                          \
+  X(armserve_add_bias)                                                                                         \
+  X(armserve_mul_cols)                                                                                         \
+  X(armserve_embedding)                                                                                        \
+  X(armserve_cast)                                                                                             \
+  X(armserve_gemm_bf16)
+
+// Everything Python binds (armserve/ops.py asks for this list and each signature).
+#define ARMSERVE_EXPORTS(X)                                                                                    \
+  ARMSERVE_RECORDABLE(X)                                                                                       \
+  X(armserve_pack_bf16)                                                                                        \
+  X(armserve_argmax)                                                                                           \
+  X(armserve_graph_kind)                                                                                       \
+  X(armserve_graph_op_size)                                                                                    \
+  X(armserve_graph_run)                                                                                        \
+  X(armserve_select_isa)                                                                                       \
+  X(armserve_isa)                                                                                              \
+  X(armserve_qgemm_isa)                                                                                        \
+  X(armserve_dense_isa)                                                                                        \
+  X(armserve_cpu_features)                                                                                     \
+  X(armserve_set_bf16_dot)                                                                                     \
+  X(armserve_native_bf16)                                                                                      \
+  X(armserve_bind_threads)                                                                                     \
+  X(armserve_thread_cores)                                                                                     \
+  X(armserve_openmp_library)
