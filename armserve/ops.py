@@ -211,16 +211,20 @@ def native_bf16() -> bool | None:
     return None if lib is None else bool(lib.armserve_native_bf16())
 
 
-def set_bf16_dot(on: bool) -> None:
-    """Turn the bf16 dot-instruction path of the skinny matmul on or off (tests, comparisons)."""
+def set_bf16_dot(on: bool) -> bool:
+    """Allow (on) or forbid the bf16 dot instructions (tests, comparisons); returns the previous
+    setting, to restore. They are used only while the CPU and the selected variant have them, so
+    `bf16_dot()` may stay False after `set_bf16_dot(True)`."""
     lib = _load()
     if lib is None:
         raise KernelError(f"C++ kernels unavailable: {_load_error}")
     global kernel_generation
+    before = bool(lib.armserve_bf16_dot_wanted())
     _gemv_limit.clear()
     kernel_generation += 1
     if lib.armserve_set_bf16_dot(int(on)) == 2:
         raise KernelError(f"this CPU has no bf16 dot instruction (features: {' '.join(cpu_features())})")
+    return before
 
 
 def cpu_features() -> list[str]:

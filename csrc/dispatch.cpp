@@ -159,6 +159,8 @@ int32_t armserve_set_bf16_dot(int32_t on) {
   return 0;
 }
 
+int32_t armserve_bf16_dot_wanted() { return g_bf16_dot_wanted; }
+
 // Pick a variant: "" or "auto" = best for this CPU. Returns 0 on success, 1 if the name is
 // unknown on this architecture, 2 if this CPU cannot run it.
 int32_t armserve_select_isa(const char* name) {

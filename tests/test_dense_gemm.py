@@ -44,8 +44,7 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(params=dot_modes(), ids=lambda d: "dot" if d else "widen")
 def dot(request):
-    before = ops.bf16_dot()
-    ops.set_bf16_dot(request.param)
+    before = ops.set_bf16_dot(request.param)
     yield request.param
     ops.set_bf16_dot(before)
 

@@ -167,11 +167,11 @@ def test_paged_attention(isa, dtype, case):
     got = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap)
     close(got, want, dtype)
     if dtype == torch.bfloat16 and ops.bf16_dot():  # bf16 pairs also without the dot instruction
-        ops.set_bf16_dot(False)
+        before = ops.set_bf16_dot(False)
         try:
             close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
         finally:
-            ops.set_bf16_dot(True)
+            ops.set_bf16_dot(before)
 
 
 def test_paged_attention_threads_split_long_decode(isa):
@@ -245,8 +245,7 @@ def test_gemv(isa, dtype, bf16_dot):
     torch.manual_seed(11)
     shapes = ([(1, 10, 37), (3, 64, 576), (4, 130, 1000), (2, 7, 16), (9, 35, 200), (1, 40, 2048 + 24)]
               if not SMALL else [(1, 10, 37), (4, 9, 40), (9, 35, 200)])
-    before = ops.bf16_dot()
-    ops.set_bf16_dot(bf16_dot)
+    before = ops.set_bf16_dot(bf16_dot)
     try:
         for m, n, k in shapes:
             x = torch.randn(m, k).to(dtype)
@@ -277,5 +276,21 @@ def test_gemv_token_limit_follows_the_variant():
             f32 = 0 if name == "scalar" else (4 if name in ("avx2", "avx512") else 1)
             assert ops.use_gemv(torch.zeros(max(f32, 1), 8)) == (f32 > 0)
             assert not ops.use_gemv(torch.zeros(f32 + 1, 8))
+    finally:
+        ops.select_isa(before)
+
+
+def test_bf16_dot_follows_the_variant_and_the_wish():
+    """The bf16 dot instructions run only while the CPU and the selected variant have them; a wish
+    saved and restored under a variant without them is kept (not the variant's False)."""
+    has_dot = "avx512_bf16" in ops.cpu_features() or "bf16" in ops.cpu_features()
+    before = ops.isa()
+    try:
+        ops.select_isa("scalar")
+        assert not ops.bf16_dot() and not ops.native_bf16()
+        wish = ops.set_bf16_dot(False)
+        ops.set_bf16_dot(wish)
+        ops.select_isa("auto")
+        assert ops.bf16_dot() == has_dot == ops.native_bf16() or ops.isa() not in ("avx512", "neon", "sve")
     finally:
         ops.select_isa(before)
