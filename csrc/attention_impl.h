@@ -148,10 +148,36 @@ static inline vf16 load16(const void* base, int64_t i) {
     return (vf16)(__builtin_convertvector(h, vu16) << 16);
 #endif
   }
-  if (CT == CT_I8) {
-    vb16 b;
-    std::memcpy(&b, static_cast<const int8_t*>(base) + i, sizeof b);
-    return __builtin_convertvector(b, vf16);
+  if (CT == CT_I8) {  // (GCC scalarises __builtin_convertvector from int8: spelled out per ISA)
+    const int8_t* p8 = static_cast<const int8_t*>(base) + i;
+#if defined(__AVX512F__)
+    return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p8))));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p8));
+    union U {
+      vf16 v;
+      __m256 h[2];
+    } u;
+    u.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    u.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    return u.v;
+#elif defined(__aarch64__)
+    const int8x16_t b = vld1q_s8(p8);
+    const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
+    union U {
+      vf16 v;
+      float32x4_t q[4];
+    } u;
+    u.q[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+    u.q[1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+    u.q[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+    u.q[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
+    return u.v;
+#else
+    float t[16];
+    for (int j = 0; j < 16; ++j) t[j] = float(p8[j]);
+    return vload(t);
+#endif
   }
   const uint16_t* p = static_cast<const uint16_t*>(base) + i;
 #if defined(__AVX512F__)
@@ -496,37 +522,36 @@ struct Attention {
     }
   }
 
+  // The micro-kernel F<CT, nr> for a row count known only at run time (1..RB).
+#if defined(__AVX512F__)
+#define ARMSERVE_ROWS_WIDE(F, ...) \
+  case 5: return F<CT, 5>(__VA_ARGS__); \
+  case 6: return F<CT, 6>(__VA_ARGS__); \
+  case 7: return F<CT, 7>(__VA_ARGS__); \
+  case 8: return F<CT, 8>(__VA_ARGS__);
+#else
+#define ARMSERVE_ROWS_WIDE(F, ...)
+#endif
+#define ARMSERVE_ROWS(nr, F, ...)         \
+  switch (nr) {                           \
+    case 1: return F<CT, 1>(__VA_ARGS__); \
+    case 2: return F<CT, 2>(__VA_ARGS__); \
+    case 3: return F<CT, 3>(__VA_ARGS__); \
+    case 4: return F<CT, 4>(__VA_ARGS__); \
+    ARMSERVE_ROWS_WIDE(F, __VA_ARGS__)    \
+  }
+
   template <int CT>
   static void scores_n(int nr, const float* q, const uint16_t* qb, const void* kt, int hd, float* s) {
-    switch (nr) {
-      case 1: return scores<CT, 1>(q, qb, kt, hd, s);
-      case 2: return scores<CT, 2>(q, qb, kt, hd, s);
-      case 3: return scores<CT, 3>(q, qb, kt, hd, s);
-      case 4: return scores<CT, 4>(q, qb, kt, hd, s);
-#if defined(__AVX512F__)
-      case 5: return scores<CT, 5>(q, qb, kt, hd, s);
-      case 6: return scores<CT, 6>(q, qb, kt, hd, s);
-      case 7: return scores<CT, 7>(q, qb, kt, hd, s);
-      case 8: return scores<CT, 8>(q, qb, kt, hd, s);
-#endif
-    }
+    ARMSERVE_ROWS(nr, scores, q, qb, kt, hd, s)
   }
 
   template <int CT>
   static void weighted_values_n(int nr, const float* p, const void* vt, int hd, float* acc, int jn) {
-    switch (nr) {
-      case 1: return weighted_values<CT, 1>(p, vt, hd, acc, jn);
-      case 2: return weighted_values<CT, 2>(p, vt, hd, acc, jn);
-      case 3: return weighted_values<CT, 3>(p, vt, hd, acc, jn);
-      case 4: return weighted_values<CT, 4>(p, vt, hd, acc, jn);
-#if defined(__AVX512F__)
-      case 5: return weighted_values<CT, 5>(p, vt, hd, acc, jn);
-      case 6: return weighted_values<CT, 6>(p, vt, hd, acc, jn);
-      case 7: return weighted_values<CT, 7>(p, vt, hd, acc, jn);
-      case 8: return weighted_values<CT, 8>(p, vt, hd, acc, jn);
-#endif
-    }
+    ARMSERVE_ROWS(nr, weighted_values, p, vt, hd, acc, jn)
   }
+#undef ARMSERVE_ROWS
+#undef ARMSERVE_ROWS_WIDE
 
   // Fold one partition's state (m, l, acc) into a running one (M, L, T). Both the in-item walk
   // over partitions and the cross-item merge call this, in partition order: same bits either way.
