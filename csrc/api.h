@@ -99,7 +99,7 @@ const char* armserve_qgemm_isa();
 const char* armserve_dense_isa();
 void armserve_cpu_features(char* buf, int32_t n);
 int32_t armserve_set_bf16_dot(int32_t on);  // 0 ok, 2 this CPU has no bf16 dot instruction
-int32_t armserve_bf16_dot_wanted();          // the last armserve_set_bf16_dot (1 by default)
+int32_t armserve_bf16_dot_wanted();          // the last armserve_set_bf16_dot (default: the CPU has one)
 int32_t armserve_native_bf16();
 int32_t armserve_bind_threads(const int32_t* cores, int32_t n);
 int32_t armserve_thread_cores(int32_t* out, int32_t max);

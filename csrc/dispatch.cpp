@@ -133,7 +133,7 @@ bool variant_bf16(const KernelTable* t) {
   return false;
 }
 
-int g_bf16_dot_wanted = 1;  // armserve_set_bf16_dot's last word (on by default)
+int g_bf16_dot_wanted = -1;  // armserve_set_bf16_dot's last word; -1 until then: on where the CPU has one
 
 }  // namespace
 
@@ -146,7 +146,10 @@ const CpuFeatures* armserve_cpu() { return &features(); }
 // Nonzero when the selected variant computes bf16 natively on this CPU (see variant_bf16).
 int32_t armserve_native_bf16() { return variant_bf16(table()) ? 1 : 0; }
 
-static void update_bf16_dot() { armserve_bf16_dot = g_bf16_dot_wanted && variant_bf16(table()) ? 1 : 0; }
+static void update_bf16_dot() {
+  if (g_bf16_dot_wanted < 0) g_bf16_dot_wanted = has_bf16_dot() ? 1 : 0;
+  armserve_bf16_dot = g_bf16_dot_wanted && variant_bf16(table()) ? 1 : 0;
+}
 static const bool g_bf16_dot_init = (update_bf16_dot(), true);  // for the variant picked at load
 
 // Use the CPU's bf16 dot instruction in the skinny matmul (on = 1) or widen to fp32 (on = 0).
@@ -159,7 +162,7 @@ int32_t armserve_set_bf16_dot(int32_t on) {
   return 0;
 }
 
-int32_t armserve_bf16_dot_wanted() { return g_bf16_dot_wanted; }
+int32_t armserve_bf16_dot_wanted() { return g_bf16_dot_wanted > 0 ? 1 : 0; }
 
 // Pick a variant: "" or "auto" = best for this CPU. Returns 0 on success, 1 if the name is
 // unknown on this architecture, 2 if this CPU cannot run it.
