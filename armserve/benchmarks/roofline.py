@@ -169,6 +169,14 @@ def describe(roof: dict[str, Any]) -> str:
 def module_weight_bytes(model) -> int:
     """`weight_bytes_per_token` for a loaded torch module (an untied input embedding left out)."""
     params = dict(model.named_parameters())  # tied tensors appear once
-    untied = any(n.endswith("lm_head.weight") for n in params)
+    # Prepacked dense weights (models/llama.py Linear.finalize) replace their parameter; a tied
+    # head's packed copy is what decode reads instead of the table.
+    packed = {n + ".weight": m.packed for n, m in model.named_modules() if getattr(m, "packed", None) is not None}
+    tied_head = getattr(model, "tied_head", None)
+    untied = any(n.endswith("lm_head.weight") for n in params) or "lm_head.weight" in packed
+    if tied_head is not None and tied_head.packed is not None:
+        packed["lm_head.weight"] = tied_head.packed
+        untied = True
+    params.update(packed)
     return sum(p.numel() * p.element_size() for n, p in params.items()
                if not (untied and n.endswith("embed_tokens.weight")))
