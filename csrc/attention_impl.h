@@ -47,7 +47,6 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
-typedef int8_t vb16 __attribute__((vector_size(16)));
 
 static inline vf16 vload(const float* p) {
   vf16 v;
