@@ -21,7 +21,6 @@ interleaved rounds; then the bf16 and w4a8 configurations once more side by side
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
