@@ -198,8 +198,8 @@ class LlamaForCausalLM(nn.Module):
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if getattr(head, "packed", None) is not None:
             return head(hidden, torch.float32)
-        w = self.embed_tokens.weight if self.lm_head is None else None
-        if w is not None:  # tied to the embedding table
+        if self.lm_head is None:  # tied to the embedding table (not packed: not bfloat16, or no kernels)
+            w = self.embed_tokens.weight
             if ops.use_gemv(hidden):
                 return ops.cast(ops.gemv(hidden, w), torch.float32)
             return F.linear(hidden, w).float()
