@@ -116,8 +116,8 @@ class StepGraphs:
             g.set_inputs(ids, positions, block_ids)
             logits = g.capture(self.model)
             if not g.replayable:
-                # e.g. a 16-bit model's matmuls beyond the skinny kernel's token limit go to
-                # PyTorch: that batch size stays eager, the others keep their graphs
+                # e.g. a float16 model's matmuls beyond the skinny kernel's token limit go to
+                # PyTorch (bfloat16 ones run the dense GEMM at any size): that batch size stays eager
                 logger.info("decode steps of %d sequences run eagerly: the step cannot be replayed (%s)", n,
                             ", ".join(sorted(set(g.recording.errors))[:5]))
                 g.recording.keep.clear()
