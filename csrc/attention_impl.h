@@ -200,52 +200,112 @@ constexpr int kKT = 16;   // keys per tile
 constexpr int kP = 256;   // keys per partition; score rows are kP floats apart
 
 // ---- bfloat16 pairs: the dot-instruction micro-kernels (only called when armserve_bf16_dot) ----
+// Both work on a whole partition at once, handed the addresses of its tiles:
+//   scores_bf16_dot: s[r][t * 16 + j] = q[r] . key j of tile t, NR rows of bf16 queries (hd apart),
+//     kt[t]: [hd / 2][16][2]; raw dot products (the softmax scales them); s rows kP apart.
+//   values_bf16_dot: acc[r] = sum_j p[r][j] v[j] over the partition's keys (written, not added to),
+//     p: the fp32 probabilities (rounded to bf16 here, as flash attention does), rows kP apart, vt[t]: [8][hd][2] (pairs of keys);
+//     the last tile holds jn_last keys. Keys past them are never read: an odd last key's pair
+//     partner is masked off (its slot may hold anything, NaN included, and 0 * NaN is NaN).
+// Register blocking is rows x tiles (scores) and rows x 16-column chunks (values), so that each
+// broadcast query / probability feeds several dot instructions and each K/V load several rows:
+// at one load per dot instruction (rows only) the loads, not the dots, set the pace.
+// pf: up to 2 * TT tile addresses (K of the next tiles, V of these) prefetched one line per step.
 #if defined(__AVX512F__)
 #define ARMSERVE_ATTN_BF16_DOT 1
-// s[r] = q[r] . key tile for NR rows of bf16 queries (rows hd apart); kt: [hd / 2][16][2].
-template <int NR>
-__attribute__((target("avx512bf16"))) static void scores_bf16_dot(const uint16_t* q, const uint16_t* kt, int hd,
-                                                                   float* s) {
-  __m512 a[2][NR];
-  for (int u = 0; u < 2; ++u)
-    for (int r = 0; r < NR; ++r) a[u][r] = _mm512_setzero_ps();
-  for (int dp = 0; dp < hd / 2; dp += 2) {  // hd is a multiple of 16
-    for (int u = 0; u < 2; ++u) {
-      const __m512bh kv = (__m512bh)_mm512_loadu_si512(kt + (dp + u) * 2 * kKT);
+template <int NR, int TT, int U>
+__attribute__((target("avx512bf16"))) static inline void scores_tiles(const uint16_t* q, const uint16_t* const* kt,
+                                                                      int hd, float* s, const char* const* pf,
+                                                                      int npf) {
+  __m512 a[U][TT][NR];
+  for (int u = 0; u < U; ++u)
+    for (int t = 0; t < TT; ++t)
+      for (int r = 0; r < NR; ++r) a[u][t][r] = _mm512_setzero_ps();
+  for (int dp = 0; dp < hd / 2; dp += U) {  // hd / 2 is a multiple of 8
+    for (int i = 0; i < npf; ++i) __builtin_prefetch(pf[i] + dp * 64);  // a tile is hd / 2 lines
+    for (int u = 0; u < U; ++u) {
+      __m512bh kv[TT];
+      for (int t = 0; t < TT; ++t) kv[t] = (__m512bh)_mm512_loadu_si512(kt[t] + (dp + u) * 2 * kKT);
       for (int r = 0; r < NR; ++r) {
         uint32_t pair;
         std::memcpy(&pair, q + r * hd + 2 * (dp + u), 4);
-        a[u][r] = _mm512_dpbf16_ps(a[u][r], (__m512bh)_mm512_set1_epi32(int(pair)), kv);
+        const __m512bh b = (__m512bh)_mm512_set1_epi32(int(pair));
+        for (int t = 0; t < TT; ++t) a[u][t][r] = _mm512_dpbf16_ps(a[u][t][r], b, kv[t]);
       }
     }
   }
-  for (int r = 0; r < NR; ++r) _mm512_storeu_ps(s + r * kP, _mm512_add_ps(a[0][r], a[1][r]));
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < NR; ++r)
+      _mm512_storeu_ps(s + r * kP + t * kKT, U == 2 ? _mm512_add_ps(a[0][t][r], a[U - 1][t][r]) : a[0][t][r]);
 }
 
-// acc[r] += sum_j p[r][j] v[j] over the tile's first jn keys (p rows kP apart, rounded to bf16 here;
-// vt: [8][hd][2], pairs of keys).
 template <int NR>
-__attribute__((target("avx512bf16"))) static void values_bf16_dot(const float* p, const uint16_t* vt, int hd,
-                                                                   float* acc, int jn) {
-  uint32_t pb[NR][kKT / 2];
-  for (int r = 0; r < NR; ++r)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * kP)));
-  const int np = (jn + 1) / 2;
-  // An odd last key: the pair's other value belongs to a slot past the context (garbage, maybe NaN).
-  const __m512i last_mask = _mm512_set1_epi32(jn % 2 ? 0x0000ffff : -1);
-  for (int c = 0; c < hd; c += 16) {
-    __m512 a[2][NR];
-    for (int r = 0; r < NR; ++r) a[0][r] = _mm512_loadu_ps(acc + r * hd + c), a[1][r] = _mm512_setzero_ps();
-    for (int jp = 0; jp < np; jp += 2) {
-      for (int u = 0; u < 2 && jp + u < np; ++u) {  // two accumulator sets (static index: registers)
-        __m512i v = _mm512_loadu_si512(vt + (int64_t(jp + u) * hd + c) * 2);
-        if (jp + u == np - 1) v = _mm512_and_si512(v, last_mask);
-        for (int r = 0; r < NR; ++r)
-          a[u][r] = _mm512_dpbf16_ps(a[u][r], (__m512bh)_mm512_set1_epi32(int(pb[r][jp + u])), (__m512bh)v);
-      }
-    }
-    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc + r * hd + c, _mm512_add_ps(a[0][r], a[1][r]));
+static void scores_bf16_dot(const uint16_t* q, const uint16_t* const* kt, int nt, int hd, float* s,
+                            const uint16_t* const* vt) {
+  constexpr int TT = NR <= 4 ? 4 : 2;  // NR x TT accumulators: at most 16 of the 32 registers
+  const char* pf[2 * TT];
+  int t = 0;
+  for (; t + TT <= nt; t += TT) {
+    int npf = 0;
+    for (int i = t + TT; i < t + 2 * TT && i < nt; ++i) pf[npf++] = reinterpret_cast<const char*>(kt[i]);
+    for (int i = t; vt && i < t + TT; ++i) pf[npf++] = reinterpret_cast<const char*>(vt[i]);
+    scores_tiles<NR, TT, 1>(q, kt + t, hd, s + t * kKT, pf, npf);
   }
+  for (; t < nt; ++t) {  // the rest one tile at a time, two chains when few rows hide too little latency
+    int npf = 0;
+    if (vt) pf[npf++] = reinterpret_cast<const char*>(vt[t]);
+    scores_tiles<NR, 1, (NR <= 4 ? 2 : 1)>(q, kt + t, hd, s + t * kKT, pf, npf);
+  }
+}
+
+// One pair of keys into NR x CC accumulators (odd_last: the pair's second key is past the context).
+template <int NR, int CC>
+__attribute__((target("avx512bf16"), always_inline)) static inline void values_pair(__m512 (&a)[CC][NR],
+                                                                                    const uint16_t* v,
+                                                                                    const uint16_t* pp,
+                                                                                    bool odd_last) {
+  __m512i w[CC];
+  for (int cc = 0; cc < CC; ++cc) {
+    w[cc] = _mm512_loadu_si512(v + 32 * cc);
+    if (odd_last) w[cc] = _mm512_and_si512(w[cc], _mm512_set1_epi32(0x0000ffff));
+  }
+  for (int r = 0; r < NR; ++r) {
+    uint32_t pr;
+    std::memcpy(&pr, pp + r * kP, 4);
+    const __m512bh b = (__m512bh)_mm512_set1_epi32(int(pr));
+    for (int cc = 0; cc < CC; ++cc) a[cc][r] = _mm512_dpbf16_ps(a[cc][r], b, (__m512bh)w[cc]);
+  }
+}
+
+template <int NR, int CC>
+__attribute__((target("avx512bf16"))) static inline void values_cols(const uint16_t* p, const uint16_t* const* vt,
+                                                                     int nt, int jn_last, int hd, int c, float* acc) {
+  __m512 a[CC][NR];
+  for (int cc = 0; cc < CC; ++cc)
+    for (int r = 0; r < NR; ++r) a[cc][r] = _mm512_setzero_ps();
+  for (int t = 0; t + 1 < nt; ++t)
+    for (int jp = 0; jp < kKT / 2; ++jp)
+      values_pair<NR, CC>(a, vt[t] + (int64_t(jp) * hd + c) * 2, p + t * kKT + 2 * jp, false);
+  const int np = (jn_last + 1) / 2;
+  for (int jp = 0; jp < np; ++jp)
+    values_pair<NR, CC>(a, vt[nt - 1] + (int64_t(jp) * hd + c) * 2, p + (nt - 1) * kKT + 2 * jp,
+                        jn_last % 2 && jp == np - 1);
+  for (int cc = 0; cc < CC; ++cc)
+    for (int r = 0; r < NR; ++r) _mm512_storeu_ps(acc + r * hd + c + 16 * cc, a[cc][r]);
+}
+
+template <int NR>
+__attribute__((target("avx512bf16"))) static void values_bf16_dot(const float* pf, const uint16_t* const* vt, int nt,
+                                                                  int jn_last, int hd, float* acc) {
+  constexpr int CC = NR <= 4 ? 4 : 2;  // NR x CC accumulators: at most 16
+  uint16_t p[NR * kP];                 // the probabilities rounded to bf16 (the dot's operand)
+  for (int r = 0; r < NR; ++r)
+    for (int t = 0; t < nt; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kP + t * kKT),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pf + r * kP + t * kKT)));
+  int c = 0;
+  for (; c + 16 * CC <= hd; c += 16 * CC) values_cols<NR, CC>(p, vt, nt, jn_last, hd, c, acc);
+  for (; c < hd; c += 16) values_cols<NR, 1>(p, vt, nt, jn_last, hd, c, acc);
 }
 #elif defined(__aarch64__)
 #define ARMSERVE_ATTN_BF16_DOT 1
@@ -254,48 +314,62 @@ __attribute__((target("avx512bf16"))) static void values_bf16_dot(const float* p
 #else
 #define ARMSERVE_BF16_TARGET __attribute__((target("arch=armv8.2-a+bf16")))
 #endif
+// 128-bit vectors: a 16-key tile is four of them, so one tile already gives each broadcast
+// query pair four dot instructions.
 template <int NR>
-ARMSERVE_BF16_TARGET static void scores_bf16_dot(const uint16_t* q, const uint16_t* kt, int hd, float* s) {
-  float32x4_t a[NR][4];
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < 4; ++i) a[r][i] = vdupq_n_f32(0.f);
-  for (int dp = 0; dp < hd / 2; ++dp) {
-    const uint16_t* k = kt + dp * 2 * kKT;
-    bfloat16x8_t kv[4];
-    for (int i = 0; i < 4; ++i) kv[i] = vreinterpretq_bf16_u16(vld1q_u16(k + 8 * i));
-    for (int r = 0; r < NR; ++r) {
-      uint32_t pair;
-      std::memcpy(&pair, q + r * hd + 2 * dp, 4);
-      const bfloat16x8_t qv = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
-      for (int i = 0; i < 4; ++i) a[r][i] = vbfdotq_f32(a[r][i], qv, kv[i]);
+ARMSERVE_BF16_TARGET static void scores_bf16_dot(const uint16_t* q, const uint16_t* const* kt, int nt, int hd,
+                                                 float* s, const uint16_t* const* vt) {
+  for (int t = 0; t < nt; ++t) {
+    if (t + 1 < nt) __builtin_prefetch(kt[t + 1]);
+    if (vt) __builtin_prefetch(vt[t]);
+    float32x4_t a[NR][4];
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) a[r][i] = vdupq_n_f32(0.f);
+    for (int dp = 0; dp < hd / 2; ++dp) {
+      const uint16_t* k = kt[t] + dp * 2 * kKT;
+      bfloat16x8_t kv[4];
+      for (int i = 0; i < 4; ++i) kv[i] = vreinterpretq_bf16_u16(vld1q_u16(k + 8 * i));
+      for (int r = 0; r < NR; ++r) {
+        uint32_t pair;
+        std::memcpy(&pair, q + r * hd + 2 * dp, 4);
+        const bfloat16x8_t qv = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+        for (int i = 0; i < 4; ++i) a[r][i] = vbfdotq_f32(a[r][i], qv, kv[i]);
+      }
     }
+    for (int r = 0; r < NR; ++r)
+      for (int i = 0; i < 4; ++i) vst1q_f32(s + r * kP + t * kKT + 4 * i, a[r][i]);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < 4; ++i) vst1q_f32(s + r * kP + 4 * i, a[r][i]);
 }
 
 template <int NR>
-ARMSERVE_BF16_TARGET static void values_bf16_dot(const float* p, const uint16_t* vt, int hd, float* acc, int jn) {
-  uint32_t pb[NR][kKT / 2];
+ARMSERVE_BF16_TARGET static void values_bf16_dot(const float* pf, const uint16_t* const* vt, int nt, int jn_last,
+                                                 int hd, float* acc) {
+  uint16_t p[NR * kP];  // the probabilities rounded to bf16 (the dot's operand)
   for (int r = 0; r < NR; ++r)
-    for (int i = 0; i < kKT / 2; ++i) pb[r][i] = uint32_t(f32_to_bf16(p[r * kP + 2 * i])) |
-                                                  uint32_t(f32_to_bf16(p[r * kP + 2 * i + 1])) << 16;
-  const int np = (jn + 1) / 2;
-  const uint32x4_t last_mask = vdupq_n_u32(jn % 2 ? 0x0000ffffu : 0xffffffffu);
+    for (int j = 0; j < nt * kKT; j += 8) {
+      const bfloat16x8_t lo = vcvtq_low_bf16_f32(vld1q_f32(pf + r * kP + j));
+      vst1q_u16(p + r * kP + j, vreinterpretq_u16_bf16(vcvtq_high_bf16_f32(lo, vld1q_f32(pf + r * kP + j + 4))));
+    }
+  const uint32x4_t odd_mask = vdupq_n_u32(0x0000ffffu);
   for (int c = 0; c < hd; c += 16) {
     float32x4_t a[NR][4];
     for (int r = 0; r < NR; ++r)
-      for (int i = 0; i < 4; ++i) a[r][i] = vld1q_f32(acc + r * hd + c + 4 * i);
-    for (int jp = 0; jp < np; ++jp) {
-      bfloat16x8_t v[4];
-      for (int i = 0; i < 4; ++i) {
-        uint32x4_t w = vreinterpretq_u32_u16(vld1q_u16(vt + (int64_t(jp) * hd + c + 4 * i) * 2));
-        if (jp == np - 1) w = vandq_u32(w, last_mask);
-        v[i] = vreinterpretq_bf16_u32(w);
-      }
-      for (int r = 0; r < NR; ++r) {
-        const bfloat16x8_t pv = vreinterpretq_bf16_u32(vdupq_n_u32(pb[r][jp]));
-        for (int i = 0; i < 4; ++i) a[r][i] = vbfdotq_f32(a[r][i], pv, v[i]);
+      for (int i = 0; i < 4; ++i) a[r][i] = vdupq_n_f32(0.f);
+    for (int t = 0; t < nt; ++t) {
+      const int jn = t + 1 < nt ? kKT : jn_last, np = (jn + 1) / 2;
+      for (int jp = 0; jp < np; ++jp) {
+        bfloat16x8_t v[4];
+        for (int i = 0; i < 4; ++i) {
+          uint32x4_t w = vreinterpretq_u32_u16(vld1q_u16(vt[t] + (int64_t(jp) * hd + c + 4 * i) * 2));
+          if (jn % 2 && jp == np - 1) w = vandq_u32(w, odd_mask);
+          v[i] = vreinterpretq_bf16_u32(w);
+        }
+        for (int r = 0; r < NR; ++r) {
+          uint32_t pr;
+          std::memcpy(&pr, p + r * kP + t * kKT + 2 * jp, 4);
+          const bfloat16x8_t pv = vreinterpretq_bf16_u32(vdupq_n_u32(pr));
+          for (int i = 0; i < 4; ++i) a[r][i] = vbfdotq_f32(a[r][i], pv, v[i]);
+        }
       }
     }
     for (int r = 0; r < NR; ++r)
@@ -437,11 +511,7 @@ struct Attention {
   // s[r][0..16) = q[r] . key tile for NR rows of queries (fp32 rows `q`, and for a bfloat16 cache
   // the same rows in bf16, `qb`; rows hd apart; s rows P apart). kt: [hd][16], or [hd / 2][16][2].
   template <int CT, int NR>
-  static void scores(const float* q, const uint16_t* qb, const void* kt, int hd, float* s) {
-#ifdef ARMSERVE_ATTN_BF16_DOT
-    if (CT == CT_BF16 && armserve_bf16_dot) return scores_bf16_dot<NR>(qb, static_cast<const uint16_t*>(kt), hd, s);
-#endif
-    (void)qb;
+  static void scores(const float* q, const void* kt, int hd, float* s) {
     if (CT == CT_BF16) {  // pairs widened: even head dims by a shift, odd ones by a mask
       vf16 a[2][NR];
       for (int u = 0; u < 2; ++u)
@@ -477,10 +547,6 @@ struct Attention {
   // 0 * NaN is NaN.
   template <int CT, int NR>
   static void weighted_values(const float* p, const void* vt, int hd, float* acc, int jn) {
-#ifdef ARMSERVE_ATTN_BF16_DOT
-    if (CT == CT_BF16 && armserve_bf16_dot)
-      return values_bf16_dot<NR>(p, static_cast<const uint16_t*>(vt), hd, acc, jn);
-#endif
     if (CT == CT_BF16) {  // pairs of keys widened: the even key by a shift, the odd one by a mask
       const uint16_t* v16 = static_cast<const uint16_t*>(vt);
       for (int c = 0; c < hd; c += 16) {
@@ -541,9 +607,30 @@ struct Attention {
   }
 
   template <int CT>
-  static void scores_n(int nr, const float* q, const uint16_t* qb, const void* kt, int hd, float* s) {
-    ARMSERVE_ROWS(nr, scores, q, qb, kt, hd, s)
+  static void scores_n(int nr, const float* q, const void* kt, int hd, float* s) {
+    ARMSERVE_ROWS(nr, scores, q, kt, hd, s)
   }
+#ifdef ARMSERVE_ATTN_BF16_DOT
+  template <int CT, int NR>  // (CT: the switch's shape; only bfloat16 gets here)
+  static void scores_dot(const uint16_t* q, const uint16_t* const* kt, int nt, int hd, float* s,
+                         const uint16_t* const* vt) {
+    scores_bf16_dot<NR>(q, kt, nt, hd, s, vt);
+  }
+  template <int CT, int NR>
+  static void values_dot(const float* p, const uint16_t* const* vt, int nt, int jn_last, int hd, float* acc) {
+    values_bf16_dot<NR>(p, vt, nt, jn_last, hd, acc);
+  }
+  template <int CT>
+  static void scores_dot_n(int nr, const uint16_t* q, const uint16_t* const* kt, int nt, int hd, float* s,
+                           const uint16_t* const* vt) {
+    ARMSERVE_ROWS(nr, scores_dot, q, kt, nt, hd, s, vt)
+  }
+  template <int CT>
+  static void values_dot_n(int nr, const float* p, const uint16_t* const* vt, int nt, int jn_last, int hd,
+                           float* acc) {
+    ARMSERVE_ROWS(nr, values_dot, p, vt, nt, jn_last, hd, acc)
+  }
+#endif
 
   template <int CT>
   static void weighted_values_n(int nr, const float* p, const void* vt, int hd, float* acc, int jn) {
@@ -620,14 +707,21 @@ struct Attention {
     float* sb = st + 4 * R;  // [RB][P]: one row block's scores, then probabilities, over a partition
     // The queries as fp32, and for a bfloat16 cache also as they are (the dot instructions' operand).
     uint16_t* qb = CT == CT_BF16 ? reinterpret_cast<uint16_t*>(scratch(4, int64_t(R) * hd / 2 + 1)) : nullptr;
+#ifdef ARMSERVE_ATTN_BF16_DOT
+    const bool dot = CT == CT_BF16 && armserve_bf16_dot;
+#else
+    const bool dot = false;
+#endif
+    const bool prescale = CT == CT_I8 || a.softcap > 0.f || !(a.scale > 0.f);
+    const float xs = prescale ? 1.f : a.scale;  // the scale applied inside the exponential
 
     for (int i = 0; i < w.qn; ++i) {
       const int64_t tok = b->q_start[w.seq] + w.q0 + i;
       for (int g = 0; g < group; ++g) {
         const int64_t r = i * group + g;
         const char* src = static_cast<const char*>(a.q) + (tok * a.q_stride + int64_t(w.head * group + g) * hd) * es;
-        Isa::load(a.dtype, src, qf + r * hd, hd);
         if (CT == CT_BF16) std::memcpy(qb + r * hd, src, sizeof(uint16_t) * hd);
+        if (!dot) Isa::load(a.dtype, src, qf + r * hd, hd);
       }
     }
     for (int r = 0; r < R; ++r) M[r] = -INFINITY, L[r] = 0.f;
@@ -646,72 +740,91 @@ struct Attention {
       // reduction per row and partition), then the values.
       const int k0 = imax(lo, p * P), k1 = imin(hi, (p + 1) * P);
       const int t0 = k0 / KT * KT, nt = (k1 - t0 + KT - 1) / KT;  // tiles [t0, t0 + nt * KT)
-      std::memset(acc, 0, sizeof(float) * R * hd);
+      const int jn_last = k1 - (t0 + (nt - 1) * KT);              // keys read from the last tile
+      const char* ktp[P / KT];
+      const char* vtp[P / KT];
+      int64_t slots[P / KT];
+      for (int t = 0; t < nt; ++t) {  // tiles are scattered: each one's address, once
+        const int j0 = t0 + t * KT;
+        slots[t] = int64_t(bt[j0 / bs]) * bs + j0 % bs;
+        ktp[t] = kbase + k_index(slots[t], bs, a.hk, w.head, hd, 0, pairs) * cs;
+        vtp[t] = vbase + v_index(slots[t], bs, a.hk, w.head, hd, 0, pairs) * cs;
+      }
+      if (!dot) std::memset(acc, 0, sizeof(float) * R * hd);
       for (int r0 = 0; r0 < R; r0 += RB) {
         const int nr = imin(RB, R - r0);
-        for (int t = 0; t < nt; ++t) {
-          const int j0 = t0 + t * KT;
-          const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
-          if (r0 == 0 && t + 1 < nt) {  // the next tile is usually another block: too far for the prefetcher
-            const int64_t next = int64_t(bt[(j0 + KT) / bs]) * bs + (j0 + KT) % bs;
-            prefetch(kbase + k_index(next, bs, a.hk, w.head, hd, 0, pairs) * cs, int64_t(hd) * KT * cs);
-            prefetch(vbase + v_index(next, bs, a.hk, w.head, hd, 0, pairs) * cs, int64_t(hd) * KT * cs);
+        if (dot) {
+#ifdef ARMSERVE_ATTN_BF16_DOT
+          // (first row block: also prefetches the next K tiles and this partition's V tiles)
+          scores_dot_n<CT>(nr, qb + int64_t(r0) * hd, reinterpret_cast<const uint16_t* const*>(ktp), nt, hd, sb,
+                           r0 == 0 ? reinterpret_cast<const uint16_t* const*>(vtp) : nullptr);
+#endif
+        } else {
+          for (int t = 0; t < nt; ++t) {
+            if (r0 == 0 && t + 1 < nt) {  // the next tile is usually another block: too far for the prefetcher
+              prefetch(ktp[t + 1], int64_t(hd) * KT * cs);
+              prefetch(vtp[t + 1], int64_t(hd) * KT * cs);
+            }
+            scores_n<CT>(nr, qf + int64_t(r0) * hd, ktp[t], hd, sb + t * KT);
           }
-          scores_n<CT>(nr, qf + int64_t(r0) * hd, CT == CT_BF16 ? qb + int64_t(r0) * hd : nullptr,
-                       kbase + k_index(slot, bs, a.hk, w.head, hd, 0, pairs) * cs, hd, sb + t * KT);
-          // softmax scale (and an int8 cache's per-key scales) on the scores, not the queries: the
-          // bf16 dot takes the queries as they are
-          const vf16 sc = CT == CT_I8 ? vload(a.ks + block_base(slot, bs, a.hk, w.head) + slot % bs) * a.scale
-                                      : vsplat(a.scale);
-          for (int r = 0; r < nr; ++r) vstore(sb + r * P + t * KT, vload(sb + r * P + t * KT) * sc);
         }
         for (int r = 0; r < nr; ++r) {
           float* sr = sb + r * P;
           const int pos = first + (r0 + r) / group;
           const int klo = imax(k0, a.window > 0 ? pos - a.window + 1 : 0), khi = imin(k1, pos + 1);
+          // The softmax scale goes into the exponential (one FMA) unless the scores need it first:
+          // an int8 cache's per-key scales, a soft cap. It stays off the queries: the bf16 dot
+          // takes them as they are.
           vf16 mv = vsplat(-INFINITY);
           for (int t = 0; t < nt; ++t) {
             const int j0 = t0 + t * KT;
             vf16 sv = vload(sr + t * KT);
-            if (a.softcap > 0.f)
-              for (int j = 0; j < KT; ++j) sv[j] = std::tanh(sv[j] / a.softcap) * a.softcap;
+            bool changed = false;
+            if (prescale) {
+              const vf16 sc = CT == CT_I8 ? vload(a.ks + block_base(slots[t], bs, a.hk, w.head) + slots[t] % bs) * a.scale
+                                          : vsplat(a.scale);
+              sv *= sc;
+              if (a.softcap > 0.f)
+                for (int j = 0; j < KT; ++j) sv[j] = std::tanh(sv[j] / a.softcap) * a.softcap;
+              changed = true;
+            }
             if (!(j0 >= imax(k0, lo_all) && j0 + KT <= imin(k1, first + 1))) {  // a tile at an edge
               vi16 keys;
               for (int j = 0; j < KT; ++j) keys[j] = j0 + j;
               sv = (keys >= klo) & (keys < khi) ? sv : vsplat(-INFINITY);
+              changed = true;
             }
-            vstore(sr + t * KT, sv);
+            if (changed) vstore(sr + t * KT, sv);
             mv = mv > sv ? mv : sv;
           }
           const float mr = hmax(mv);
-          m[r0 + r] = mr;
+          m[r0 + r] = mr * xs;  // the max in scaled units, as the merge wants it
           if (mr == -INFINITY) {  // no key of this partition is visible to this row
             l[r0 + r] = 0.f;
             std::memset(sr, 0, sizeof(float) * nt * KT);
             continue;
           }
           vf16 lv = vf16{};
-          const vf16 mrv = vsplat(mr), ninf = vsplat(-INFINITY);
+          const vf16 xsv = vsplat(xs), off = vsplat(-mr * xs), ninf = vsplat(-INFINITY);
           for (int t = 0; t < nt; ++t) {
             const vf16 sv = vload(sr + t * KT);
-            vf16 pv = vexp(sv - mrv);
+            vf16 pv = vexp(vfma(sv, xsv, off));
             pv = sv == ninf ? vf16{} : pv;
             lv += pv;
-            if (CT == CT_I8) {  // V's scale, once per key rather than per element
-              const int j0 = t0 + t * KT;
-              const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
-              pv *= vload(a.vs + block_base(slot, bs, a.hk, w.head) + slot % bs);
-            }
+            if (CT == CT_I8)  // V's scale, once per key rather than per element
+              pv *= vload(a.vs + block_base(slots[t], bs, a.hk, w.head) + slots[t] % bs);
             vstore(sr + t * KT, pv);
           }
           l[r0 + r] = hsum(lv);
         }
-        for (int t = 0; t < nt; ++t) {
-          const int j0 = t0 + t * KT;
-          const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
-          weighted_values_n<CT>(nr, sb + t * KT, vbase + v_index(slot, bs, a.hk, w.head, hd, 0, pairs) * cs, hd,
-                                acc + int64_t(r0) * hd,
-                                imin(KT, k1 - j0));
+        if (dot) {
+#ifdef ARMSERVE_ATTN_BF16_DOT
+          values_dot_n<CT>(nr, sb, reinterpret_cast<const uint16_t* const*>(vtp), nt, jn_last, hd,
+                           acc + int64_t(r0) * hd);
+#endif
+        } else {
+          for (int t = 0; t < nt; ++t)
+            weighted_values_n<CT>(nr, sb + t * KT, vtp[t], hd, acc + int64_t(r0) * hd, t + 1 < nt ? KT : jn_last);
         }
       }
       if (w.part >= 0) {  // a partition of its own: the merge pass combines it with the others
