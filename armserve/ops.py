@@ -237,12 +237,6 @@ def cpu_features() -> list[str]:
     return buf.value.decode().split()
 
 
-def supports(t: torch.Tensor) -> bool:
-    """True when the kernels are on and handle `t`'s dtype (the layers' fast-path test)."""
-    lib = _lib if _loaded else _load()
-    return lib is not None and t.dtype in _DTYPE_CODES
-
-
 def bind_threads(cores: list[int]) -> None:
     """Run one OpenMP thread (PyTorch's too: the runtime is shared) per listed core, pinned."""
     lib = _load()
@@ -599,29 +593,68 @@ GEMV_MAX_TOKENS = 4
 _gemv_limit: dict[torch.dtype, int] = {}
 
 
-def use_gemv(x: torch.Tensor) -> bool:
-    """Whether a dense linear layer on `x` should take the skinny-matmul kernel."""
-    if x.dim() != 2 or not supports(x):
+# ---- kernel or PyTorch: the one place that decides ---------------------------------------------
+# Every layer asks `use_kernel` and runs its PyTorch reference otherwise (what ARMSERVE_ISA=torch,
+# a missing library or an unsupported input get); no layer applies a rule of its own.
+KERNEL_OPS = ("rms_norm", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack", "dense_pack",
+              "dense", "gemv", "small", "argmax")
+
+
+def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None) -> bool:
+    """Whether `op` runs its C++ kernel on `x` (a tensor, or for "attention" the model dtype).
+
+    - "rms_norm", "rotary", "act_and_mul", "embedding", "qgemm" (x: the activations): any kernel
+      dtype (float32, bfloat16, float16).
+    - "attention": a kernel dtype and `head_dim` a multiple of 16 (the kernel walks head_dim in
+      16-lane vectors).
+    - "dense_pack": x is a weight to prepack at load for the dense GEMM, which then serves every
+      row count on every variant: bfloat16 matrices. "dense": activations x for a prepacked
+      weight: bfloat16 rows (else, or with the kernels switched off after loading, the weight is
+      unpacked for PyTorch).
+    - "qgemm_pack": x holds quantized weight codes, packed at load for the w4a8 / w8a8 GEMM (the
+      layer then keeps no PyTorch copy): whenever the kernels are on.
+    - "gemv": a few rows of x against an unpacked 16/32-bit weight: the skinny matmul up to the
+      variant's row limit (beyond it PyTorch's GEMM is faster).
+    - "small": an elementwise op (add_bias, mul_cols, cast) on the few rows of a decode step, so
+      that the step stays kernel calls only (step_graph.py); PyTorch's threaded ops beyond.
+    - "argmax": float32 rows with unit column stride.
+    """
+    lib = _lib if _loaded else _load()
+    if lib is None:
         return False
-    limit = _gemv_limit.get(x.dtype)
+    dtype = x if isinstance(x, torch.dtype) else x.dtype
+    if op in ("rms_norm", "rotary", "act_and_mul", "embedding", "qgemm"):
+        return dtype in _DTYPE_CODES
+    if op == "attention":
+        return dtype in _DTYPE_CODES and head_dim is not None and head_dim % 16 == 0
+    if op in ("dense_pack", "dense"):
+        return x.dim() == 2 and dtype == torch.bfloat16
+    if op == "qgemm_pack":
+        return True
+    if op == "gemv":
+        return x.dim() == 2 and dtype in _DTYPE_CODES and x.shape[0] <= gemv_limit(dtype)
+    if op == "small":
+        return x.dim() == 2 and x.shape[0] <= SMALL_OP_ROWS and dtype in _DTYPE_CODES
+    if op == "argmax":
+        return dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    raise ValueError(f"unknown kernel op {op!r}; one of {', '.join(KERNEL_OPS)}")
+
+
+def gemv_limit(dtype: torch.dtype) -> int:
+    """The most rows the skinny matmul takes for weights of `dtype` on the selected variant."""
+    limit = _gemv_limit.get(dtype)
     if limit is None:
         variant = isa()
-        if x.dtype == torch.float32:
+        if dtype == torch.float32:
             # No widening: on x86 the kernel beat PyTorch's sgemv up to 4 tokens (AVX2 and
             # AVX-512, 1 and 2 threads; PyTorch's did not use the second thread). The scalar
             # reference variant never does.
             limit = 0 if variant == "scalar" else (GEMV_MAX_TOKENS if variant in ("avx2", "avx512") else 1)
         else:
-            wide = variant == "avx512" or (x.dtype == torch.bfloat16 and bf16_dot())
+            wide = variant == "avx512" or (dtype == torch.bfloat16 and bf16_dot())
             limit = GEMV_MAX_TOKENS if wide else 1
-        _gemv_limit[x.dtype] = limit
-    return x.shape[0] <= limit
-
-
-def packs_dense(w: torch.Tensor) -> bool:
-    """Whether a dense layer's weight is prepacked at load for `dense` (bfloat16 with the kernels on:
-    the dense GEMM then serves every row count, decode and prefill, on every variant)."""
-    return w.dim() == 2 and w.dtype == torch.bfloat16 and available()
+        _gemv_limit[dtype] = limit
+    return limit
 
 
 def dense(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -629,8 +662,7 @@ def dense(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out_dtype: torc
 
     The kernels can be switched off after loading (tests force the PyTorch path): the packed
     weight is then unpacked for PyTorch's GEMM, slowly but with the same values."""
-    lib = _lib if _loaded else _load()
-    if lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
+    if use_kernel("dense", x):
         return gemm_bf16(x, packed, n, k, out_dtype=out_dtype or torch.bfloat16)
     out = F.linear(x, unpack_bf16_ref(packed, n, k).to(x.dtype))
     return out if out_dtype is None else out.to(out_dtype)
@@ -651,11 +683,6 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # threaded, for the few rows of a decode step: beyond `SMALL_OP_ROWS` rows PyTorch's threaded ops
 # are the better choice.
 SMALL_OP_ROWS = 64
-
-
-def small_op(t: torch.Tensor) -> bool:
-    """Whether the layers should apply add_bias / mul_cols / cast to `t` rather than PyTorch."""
-    return t.dim() == 2 and t.shape[0] <= SMALL_OP_ROWS and supports(t)
 
 
 def add_bias(out: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

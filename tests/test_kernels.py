@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -271,11 +273,11 @@ def test_gemv_token_limit_follows_the_variant():
             for dtype in (torch.bfloat16, torch.float16):
                 wide = name == "avx512" or (dtype == torch.bfloat16 and ops.bf16_dot())
                 limit = 4 if wide else 1
-                assert ops.use_gemv(torch.zeros(limit, 8, dtype=dtype))
-                assert not ops.use_gemv(torch.zeros(limit + 1, 8, dtype=dtype))
+                assert ops.use_kernel("gemv", torch.zeros(limit, 8, dtype=dtype))
+                assert not ops.use_kernel("gemv", torch.zeros(limit + 1, 8, dtype=dtype))
             f32 = 0 if name == "scalar" else (4 if name in ("avx2", "avx512") else 1)
-            assert ops.use_gemv(torch.zeros(max(f32, 1), 8)) == (f32 > 0)
-            assert not ops.use_gemv(torch.zeros(f32 + 1, 8))
+            assert ops.use_kernel("gemv", torch.zeros(max(f32, 1), 8)) == (f32 > 0)
+            assert not ops.use_kernel("gemv", torch.zeros(f32 + 1, 8))
     finally:
         ops.select_isa(before)
 
@@ -294,3 +296,25 @@ def test_bf16_dot_follows_the_variant_and_the_wish():
         assert ops.bf16_dot() == has_dot == ops.native_bf16() or ops.isa() not in ("avx512", "neon", "sve")
     finally:
         ops.select_isa(before)
+
+
+def test_use_kernel_is_the_one_decision():
+    """Each op's rule, an unknown op named in the error, and ARMSERVE_ISA=torch switching every op
+    to PyTorch (checked in a fresh process: the choice is made when the library loads)."""
+    bf, f32 = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 64)
+    for op in ("rms_norm", "rotary", "act_and_mul", "embedding", "qgemm"):
+        assert ops.use_kernel(op, bf) and ops.use_kernel(op, f32) and not ops.use_kernel(op, bf.to(torch.float64))
+    assert ops.use_kernel("attention", torch.bfloat16, head_dim=64)
+    assert not ops.use_kernel("attention", torch.bfloat16, head_dim=72)  # not a multiple of 16
+    assert ops.use_kernel("dense_pack", bf) and not ops.use_kernel("dense_pack", f32)
+    assert ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS, 8))
+    assert not ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS + 1, 8))
+    assert ops.use_kernel("argmax", f32) and not ops.use_kernel("argmax", f32.t())
+    with pytest.raises(ValueError, match="unknown kernel op 'softmax'"):
+        ops.use_kernel("softmax", f32)
+    code = ("import torch; from armserve import ops; x = torch.zeros(2, 64, dtype=torch.bfloat16); "
+            "print(sum(ops.use_kernel(op, torch.bfloat16 if op == 'attention' else x, head_dim=64) "
+            "for op in ops.KERNEL_OPS))")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, ARMSERVE_ISA="torch"),
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0", out

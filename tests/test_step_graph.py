@@ -182,12 +182,26 @@ def test_graph_steps_equal_eager_steps(tiny_checkpoints, qwen2_biased, arch):
     assert all(graphs.graphs[b].replayable for b in (1, 3, 6)), {b: g.recording.errors for b, g in graphs.graphs.items()}
 
 
+def test_bucketed_graph_steps_pad_and_equal_eager(qwen2_biased):
+    # beyond 8 sequences a step replays the graph of the next multiple of 8, its extra rows a dummy
+    # sequence writing to the spare cache block: the real rows must come out exactly as eager ones
+    from armserve.engine.step_graph import graph_batch
+
+    assert [graph_batch(n) for n in (1, 8, 9, 16, 17, 64)] == [1, 8, 16, 16, 24, 64]
+    eager, graph, llm = eager_and_graph(qwen2_biased, [11, 20])
+    assert graph == eager
+    runner = llm.llm_engine.runner
+    assert runner.kv_cache.shape[2] == llm.llm_engine.kv.num_blocks + 1  # the spare block
+    assert {16, 24} <= set(runner.graphs.graphs) and all(runner.graphs.graphs[b].replayable for b in (16, 24))
+    assert runner.graphs.replays > 20
+
+
 def test_graph_steps_equal_eager_float32(tiny_checkpoints):
     # float32 dense layers take the skinny matmul up to its token limit on x86 SIMD (1 elsewhere);
     # the scalar reference variant leaves them to PyTorch, so its float32 steps stay eager
     eager, graph, llm = eager_and_graph(tiny_checkpoints["llama"], [1, 2], dtype="float32")
     assert graph == eager
-    assert llm.llm_engine.runner.graphs.graphs[1].replayable == ops.use_gemv(torch.zeros(1, 8))
+    assert llm.llm_engine.runner.graphs.graphs[1].replayable == ops.use_kernel("gemv", torch.zeros(1, 8))
 
 
 def test_graph_steps_equal_eager_int8_cache_with_key_smoothing(qwen2_biased):

@@ -15,7 +15,7 @@ from armserve.engine.sampler import (
 )
 from armserve import ops
 from armserve.engine.scheduler import SchedulerOutput
-from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs
+from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs, graph_batch
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
 
 
@@ -55,10 +55,10 @@ class ModelRunner:
     Cache layout (one allocation; layer i's K is kv_cache[0, i], its V kv_cache[1, i], each seen
     in the block layout of layers/attention.py, K with its 16-key tiles transposed):
 
-        kv_cache  [2, layers, num_blocks, kv_heads, block_size, head_dim]   cache_dtype
-        kv_scales [2, layers, num_blocks, kv_heads, block_size]             float32, int8 cache only
+        kv_cache  [2, layers, num_blocks + 1, kv_heads, block_size, head_dim]   cache_dtype
+        kv_scales [2, layers, num_blocks + 1, kv_heads, block_size]             float32, int8 cache only
 
-    A scale lives in the same block as its row, so anything that keeps a block (prefix caching)
+    (block `num_blocks` is no sequence's: step-graph padding rows write there). A scale lives in the same block as its row, so anything that keeps a block (prefix caching)
     keeps its scales with it.
     """
 
@@ -76,10 +76,11 @@ class ModelRunner:
         attn_layers = model.attention_layers()
         a0 = attn_layers[0]
         slots = num_blocks * block_size
-        k_shape, v_shape, s_shape = kv_cache_shapes(num_blocks, block_size, a0.num_kv_heads, a0.head_dim,
+        # One block more than the scheduler hands out: the step graphs' padding rows write there.
+        k_shape, v_shape, s_shape = kv_cache_shapes(num_blocks + 1, block_size, a0.num_kv_heads, a0.head_dim,
                                                    self.cache_dtype)
         # One allocation for all layers; torch.empty touches no pages until they are written.
-        self.kv_cache = torch.empty(2, len(attn_layers), num_blocks, a0.num_kv_heads, block_size, a0.head_dim,
+        self.kv_cache = torch.empty(2, len(attn_layers), num_blocks + 1, a0.num_kv_heads, block_size, a0.head_dim,
                                     dtype=self.cache_dtype)
         self.kv_scales: torch.Tensor | None = None
         if self.cache_dtype == torch.int8:
@@ -95,13 +96,12 @@ class ModelRunner:
         self.sampler = Sampler()
         # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
         # switches to the PyTorch path (the reference the kernels are tested against).
-        self.use_kernels = (ops.available() and dtype in (torch.float32, torch.bfloat16, torch.float16)
-                            and a0.head_dim % 16 == 0)  # the attention kernel walks head_dim in 16s
+        self.use_kernels = ops.use_kernel("attention", dtype, head_dim=a0.head_dim)
         # Decode steps replayed from recorded kernel calls (step_graph.py); block tables wide
         # enough for the longest sequence.
         max_blocks = -(-(max_model_len or slots) // block_size)
         self.graphs = StepGraphs(model, min(max_blocks, num_blocks), block_size,
-                                 enabled=self.use_kernels and not enforce_eager)
+                                 enabled=self.use_kernels and not enforce_eager, pad_block=num_blocks)
 
     # ---- input preparation ------------------------------------------------------------------
 
@@ -191,7 +191,7 @@ class ModelRunner:
     def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Logits of a step of decodes only (one token per request, each sampled, no prompt
         logprobs) from a step graph; None when the step must run eagerly."""
-        if not (self.use_kernels and self.graphs.enabled) or len(out.scheduled) > MAX_GRAPH_BATCH:
+        if not (self.use_kernels and self.graphs.enabled) or graph_batch(len(out.scheduled)) > MAX_GRAPH_BATCH:
             return None
         ids, positions, blocks = [], [], []
         for s in out.scheduled:

@@ -308,7 +308,7 @@ def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator]
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """Greedy token per row: the kernel's argmax where it can (PyTorch's takes ~0.3 ms over a 150k
     vocabulary, a fair part of a small model's decode step); the same answer, NaNs included."""
-    if logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1 and ops.available():
+    if ops.use_kernel("argmax", logits):
         return ops.argmax(logits)
     return logits.argmax(dim=-1)
 

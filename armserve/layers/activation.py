@@ -24,7 +24,7 @@ class SiluAndMul(nn.Module):
     act = "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if ops.supports(x):
+        if ops.use_kernel("act_and_mul", x):
             return ops.act_and_mul(x, self.act)
         return act_and_mul_ref(x, self.act)
 

@@ -228,7 +228,7 @@ class Attention(nn.Module):
         quantized = self.k_scale is not None
         if self.k_mul is not None:
             # in place: q and k are this layer's own (rotary) outputs, used only here
-            if md.kernel_batch is not None and ops.small_op(q):
+            if md.kernel_batch is not None and ops.use_kernel("small", q):
                 q, k = ops.mul_cols(q, self.q_mul), ops.mul_cols(k, self.k_mul)
             else:
                 q = q.mul_(self.q_mul)

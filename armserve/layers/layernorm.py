@@ -40,7 +40,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        if ops.supports(x):
+        if ops.use_kernel("rms_norm", x):
             out = ops.rms_norm(x, self.weight, self.eps, residual, self.offset)
             return out if residual is None else (out, residual)
         out, summed = rms_norm_ref(x, self.weight, self.eps, residual, self.offset)

@@ -285,7 +285,6 @@ class QuantizedLinear(nn.Module):
             else:
                 groups.append([qt])
         col = 0
-        use_kernels = ops.available()
         for run in groups:
             qt = kernel_scales(QuantizedTensor(
                 run[0].fmt,
@@ -295,7 +294,7 @@ class QuantizedLinear(nn.Module):
                 run[0].group,
             ))  # the PyTorch path (ref) then applies the kernels' scales too
             n = qt.codes.shape[0]
-            if use_kernels:
+            if ops.use_kernel("qgemm_pack", qt.codes):
                 self.parts.append(_Part(qt.fmt, qt.group, col, n, pack(qt), None))
             else:
                 self.parts.append(_Part(qt.fmt, qt.group, col, n, None, qt))
@@ -309,7 +308,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.parts and self.parts[0].packed is not None and ops.supports(x2):
+        if self.parts and self.parts[0].packed is not None and ops.use_kernel("qgemm", x2):
             out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             acts: dict[int, tuple] = {}
             for p in self.parts:
@@ -319,7 +318,7 @@ class QuantizedLinear(nn.Module):
         else:
             out = self._forward_ref(x2)
         if self.bias is not None:
-            if ops.small_op(out):
+            if ops.use_kernel("small", out):
                 ops.add_bias(out, self.bias)  # a decode step stays kernel calls only (step_graph.py)
             else:
                 out += self.bias

@@ -79,7 +79,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D] (views into a fused qkv are rotated in place)."""
-        if ops.supports(q):
+        if ops.use_kernel("rotary", q):
             ops.rotary(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
             return q, k
         return rotary_ref(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)

@@ -42,7 +42,7 @@ class Linear(nn.Module):
 
     def finalize(self) -> None:
         """Repack the weight into the kernel layout once (process_weights_after_loading)."""
-        if ops.packs_dense(self.weight):
+        if ops.use_kernel("dense_pack", self.weight):
             self.packed = ops.pack_bf16(self.weight.data)
             self.weight = None  # the packed copy is the weight now
 
@@ -50,11 +50,11 @@ class Linear(nn.Module):
         if self.packed is not None:
             out = ops.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
             if self.bias is not None:
-                out = ops.add_bias(out, self.bias) if ops.small_op(out) else out.add_(self.bias)
+                out = ops.add_bias(out, self.bias) if ops.use_kernel("small", out) else out.add_(self.bias)
             return out
         # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
         # the weight near copy speed and PyTorch's bf16 GEMM does not.
-        if ops.use_gemv(x):
+        if ops.use_kernel("gemv", x):
             out = ops.gemv(x, self.weight)
             out = out if self.bias is None else ops.add_bias(out, self.bias)
         else:
@@ -81,7 +81,7 @@ class VocabEmbedding(nn.Module):
         self.weight = _param(vocab_size, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if ops.supports(self.weight) and input_ids.dim() == 1:
+        if ops.use_kernel("embedding", self.weight) and input_ids.dim() == 1:
             return ops.embedding(input_ids, self.weight)
         return F.embedding(input_ids, self.weight)
 
@@ -200,12 +200,12 @@ class LlamaForCausalLM(nn.Module):
             return head(hidden, torch.float32)
         if self.lm_head is None:  # tied to the embedding table (not packed: not bfloat16, or no kernels)
             w = self.embed_tokens.weight
-            if ops.use_gemv(hidden):
+            if ops.use_kernel("gemv", hidden):
                 return ops.cast(ops.gemv(hidden, w), torch.float32)
             return F.linear(hidden, w).float()
         logits = self.lm_head(hidden)
         # the kernels' cast: a decode step then stays kernel calls only (engine/step_graph.py)
-        return ops.cast(logits, torch.float32) if ops.small_op(logits) else logits.float()
+        return ops.cast(logits, torch.float32) if ops.use_kernel("small", logits) else logits.float()
 
     def process_weights_after_loading(self) -> None:
         """Prepack every bfloat16 dense weight for the GEMM kernel, once. A head tied to the
@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()
-        if self.lm_head is None and ops.packs_dense(self.embed_tokens.weight):
+        if self.lm_head is None and ops.use_kernel("dense_pack", self.embed_tokens.weight):
             vocab, hidden = self.embed_tokens.weight.shape
             head = Linear(hidden, vocab)
             head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
