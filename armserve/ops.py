@@ -585,6 +585,35 @@ def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch
           packed.data_ptr(), q.shape[0], n, q.shape[1], group, out.stride(0))
 
 
+def qgemm_dense(fmt: str, out: torch.Tensor, col: int, x: torch.Tensor, packed: torch.Tensor, n: int,
+                group: int) -> None:
+    """out[:, col:col + n] = x (bf16 [m, k]) @ W^T for a packed "w4" or "w8" weight, dequantized to
+    bf16 panel by panel for the dense GEMM's tiles (prefill-sized m; csrc/dense_gemm_impl.h)."""
+    x = x.contiguous()
+    _call("armserve_gemm_q_bf16", 0 if fmt == "w4" else 1, _DTYPE_CODES[out.dtype],
+          out.data_ptr() + col * out.element_size(), x.data_ptr(), packed.data_ptr(), x.shape[0], n, x.shape[1],
+          group, out.stride(0))
+
+
+def qgemm_dense_ref(x: torch.Tensor, qt) -> torch.Tensor:
+    """What `qgemm_dense` computes: x times the weight dequantized with the kernels' scales and
+    rounded to bf16, summed in float64 (a QuantizedTensor `qt`; layers/quantized_linear.py)."""
+    from armserve.layers.quantized_linear import kernel_scales
+
+    w = kernel_scales(qt).dequantize().to(torch.bfloat16)
+    return (x.double() @ w.double().T).to(x.dtype)
+
+
+# From this many rows the int8-weight (w8: GGUF Q8_0 / Q6_K / Q5_K) parts of a bf16 quantized layer
+# dequantize their weight panel by panel for the dense bf16 GEMM instead of quantizing the
+# activations for the w8a8 GEMM: the dequantization is then shared by enough rows, and the bf16
+# tiles run near the bf16 dot instruction's peak (1.2-1.5x the w8a8 GEMM's 300 GFLOP/s from 256
+# rows, Zen 5). int4 parts keep the w4a8 GEMM, which runs as fast as the bf16 tiles there
+# (benchmarks/bench_kernels.py --only qdense). Only with a bf16 dot instruction: widened to fp32
+# (AVX2, NEON without BF16) the dense tiles lose to the int8 dot products.
+QDENSE_MIN_ROWS = 128
+
+
 # Largest token count for which `gemv` beats PyTorch's GEMM (benchmarks/bench_kernels.py): 4 where
 # the weight rows stay cheap per token (AVX-512, or a bf16 dot instruction for bf16); with 8-wide
 # widening re-reading a row for each token is compute-bound and loses to oneDNN beyond one token
@@ -596,8 +625,8 @@ _gemv_limit: dict[torch.dtype, int] = {}
 # ---- kernel or PyTorch: the one place that decides ---------------------------------------------
 # Every layer asks `use_kernel` and runs its PyTorch reference otherwise (what ARMSERVE_ISA=torch,
 # a missing library or an unsupported input get); no layer applies a rule of its own.
-KERNEL_OPS = ("rms_norm", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack", "dense_pack",
-              "dense", "gemv", "small", "argmax")
+KERNEL_OPS = ("rms_norm", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack", "qgemm_dense",
+              "dense_pack", "dense", "gemv", "small", "argmax")
 
 
 def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None) -> bool:
@@ -607,6 +636,9 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
       dtype (float32, bfloat16, float16).
     - "attention": a kernel dtype and `head_dim` a multiple of 16 (the kernel walks head_dim in
       16-lane vectors).
+    - "qgemm_dense": bf16 activations x of a quantized layer's w8 parts take the dequantizing
+      dense GEMM (`qgemm_dense`) rather than the int8 one: from QDENSE_MIN_ROWS rows, with a bf16
+      dot instruction.
     - "dense_pack": x is a weight to prepack at load for the dense GEMM, which then serves every
       row count on every variant: bfloat16 matrices. "dense": activations x for a prepacked
       weight: bfloat16 rows (else, or with the kernels switched off after loading, the weight is
@@ -631,6 +663,8 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
         return x.dim() == 2 and dtype == torch.bfloat16
     if op == "qgemm_pack":
         return True
+    if op == "qgemm_dense":
+        return dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= QDENSE_MIN_ROWS and bf16_dot()
     if op == "gemv":
         return x.dim() == 2 and dtype in _DTYPE_CODES and x.shape[0] <= gemv_limit(dtype)
     if op == "small":

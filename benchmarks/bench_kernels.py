@@ -250,6 +250,73 @@ def write_dense_gemm(args) -> None:
     assert ops.available()
 
 
+QDENSE_SHAPES = [("Qwen2.5-0.5B", "qkv", 1152, 896), ("Qwen2.5-0.5B", "gate+up", 9728, 896),
+                 ("Qwen2.5-0.5B", "down", 896, 4864)]
+QDENSE_ROWS = [16, 64, 128, 256, 1024]
+
+
+def write_qdense(args) -> None:
+    """Quantized layers at prefill sizes: the w4a8 / w8a8 GEMM (int8 activations, ops.qgemm) against
+    the weight dequantized to bf16 panel by panel for the dense tiles (ops.qgemm_dense), and the
+    dense GEMM on the same weight dequantized once and prepacked (what the dequantization costs)."""
+    from armserve import ops
+    from armserve.layers.quantized_linear import pack, quantize_weight
+
+    peak = 0.0
+    rows = []
+    for model, layer, n, k in QDENSE_SHAPES:
+        w = torch.randn(n, k)
+        for fmt in ("w4", "w8"):
+            qt = quantize_weight(w, 32, symmetric=False) if fmt == "w4" else None
+            if fmt == "w8":
+                sc = w.view(n, k // 32, 32).abs().amax(-1) / 127
+                from armserve.layers.quantized_linear import QuantizedTensor
+                qt = QuantizedTensor("w8", torch.round(w / sc.repeat_interleave(32, 1)).clamp(-127, 127)
+                                     .to(torch.int8), sc, None, 32)
+            packed = pack(qt)
+            dense = ops.pack_bf16(qt.dequantize().to(torch.bfloat16))
+            for m in QDENSE_ROWS:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                out = torch.empty(m, n, dtype=torch.bfloat16)
+                fns = {
+                    "w4a8 GEMM": lambda: ops.qgemm(fmt, out, 0, ops.quantize_act(x, 32), packed, n, 32),
+                    "dequantized bf16": lambda: ops.qgemm_dense(fmt, out, 0, x, packed, n, 32),
+                    "dense bf16": lambda: ops.gemm_bf16(x, dense, n, k, out=out),
+                }
+                t = {name: timeit_for(fn, 0.05, args.runs) for name, fn in fns.items()}
+                gf = {name: 2 * m * n * k / us / 1e3 for name, us in t.items()}
+                peak = max(peak, gf["dense bf16"])
+                rows.append((model, layer, n, k, fmt, m, t, gf))
+                print(f"{layer} {fmt} m={m}: " + "  ".join(f"{a} {b:.0f} us ({gf[a]:.0f} GFLOP/s)"
+                                                           for a, b in t.items()), flush=True)
+    lines = [
+        "## Kernels: quantized layers at prefill sizes (w4a8 GEMM vs dequantized bf16 tiles)",
+        "",
+        f"Machine: {machine_description()}. {args.threads} thread(s); median of {args.runs} runs; load average "
+        f"{load_average():.2f}; kernel variant `{ops.isa()}` (dense tiles `{ops.dense_isa()}`, int8 GEMM "
+        f"`{ops.qgemm_isa()}`). armserve rev `{git_revision()}`. Group 32, bf16 activations in and out. "
+        "w4a8 = int8 activations (quantized per call) against the packed int4 / int8 weight; dequantized bf16 = "
+        f"the same packed weight dequantized panel by panel for the dense bf16 tiles (`ops.qgemm_dense`, "
+        f"used from {ops.QDENSE_MIN_ROWS} rows with a bf16 dot instruction); dense bf16 = the GEMM on the weight "
+        f"dequantized once and prepacked (2 bytes a weight). % peak: of the best dense bf16 rate of the run "
+        f"({peak:.0f} GFLOP/s).",
+        "",
+        "| layer | N x K | weights | m | w4a8 us (GFLOP/s) | dequantized bf16 us (GFLOP/s, % peak) | dense bf16 us "
+        "| dequantized / w4a8 speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, layer, n, k, fmt, m, t, gf in rows:
+        lines.append(f"| {model} {layer} | {n} x {k} | {fmt} | {m} | {t['w4a8 GEMM']:.0f} ({gf['w4a8 GEMM']:.0f}) | "
+                     f"{t['dequantized bf16']:.0f} ({gf['dequantized bf16']:.0f}, "
+                     f"{100 * gf['dequantized bf16'] / peak:.0f}%) | {t['dense bf16']:.0f} | "
+                     f"{t['w4a8 GEMM'] / t['dequantized bf16']:.2f}x |")
+    lines += ["", f"Reproduce: `python benchmarks/bench_kernels.py --threads {args.threads} --only qdense`"]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        update_section("kernels-qdense", text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -257,7 +324,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--only", choices=["dense"], help="run only the dense bf16 GEMM table (own doc section)")
+    ap.add_argument("--only", choices=["dense", "qdense"],
+                    help="run only the dense bf16 GEMM table, or the quantized-prefill one (own doc sections)")
     args = ap.parse_args()
 
     from armserve import ops
@@ -267,6 +335,9 @@ def main() -> None:
     assert ops.available(), ops.load_error()
     if args.only == "dense":
         write_dense_gemm(args)
+        return
+    if args.only == "qdense":
+        write_qdense(args)
         return
     isas = ops.supported_isas()
     load0 = load_average()

@@ -78,6 +78,11 @@ void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void*
                         int64_t k, int64_t ldo);
 // w [n, k] bf16 -> packed [ceil(n / 16)][ceil(k / 2)][16][2], zero-padded.
 void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed);
+// The same GEMM on quantized weights (the packed tiles of qgemm.h: fmt 0 = w4, 1 = w8, `group`
+// columns per scale), dequantized to bf16 one column panel at a time, against bf16 activations:
+// the prefill path of the quantized layers (the w4a8 / w8a8 GEMM keeps the few-row steps).
+void armserve_gemm_q_bf16(int32_t fmt, int32_t out_dtype, void* out, const void* x, const void* wq, int64_t m,
+                          int64_t n, int64_t k, int64_t group, int64_t ldo);
 
 // ---- small ops a recorded step needs besides the kernels (graph.cpp) ----------------------------
 void armserve_add_bias(int32_t dtype, void* out, int32_t bias_dtype, const void* bias, int64_t rows, int64_t n,
@@ -135,6 +140,7 @@ const char* armserve_signature(const char* name);
 #define ARMSERVE_EXPORTS(X)                                                                                    \
   ARMSERVE_RECORDABLE(X)                                                                                       \
   X(armserve_pack_bf16)                                                                                        \
+  X(armserve_gemm_q_bf16)                                                                                      \
   X(armserve_argmax)                                                                                           \
   X(armserve_graph_kind)                                                                                       \
   X(armserve_graph_op_size)                                                                                    \

@@ -54,4 +54,9 @@ void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void*
                         int64_t k, int64_t ldo) {
   dtable()->gemm(out_dtype, out, x, packed, m, n, k, ldo);
 }
+
+void armserve_gemm_q_bf16(int32_t fmt, int32_t out_dtype, void* out, const void* x, const void* wq, int64_t m,
+                          int64_t n, int64_t k, int64_t group, int64_t ldo) {
+  dtable()->gemm_q(fmt, out_dtype, out, x, wq, m, n, k, group, ldo);
+}
 }

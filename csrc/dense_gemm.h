@@ -20,6 +20,8 @@ struct DenseTable {
   // out [M, N] (out_dtype AS_F32 or AS_BF16, rows `ldo` elements apart) = x (bf16 [M, K],
   // contiguous) times the packed weight's transpose; the type of armserve_gemm_bf16 (api.h).
   decltype(&armserve_gemm_bf16) gemm;
+  // The same against quantized weights dequantized panel by panel (armserve_gemm_q_bf16, api.h).
+  decltype(&armserve_gemm_q_bf16) gemm_q;
 };
 
 const DenseTable* armserve_dense_scalar();

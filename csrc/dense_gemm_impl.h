@@ -65,6 +65,74 @@ static inline void* xbuf(int64_t bytes) {
   return b.p;
 }
 
+// Thread-local buffer for a dequantized weight panel (a second one: the activations' may be live).
+static inline void* wbuf(int64_t bytes) {
+  thread_local XBuf b;
+  if (b.bytes < bytes) {
+    std::free(b.p);
+    b.p = std::aligned_alloc(64, size_t((bytes + 63) / 64 * 64));
+    b.bytes = bytes;
+  }
+  return b.p;
+}
+
+// IEEE half bits -> float (the w4 tiles' scales; not every TU has F16C or _Float16).
+static inline float f16f(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  if (e == 0) {  // zero or subnormal: mant * 2^-24, exact in float
+    const float v = float(mant) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  return __builtin_bit_cast(float, sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (mant << 13));
+}
+
+// Column block t (16 weight rows) of qgemm.h's packed quantized tiles -> the dense layout's block
+// [k / 2][16][2] of bf16: w = code * s - s * zero (w4) or code * s (w8), in fp32 as
+// QuantizedTensor.dequantize computes it (no fused multiply-add), rounded to nearest even.
+// Per group: the code chunks (w4: 8 columns per chunk, 4 bytes per row, column j in the low
+// nibble of byte j and column j + 4 in its high nibble; w8: 4 columns, one byte each), then 64
+// bytes of scales (w4: float16 s[16], s * zero[16]; w8: float32 s[16]). Loops run over the 16
+// rows innermost, which the TU's flags vectorise: a row is a lane of the dot instructions.
+static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int64_t k, int64_t group, uint16_t* dst) {
+  const bool w4 = fmt == 0;
+  const int64_t ng = k / group, per = w4 ? 8 : 4, chunks = group / per, gbytes = chunks * 64 + 64;
+  const uint8_t* tile = wq + t * ng * gbytes;
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);  // one (even, odd) column pair per weight row
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* gp = tile + g * gbytes;
+    float s[16], z[16];
+    if (w4) {
+      uint16_t h[32];
+      std::memcpy(h, gp + chunks * 64, 64);
+      for (int r = 0; r < 16; ++r) s[r] = f16f(h[r]), z[r] = f16f(h[16 + r]);
+    } else {
+      std::memcpy(s, gp + chunks * 64, 64);
+      for (int r = 0; r < 16; ++r) z[r] = 0.f;
+    }
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      uint32_t u[16];
+      std::memcpy(u, gp + ch * 64, 64);
+      uint32_t* o = d + (g * group + ch * per) / 2 * 16;
+      if (w4) {
+        for (int q = 0; q < 4; ++q)  // pairs (2q', 2q' + 1): low nibbles for q < 2, high ones after
+          for (int r = 0; r < 16; ++r) {
+            const int sh = (q & 1) * 16 + (q >> 1) * 4;
+            const float a = float((u[r] >> sh) & 15u) * s[r] - z[r];
+            const float b = float((u[r] >> (sh + 8)) & 15u) * s[r] - z[r];
+            o[q * 16 + r] = uint32_t(to_bf16(a)) | uint32_t(to_bf16(b)) << 16;
+          }
+      } else {
+        for (int q = 0; q < 2; ++q)
+          for (int r = 0; r < 16; ++r) {
+            const float a = float(int8_t(u[r] >> (16 * q))) * s[r];
+            const float b = float(int8_t(u[r] >> (16 * q + 8))) * s[r];
+            o[q * 16 + r] = uint32_t(to_bf16(a)) | uint32_t(to_bf16(b)) << 16;
+          }
+      }
+    }
+  }
+}
+
 // W [n, k] bf16 (row-major) -> the packed layout of dense_gemm.h.
 static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
   const int64_t kp = (k + 1) / 2, nb = (n + 15) / 16;
@@ -113,44 +181,60 @@ struct DenseGemm {
     }
   };
 
+  // The activations in the form the tiles read (`xs`: row stride in activation elements),
+  // converted once per call where they are not already.
+  static const void* activations(const void* x, int64_t m, int64_t k, int64_t* xs) {
+    const int64_t kp = (k + 1) / 2, kpa = (kp + P::kAlign - 1) / P::kAlign * P::kAlign;
+    const uint16_t* xs16 = static_cast<const uint16_t*>(x);
+    if (P::kDot) {
+      *xs = kpa;
+      if (k % 2 == 0 && kpa == kp) return x;  // already bf16 pairs
+      uint16_t* buf = static_cast<uint16_t*>(xbuf(m * kpa * 4));
+      for (int64_t r = 0; r < m; ++r) {
+        std::memcpy(buf + r * kpa * 2, xs16 + r * k, size_t(k) * 2);
+        std::memset(buf + r * kpa * 2 + k, 0, size_t(kpa * 2 - k) * 2);
+      }
+      return buf;
+    }
+    *xs = kpa * 2;
+    float* buf = static_cast<float*>(xbuf(m * kpa * 8));
+    const int64_t w = *xs;
+#pragma omp parallel for schedule(static) if (m * k >= (1 << 17))
+    for (int64_t r = 0; r < m; ++r) {
+      float* d = buf + r * w;
+      const uint16_t* s = xs16 + r * k;
+      for (int64_t i = 0; i < k; ++i) d[i] = bf16f(s[i]);
+      for (int64_t i = k; i < w; ++i) d[i] = 0.f;
+    }
+    return buf;
+  }
+
+  // Every row of x against one panel: `bc` column blocks at `wp` (kp * 32 uint16 apart), output
+  // columns [c0, c0 + cols); rows in tiles of at most MR, balanced (17 rows at MR = 8: 6 + 6 + 5,
+  // not 8 + 8 + 1).
+  static void panel(int32_t out_dtype, void* out, const void* xa, int64_t xs, const uint16_t* wp, int64_t kp,
+                    int bc, int64_t c0, int64_t cols, int64_t m, int64_t ldo) {
+    static const Tiles tiles;
+    const int es = out_dtype == AS_F32 ? 4 : 2;
+    const int64_t nrt = (m + P::MR - 1) / P::MR, rbase = m / nrt, rextra = m % nrt;
+    alignas(64) float acc[P::MR * P::NB * 16];
+    int64_t r0 = 0;
+    for (int64_t t = 0; t < nrt; ++t) {
+      const int rows = int(rbase + (t < rextra ? 1 : 0));
+      tiles.fn[rows][bc](static_cast<const char*>(xa) + r0 * xs * 4, xs, wp, kp, acc);  // 4-byte elements
+      for (int r = 0; r < rows; ++r)
+        store_row(out_dtype, acc + r * bc * 16, static_cast<char*>(out) + ((r0 + r) * ldo + c0) * es, cols);
+      r0 += rows;
+    }
+  }
+
   static void gemm(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n, int64_t k,
                    int64_t ldo) {
-    static const Tiles tiles;
     if (m <= 0 || n <= 0) return;
     const int64_t kp = (k + 1) / 2, nb = (n + 15) / 16;
-    const int64_t kpa = (kp + P::kAlign - 1) / P::kAlign * P::kAlign;
-    const uint16_t* xs16 = static_cast<const uint16_t*>(x);
     const uint16_t* w = static_cast<const uint16_t*>(packed);
-    // Activations in the form the tiles read, converted once per call.
-    const void* xa;
-    int64_t xs;  // row stride in activation elements
-    if (P::kDot) {
-      xs = kpa;
-      if (k % 2 == 0 && kpa == kp) {
-        xa = x;  // already bf16 pairs
-      } else {
-        uint16_t* buf = static_cast<uint16_t*>(xbuf(m * kpa * 4));
-        for (int64_t r = 0; r < m; ++r) {
-          std::memcpy(buf + r * kpa * 2, xs16 + r * k, size_t(k) * 2);
-          std::memset(buf + r * kpa * 2 + k, 0, size_t(kpa * 2 - k) * 2);
-        }
-        xa = buf;
-      }
-    } else {
-      xs = kpa * 2;
-      float* buf = static_cast<float*>(xbuf(m * kpa * 8));
-#pragma omp parallel for schedule(static) if (m * k >= (1 << 17))
-      for (int64_t r = 0; r < m; ++r) {
-        float* d = buf + r * xs;
-        const uint16_t* s = xs16 + r * k;
-        for (int64_t i = 0; i < k; ++i) d[i] = bf16f(s[i]);
-        for (int64_t i = k; i < xs; ++i) d[i] = 0.f;
-      }
-      xa = buf;
-    }
-    const int es = out_dtype == AS_F32 ? 4 : 2;
-    // Rows in tiles of at most MR, balanced (17 rows at MR = 8: 6 + 6 + 5, not 8 + 8 + 1).
-    const int64_t nrt = (m + P::MR - 1) / P::MR, rbase = m / nrt, rextra = m % nrt;
+    int64_t xs;
+    const void* xa = activations(x, m, k, &xs);
     // Panel width: NB blocks, or 1 block for a few rows (up to kStreamRows), where the call is
     // bound by the weight stream and one block at a time reads it strictly front to back (Zen 5,
     // m = 1: 37 GB/s against 23 with 4 interleaved block streams). Beyond 2 rows only while the
@@ -163,23 +247,34 @@ struct DenseGemm {
     for (int64_t pn = 0; pn < panels; ++pn) {
       const int64_t b0 = pn * nbp;
       const int bc = int(nb - b0 < nbp ? nb - b0 : nbp);
-      const int64_t c0 = b0 * 16;
-      const int64_t cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
-      const uint16_t* wp = w + b0 * kp * 32;
-      alignas(64) float acc[P::MR * P::NB * 16];
-      int64_t r0 = 0;
-      for (int64_t t = 0; t < nrt; ++t) {
-        const int rows = int(rbase + (t < rextra ? 1 : 0));
-        tiles.fn[rows][bc](static_cast<const char*>(xa) + r0 * xs * 4, xs, wp, kp, acc);  // 4-byte elements
-        for (int r = 0; r < rows; ++r)
-          store_row(out_dtype, acc + r * bc * 16, static_cast<char*>(out) + ((r0 + r) * ldo + c0) * es, cols);
-        r0 += rows;
-      }
+      const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
+      panel(out_dtype, out, xa, xs, w + b0 * kp * 32, kp, bc, c0, cols, m, ldo);
+    }
+  }
+
+  // Quantized weights: each thread dequantizes a panel (NB column blocks, NB * 16 x K bf16: 112 KiB
+  // at K = 896) into its own buffer and runs every row of x against it, so the dequantization is
+  // paid once per weight and call, shared by all the rows (this path is for prefill-sized m).
+  static void gemm_q(int32_t fmt, int32_t out_dtype, void* out, const void* x, const void* wq, int64_t m, int64_t n,
+                     int64_t k, int64_t group, int64_t ldo) {
+    if (m <= 0 || n <= 0) return;
+    const int64_t kp = k / 2, nb = (n + 15) / 16, panels = (nb + P::NB - 1) / P::NB;
+    int64_t xs;
+    const void* xa = activations(x, m, k, &xs);
+#pragma omp parallel for schedule(static)
+    for (int64_t pn = 0; pn < panels; ++pn) {
+      const int64_t b0 = pn * P::NB;
+      const int bc = int(nb - b0 < P::NB ? nb - b0 : P::NB);
+      const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
+      uint16_t* wp = static_cast<uint16_t*>(wbuf(int64_t(bc) * kp * 64));
+      for (int b = 0; b < bc; ++b)
+        dequant_block(fmt, static_cast<const uint8_t*>(wq), b0 + b, k, group, wp + b * kp * 32);
+      panel(out_dtype, out, xa, xs, wp, kp, bc, c0, cols, m, ldo);
     }
   }
 
   static const DenseTable* table(const char* name) {
-    static const DenseTable t = {name, gemm};
+    static const DenseTable t = {name, gemm, gemm_q};
     return &t;
   }
 };

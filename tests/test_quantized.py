@@ -59,6 +59,59 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
         assert torch.all(out[:, :3] == 7) and torch.all(out[:, 3 + n:] == 7), "wrote outside its columns"
 
 
+@pytest.mark.parametrize("fmt", ["w4", "w8"])
+def test_qgemm_dense_matches_reference(isa, fmt):
+    """The prefill path of quantized layers: the weight dequantized to bf16 panel by panel for the
+    dense GEMM's tiles (with the bf16 dot instruction where the variant has one, and without)
+    against bf16 activations."""
+    torch.manual_seed(3)
+    for dot in ([True, False] if ops.bf16_dot() else [None]):  # None: a variant without one
+        before = None if dot is None else ops.set_bf16_dot(dot)
+        try:
+            for m, n, k, g in SHAPES + [(130, 70, 192, 32)]:
+                if g % 8:
+                    continue
+                qt = (quantize_weight(torch.randn(n, k), g, symmetric=(n % 2 == 0)) if fmt == "w4"
+                      else random_w8(n, k, g))
+                x = torch.randn(m, k).to(torch.bfloat16)
+                out = torch.full((m, n + 5), 7.0, dtype=torch.bfloat16)
+                ops.qgemm_dense(fmt, out, 2, x, pack(qt), n, g)  # into a column slice of a wider output
+                want = ops.qgemm_dense_ref(x, qt).float()
+                # fp32 sums of exact bf16 products (order differs from float64), one bf16 rounding
+                torch.testing.assert_close(out[:, 2:2 + n].float(), want, atol=1e-2 * want.abs().max().item(),
+                                           rtol=1e-2)
+                assert torch.all(out[:, :2] == 7) and torch.all(out[:, 2 + n:] == 7), "wrote outside its columns"
+        finally:
+            if before is not None:
+                ops.set_bf16_dot(before)
+
+
+def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
+    """From QDENSE_MIN_ROWS bf16 rows, a layer's int8-weight part goes through the dequantized bf16
+    GEMM where the CPU has a bf16 dot instruction (else, and for its int4 part, the w4a8 / w8a8
+    GEMM): each part against the reference of the path it should take."""
+    torch.manual_seed(4)
+    k = 128
+    a = quantize_weight(torch.randn(32, k), 32, symmetric=False)
+    b = random_w8(16, k, 32)
+    layer = QuantizedLinear(k, 48, False, [("q", 32), ("k", 16)])
+    layer.load_shard("q", a)
+    layer.load_shard("k", b)
+    layer.finalize()
+    assert [p.fmt for p in layer.parts] == ["w4", "w8"]
+    x = torch.randn(ops.QDENSE_MIN_ROWS, k).to(torch.bfloat16)
+    dense = ops.use_kernel("qgemm_dense", x)
+    assert dense == ops.bf16_dot()
+    assert not ops.use_kernel("qgemm_dense", x[:-1]) and not ops.use_kernel("qgemm_dense", x.float())
+    got = layer(x).float()
+    w8a8 = qlinear_ref(x.float(), b).float()
+    want_b = ops.qgemm_dense_ref(x, b).float() if dense else w8a8
+    torch.testing.assert_close(got[:, :32], qlinear_ref(x.float(), a).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[:, 32:], want_b, atol=1e-2 * want_b.abs().max().item(), rtol=1e-2)
+    if dense:  # the two paths differ (int8 activations or not), and the reference told them apart
+        assert (got[:, 32:] - w8a8).abs().max() > (got[:, 32:] - want_b).abs().max()
+
+
 def test_quantized_linear_with_mixed_shards(isa):
     """A fused layer whose shards differ in format (GGUF Q4_K_M: Q4_K beside Q6_K) keeps both."""
     torch.manual_seed(1)

@@ -312,6 +312,9 @@ class QuantizedLinear(nn.Module):
             out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             acts: dict[int, tuple] = {}
             for p in self.parts:
+                if p.fmt == "w8" and ops.use_kernel("qgemm_dense", x2):  # prefill rows: bf16 tiles
+                    ops.qgemm_dense(p.fmt, out, p.col, x2, p.packed, p.n, p.group)
+                    continue
                 if p.group not in acts:  # one activation quantization per group size
                     acts[p.group] = ops.quantize_act(x2, p.group, _act_buffers(x2.shape[0], x2.shape[1], p.group))
                 ops.qgemm(p.fmt, out, p.col, acts[p.group], p.packed, p.n, p.group)
