@@ -409,6 +409,11 @@ def run_graph(rec: Recording) -> None:
         raise NotCapturable(f"recorded call {bad} has an unknown kind")
 
 
+def graph_team_replays() -> int:
+    """How many replays so far ran as one parallel region of several threads (csrc/graph.cpp)."""
+    return int(_load().armserve_graph_team_replays())
+
+
 # ---- wrappers -------------------------------------------------------------------------------
 
 

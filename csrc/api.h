@@ -96,6 +96,7 @@ void armserve_argmax(const float* x, int64_t rows, int64_t n, int64_t ld, int64_
 int32_t armserve_graph_kind(const char* name);  // -1: not recordable
 int32_t armserve_graph_op_size();
 int64_t armserve_graph_run(const GraphOp* ops, int64_t n);  // index of an unknown op, or -1
+int64_t armserve_graph_team_replays();  // replays that ran as one parallel region of several threads
 
 // ---- variants, CPU, threads (dispatch.cpp, qdispatch.cpp, dense_dispatch.cpp, threads.cpp) -------
 int32_t armserve_select_isa(const char* name);  // 0 ok, 1 unknown name, 2 this CPU cannot run it

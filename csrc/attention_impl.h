@@ -453,8 +453,7 @@ struct Attention {
                                 int64_t tokens, int32_t hk, int32_t hd, int64_t src_stride, int32_t bs) {
     const int es = dtype_size(dtype);
     const bool pairs = dtype == AS_BF16;
-#pragma omp parallel for schedule(static) if (tokens * hk * hd >= (1 << 16))
-    for (int64_t t = 0; t < tokens; ++t) {
+    armserve_par::for_static(tokens, tokens * hk * hd >= (1 << 16), [&](int64_t t) {
       const char* kr = static_cast<const char*>(k) + t * src_stride * es;
       const char* vr = static_cast<const char*>(v) + t * src_stride * es;
       for (int h = 0; h < hk; ++h) {
@@ -475,7 +474,7 @@ struct Attention {
         for (int d = 0; d < hd; ++d) kd[(d / 2) * 2 * KT + d % 2] = k16[d];
         for (int d = 0; d < hd; ++d) vd[2 * d] = v16[d];
       }
-    }
+    });
   }
 
   // int8 KV cache: quantize each (token, kv head) row of this step's k/v into its cache slot.
@@ -483,8 +482,7 @@ struct Attention {
                                    float* vs, const int64_t* slots, int64_t tokens, int32_t hk, int32_t hd,
                                    int64_t src_stride, int32_t bs) {
     const int es = dtype_size(dtype);
-#pragma omp parallel for schedule(static) if (tokens * hk * hd >= (1 << 14))
-    for (int64_t t = 0; t < tokens; ++t) {
+    armserve_par::for_static(tokens, tokens * hk * hd >= (1 << 14), [&](int64_t t) {
       float* row = scratch(0, hd);
       int8_t* q8 = reinterpret_cast<int8_t*>(scratch(1, hd / 4 + 1));
       for (int h = 0; h < hk; ++h) {
@@ -496,7 +494,7 @@ struct Attention {
         Isa::load(dtype, static_cast<const char*>(v) + (t * src_stride + int64_t(h) * hd) * es, row, hd);
         vs[srow] = quantize_row_i8(row, vc + v_index(slots[t], bs, hk, h, hd, 0, false), hd);
       }
-    }
+    });
   }
 
   // ---- micro-kernels ------------------------------------------------------------------------------
@@ -853,7 +851,7 @@ struct Attention {
   static void attend(const Args& a) {
     const AttnBatch* b = a.b;
     const int group = a.hq / a.hk;
-    const int nthreads = num_threads();
+    const int nthreads = armserve_par::team_size();
     int64_t tiles = 0, max_items = 0;
     for (int s = 0; s < b->num_seqs; ++s) {
       const int t = (b->q_len[s] + QT - 1) / QT;
@@ -881,17 +879,18 @@ struct Attention {
         }
       }
     }
-    Buffer<float> partials(partial_floats);
+    // (In a step graph's team every thread builds the same item list; the partials are shared:
+    // an item and its merge may run on different threads.)
+    armserve_par::SharedFloats partials(partial_floats);
     const int ct = a.ks ? int(CT_I8) : a.dtype;
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t it = 0; it < n_items; ++it) {
+    armserve_par::for_dynamic(n_items, [&](int64_t it) {
       switch (ct) {
         case CT_F32: run_item<CT_F32>(a, items[it], partials.p); break;
         case CT_BF16: run_item<CT_BF16>(a, items[it], partials.p); break;
         case CT_F16: run_item<CT_F16>(a, items[it], partials.p); break;
         default: run_item<CT_I8>(a, items[it], partials.p); break;
       }
-    }
+    });
     if (partial_floats == 0) return;
 
     // Merge the partitions of each split (seq, tile, head): its items are adjacent, in order.
@@ -904,8 +903,7 @@ struct Attention {
         starts[n_groups++] = i;
     }
     const int es = dtype_size(a.dtype);
-#pragma omp parallel for schedule(static)
-    for (int64_t gi = 0; gi < n_groups; ++gi) {
+    armserve_par::for_static(n_groups, true, [&](int64_t gi) {
       const int64_t first = starts[gi];
       int64_t last = first;
       while (last < n_items && items[last].part >= 0 && items[last].seq == items[first].seq &&
@@ -924,7 +922,7 @@ struct Attention {
         const int head = w0.head * group + r % group;
         finish_row(a.dtype, L, tot, a.hd, static_cast<char*>(a.out) + (tok * a.hq + head) * int64_t(a.hd) * es);
       }
-    }
+    });
   }
 
   static void paged_attention(int32_t dtype, void* out, const void* q, const void* kc, const void* vc,

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "dense_gemm.h"
+#include "parallel.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -136,8 +137,7 @@ static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int6
 // W [n, k] bf16 (row-major) -> the packed layout of dense_gemm.h.
 static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
   const int64_t kp = (k + 1) / 2, nb = (n + 15) / 16;
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < nb; ++b) {
+  armserve_par::for_static(nb, true, [&](int64_t b) {
     uint16_t* blk = packed + b * kp * 32;
     for (int c = 0; c < 16; ++c) {
       const int64_t row = b * 16 + c;
@@ -155,7 +155,7 @@ static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* 
         blk[(kp - 1) * 32 + 2 * c + 1] = 0;
       }
     }
-  }
+  });
 }
 
 template <class P>
@@ -199,6 +199,8 @@ struct DenseGemm {
     *xs = kpa * 2;
     float* buf = static_cast<float*>(xbuf(m * kpa * 8));
     const int64_t w = *xs;
+    // NOTE: a region of its own even in a team (nested: one thread), not a share of the team's
+    // loop: the buffer is thread-local, so every thread of a team converts every row into its own.
 #pragma omp parallel for schedule(static) if (m * k >= (1 << 17))
     for (int64_t r = 0; r < m; ++r) {
       float* d = buf + r * w;
@@ -243,13 +245,12 @@ struct DenseGemm {
     const bool stream = m <= P::kStreamRows && (m <= 2 || m * xs * 4 <= 24576);
     const int nbp = stream ? 1 : P::NB;
     const int64_t panels = (nb + nbp - 1) / nbp;
-#pragma omp parallel for schedule(static)
-    for (int64_t pn = 0; pn < panels; ++pn) {
+    armserve_par::for_static(panels, true, [&](int64_t pn) {
       const int64_t b0 = pn * nbp;
       const int bc = int(nb - b0 < nbp ? nb - b0 : nbp);
       const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
       panel(out_dtype, out, xa, xs, w + b0 * kp * 32, kp, bc, c0, cols, m, ldo);
-    }
+    });
   }
 
   // Quantized weights: each thread dequantizes a panel (NB column blocks, NB * 16 x K bf16: 112 KiB
@@ -261,8 +262,7 @@ struct DenseGemm {
     const int64_t kp = k / 2, nb = (n + 15) / 16, panels = (nb + P::NB - 1) / P::NB;
     int64_t xs;
     const void* xa = activations(x, m, k, &xs);
-#pragma omp parallel for schedule(static)
-    for (int64_t pn = 0; pn < panels; ++pn) {
+    armserve_par::for_static(panels, true, [&](int64_t pn) {
       const int64_t b0 = pn * P::NB;
       const int bc = int(nb - b0 < P::NB ? nb - b0 : P::NB);
       const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
@@ -270,7 +270,7 @@ struct DenseGemm {
       for (int b = 0; b < bc; ++b)
         dequant_block(fmt, static_cast<const uint8_t*>(wq), b0 + b, k, group, wp + b * kp * 32);
       panel(out_dtype, out, xa, xs, wp, kp, bc, c0, cols, m, ldo);
-    }
+    });
   }
 
   static const DenseTable* table(const char* name) {

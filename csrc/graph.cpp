@@ -10,14 +10,20 @@
 //
 // Also here: the small elementwise ops a step needs besides the kernels (embedding rows, bias,
 // per-column scaling, dtype cast), so that a recorded step has no PyTorch op left in it.
+#include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
 
 #include "kernels_impl.h"
 #include "qgemm.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 // One recorded call: which function (`kind`, see armserve_graph_kind) and its arguments in
 // order, integers and pointers in `i`, floats in `f` (each in its own sequence).
@@ -186,17 +192,54 @@ void armserve_argmax(const float* x, int64_t rows, int64_t n, int64_t ld, int64_
   }
 }
 
+static std::atomic<int64_t> team_replays{0};
+
+// How many replays ran as one parallel region of several threads (tests).
+int64_t armserve_graph_team_replays() { return team_replays.load(); }
+
 // Replay `n` recorded calls in order. Returns the index of the first op of unknown kind, or -1.
+//
+// With more than one OpenMP thread the whole replay is one parallel region (parallel.h): every
+// thread walks the calls; the kernels share their loops out over the team, and the small serial
+// ops (bias, column scaling, embedding rows, casts: they work in place or on a few rows) run on one
+// thread. A barrier follows every call, as the next one reads what it wrote.
 int64_t armserve_graph_run(const GraphOp* ops, int64_t n) {
   using Thunk = void (*)(const GraphOp&);
 #define ARMSERVE_THUNK(fn) [](const GraphOp& o) { replay(&fn, o); },
   static const Thunk thunks[G_NUM_KINDS] = {ARMSERVE_RECORDABLE(ARMSERVE_THUNK)};
 #undef ARMSERVE_THUNK
-  for (int64_t idx = 0; idx < n; ++idx) {
-    const int32_t kind = ops[idx].kind;
-    if (kind < 0 || kind >= G_NUM_KINDS) return idx;
-    thunks[kind](ops[idx]);
+  for (int64_t idx = 0; idx < n; ++idx)
+    if (ops[idx].kind < 0 || ops[idx].kind >= G_NUM_KINDS) return idx;
+#ifdef _OPENMP
+  static const bool team_off = [] {  // ARMSERVE_GRAPH_TEAM=0: a region per loop, as eager steps do
+    const char* e = std::getenv("ARMSERVE_GRAPH_TEAM");
+    return e && !std::strcmp(e, "0");
+  }();
+  if (!team_off && omp_get_max_threads() > 1 && !omp_in_parallel()) {
+    static const bool serial[G_NUM_KINDS] = {
+#define ARMSERVE_SERIAL(fn) G_##fn == G_armserve_add_bias || G_##fn == G_armserve_mul_cols || \
+                                G_##fn == G_armserve_embedding || G_##fn == G_armserve_cast,
+        ARMSERVE_RECORDABLE(ARMSERVE_SERIAL)
+#undef ARMSERVE_SERIAL
+    };
+    team_replays.fetch_add(1, std::memory_order_relaxed);
+#pragma omp parallel
+    {
+      for (int64_t idx = 0; idx < n; ++idx) {
+        const int32_t kind = ops[idx].kind;
+        if (serial[kind]) {
+#pragma omp single
+          thunks[kind](ops[idx]);  // (the end of `single` is a barrier)
+        } else {
+          thunks[kind](ops[idx]);
+#pragma omp barrier
+        }
+      }
+    }
+    return -1;
   }
+#endif
+  for (int64_t idx = 0; idx < n; ++idx) thunks[ops[idx].kind](ops[idx]);
   return -1;
 }
 

@@ -25,6 +25,7 @@
 #include <cstring>
 
 #include "kernels.h"
+#include "parallel.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -228,8 +229,7 @@ struct Kernels {
   static void rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
                        int64_t dim, float eps, float w_offset) {
     const int es = dtype_size(dtype);
-#pragma omp parallel for schedule(static) if (rows * dim >= (1 << 15))
-    for (int64_t r = 0; r < rows; ++r) {
+    armserve_par::for_static(rows, rows * dim >= (1 << 15), [&](int64_t r) {
       float* v = scratch(0, dim);
       float* wf = scratch(1, dim);
       const char* xr = static_cast<const char*>(x) + r * dim * es;
@@ -253,7 +253,7 @@ struct Kernels {
         for (int64_t i = 0; i < dim; ++i) v[i] *= wf[i];
       }
       Isa::store(dtype, v, static_cast<char*>(out) + r * dim * es, dim);
-    }
+    });
   }
 
   static void rotary(int32_t dtype, const int64_t* positions, void* q, void* k, const float* cos_sin,
@@ -261,8 +261,7 @@ struct Kernels {
                      int64_t k_stride) {
     const int es = dtype_size(dtype);
     const int half = rd / 2;
-#pragma omp parallel for schedule(static) if (tokens * (nq + nk) * hd >= (1 << 15))
-    for (int64_t t = 0; t < tokens; ++t) {
+    armserve_par::for_static(tokens, tokens * (nq + nk) * hd >= (1 << 15), [&](int64_t t) {
       const float* cs = cos_sin + positions[t] * rd;
       const float* cosv = cs;
       const float* sinv = cs + half;
@@ -290,14 +289,13 @@ struct Kernels {
           Isa::store(dtype, o, head, rd);
         }
       }
-    }
+    });
   }
 
   static void act_and_mul(int32_t dtype, int32_t act, void* out, const void* x, int64_t rows, int64_t d) {
     const int es = dtype_size(dtype);
     if (act == 0 && d % 16 == 0) {  // SiLU, the common case: one pass of 16-lane vectors per row
-#pragma omp parallel for schedule(static) if (rows * d >= (1 << 14))
-      for (int64_t r = 0; r < rows; ++r) {
+      armserve_par::for_static(rows, rows * d >= (1 << 14), [&](int64_t r) {
         const char* xr = static_cast<const char*>(x) + r * 2 * d * es;
         char* o = static_cast<char*>(out) + r * d * es;
         if (dtype == AS_BF16)
@@ -306,11 +304,10 @@ struct Kernels {
           silu_and_mul_row<CT_F16>(xr, o, d);
         else
           silu_and_mul_row<CT_F32>(xr, o, d);
-      }
+      });
       return;
     }
-#pragma omp parallel for schedule(static) if (rows * d >= (1 << 14))
-    for (int64_t r = 0; r < rows; ++r) {
+    armserve_par::for_static(rows, rows * d >= (1 << 14), [&](int64_t r) {
       float* g = scratch(0, d);
       float* u = scratch(1, d);
       const char* xr = static_cast<const char*>(x) + r * 2 * d * es;
@@ -332,7 +329,7 @@ struct Kernels {
       round_trip(dtype, g, d);
       for (int64_t i = 0; i < d; ++i) g[i] *= u[i];
       Isa::store(dtype, g, static_cast<char*>(out) + r * d * es, d);
-    }
+    });
   }
 
   // ---- skinny matmul (decode) ----------------------------------------------------------------
@@ -346,8 +343,7 @@ struct Kernels {
     constexpr int kRows = 16, kTokens = 8;
     const int es = dtype_size(dtype);
     const int64_t blocks = (n + kRows - 1) / kRows;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
+    armserve_par::for_static(blocks, true, [&](int64_t b) {
       const int64_t r0 = b * kRows;
       const int rows = int(n - r0 < kRows ? n - r0 : kRows);
       float res[kTokens][kRows];
@@ -362,7 +358,7 @@ struct Kernels {
         for (int t = 0; t < tokens; ++t)
           Isa::store(dtype, res[t], static_cast<char*>(out) + ((t0 + t) * n + r0) * es, rows);
       }
-    }
+    });
   }
 
   static const KernelTable* table(const char* name) {

@@ -110,16 +110,11 @@ struct QKernels {
                            int32_t* gsum) {
     const int es = dtype_size(dtype);
     const int64_t ng = k / group;
-    if (m * k < (1 << 16)) {  // decode: not worth waking the thread pool
-      for (int64_t t = 0; t < m; ++t)
-        quantize_row(dtype, static_cast<const char*>(x) + t * k * es, k, group, q + t * k, scale + t * ng,
-                     gsum + t * ng);
-      return;
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < m; ++t)
+    // (decode, m * k < 2^16: not worth waking the thread pool, unless it is awake: a graph replay)
+    armserve_par::for_static(m, m * k >= (1 << 16), [&](int64_t t) {
       quantize_row(dtype, static_cast<const char*>(x) + t * k * es, k, group, q + t * k, scale + t * ng,
                    gsum + t * ng);
+    });
   }
 
   template <bool W4>
@@ -128,8 +123,7 @@ struct QKernels {
     const int es = dtype_size(dtype);
     const int64_t tiles = (n + 15) / 16, ng = k / group;
     const int64_t tile_bytes = (W4 ? 8 * k : 16 * k) + 64 * ng;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; ++t) {
+    armserve_par::for_static(tiles, true, [&](int64_t t) {
       const uint8_t* wt = w + t * tile_bytes;
       const int rows = int(n - t * 16 < 16 ? n - t * 16 : 16);
       float acc[4][16];
@@ -159,7 +153,7 @@ struct QKernels {
         for (int i = 0; i < nt; ++i)
           Isa::store(dtype, acc[i], static_cast<char*>(out) + ((m0 + i) * ldo + t * 16) * es, rows);
       }
-    }
+    });
   }
 
   static void gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,

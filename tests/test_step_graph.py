@@ -196,6 +196,44 @@ def test_bucketed_graph_steps_pad_and_equal_eager(qwen2_biased):
     assert runner.graphs.replays > 20
 
 
+TEAM_SCRIPT = """
+import json, sys, torch
+from armserve import LLM, ops
+sys.path.insert(0, sys.argv[1])
+import test_step_graph as t
+model, kw = sys.argv[2], json.loads(sys.argv[3])
+assert torch.get_num_threads() == 2, torch.get_num_threads()
+eager, graph, llm = t.eager_and_graph(model, [1, 3, 11], **kw)
+print(json.dumps({"equal": graph == eager, "replays": llm.llm_engine.runner.graphs.replays,
+                  "team": ops.graph_team_replays()}))
+"""
+
+
+@pytest.mark.parametrize("case", ["bf16", "float32", "int8-cache", "w4a8"])
+def test_graph_steps_on_two_threads_replay_as_one_region(tiny_checkpoints, qwen2_biased, tiny_llama, tmp_path, case):
+    # (a fresh process: the suite runs on one thread, and a replay on one thread makes no region)
+    import json
+    import subprocess
+    import sys
+
+    model, kw = qwen2_biased, {}
+    if case == "float32":
+        model, kw = tiny_checkpoints["llama"], {"dtype": "float32"}
+    elif case == "int8-cache":
+        kw = {"kv_cache_dtype": "int8"}
+    elif case == "w4a8":
+        from armserve.quantize import quantize_model
+
+        model = str(tmp_path / "w4a8")
+        quantize_model(tiny_llama, model, group_size=32, progress=False)
+    out = subprocess.run([sys.executable, "-c", TEAM_SCRIPT, os.path.dirname(__file__), model, json.dumps(kw)],
+                         env=dict(os.environ, OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["equal"], "replayed steps on two threads differ from eager ones"
+    assert res["replays"] > 20 and res["team"] >= res["replays"], res
+
+
 def test_graph_steps_equal_eager_float32(tiny_checkpoints):
     # float32 dense layers take the skinny matmul up to its token limit on x86 SIMD (1 elsewhere);
     # the scalar reference variant leaves them to PyTorch, so its float32 steps stay eager

@@ -138,6 +138,11 @@ class StepGraphs:
                             ", ".join(sorted(set(g.recording.errors))[:5]))
                 g.recording.keep.clear()
                 g.logits = None
+                if b != n:
+                    # computed on padded rows: PyTorch's GEMMs may round a row differently with
+                    # more rows beside it, so run the step as an eager one would (it rewrites the
+                    # same cache slots)
+                    return None
             return logits[:n]  # computed eagerly while recording
         if not g.replayable:
             return None
