@@ -49,15 +49,17 @@ static inline void store_row(int32_t out_dtype, const float* src, void* dst, int
   }
 }
 
-// Thread-local activation buffer, grown on demand (64-byte aligned).
+// A thread-local buffer, grown on demand (64-byte aligned).
 struct XBuf {
   void* p = nullptr;
   int64_t bytes = 0;
   ~XBuf() { std::free(p); }
 };
 
-static inline void* xbuf(int64_t bytes) {
-  thread_local XBuf b;
+// Thread-local buffers: 0 the activations, 1 a dequantized weight panel (both live at once).
+static inline void* tbuf(int which, int64_t bytes) {
+  thread_local XBuf bufs[2];
+  XBuf& b = bufs[which];
   if (b.bytes < bytes) {
     std::free(b.p);
     b.p = std::aligned_alloc(64, size_t((bytes + 63) / 64 * 64));
@@ -65,17 +67,8 @@ static inline void* xbuf(int64_t bytes) {
   }
   return b.p;
 }
-
-// Thread-local buffer for a dequantized weight panel (a second one: the activations' may be live).
-static inline void* wbuf(int64_t bytes) {
-  thread_local XBuf b;
-  if (b.bytes < bytes) {
-    std::free(b.p);
-    b.p = std::aligned_alloc(64, size_t((bytes + 63) / 64 * 64));
-    b.bytes = bytes;
-  }
-  return b.p;
-}
+static inline void* xbuf(int64_t bytes) { return tbuf(0, bytes); }
+static inline void* wbuf(int64_t bytes) { return tbuf(1, bytes); }
 
 // IEEE half bits -> float (the w4 tiles' scales; not every TU has F16C or _Float16).
 static inline float f16f(uint16_t h) {

@@ -231,7 +231,9 @@ def test_graph_steps_on_two_threads_replay_as_one_region(tiny_checkpoints, qwen2
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["equal"], "replayed steps on two threads differ from eager ones"
-    assert res["replays"] > 20 and res["team"] >= res["replays"], res
+    # (float32 steps replay only where the skinny matmul takes them: not on the scalar variant)
+    replays = case != "float32" or ops.use_kernel("gemv", torch.zeros(1, 8))
+    assert (res["replays"] > 20 if replays else res["replays"] == 0) and res["team"] >= res["replays"], res
 
 
 def test_graph_steps_equal_eager_float32(tiny_checkpoints):
