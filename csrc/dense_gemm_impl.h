@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "dense_gemm.h"
+#include "float_conv.h"
 #include "parallel.h"
 
 #ifdef _OPENMP
@@ -30,14 +31,7 @@
 namespace armserve_dense {
 namespace {
 
-static inline float bf16f(uint16_t h) { return __builtin_bit_cast(float, uint32_t(h) << 16); }
-
-// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7fc0 (kernels_impl.h's f32_to_bf16, as PyTorch).
-static inline uint16_t to_bf16(float f) {
-  const uint32_t u = __builtin_bit_cast(uint32_t, f);
-  const uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t(r);
-}
+using namespace armserve_conv;  // bf16_to_f32, f32_to_bf16, f16_to_f32
 
 // One output row segment: plain loops that each TU's flags vectorise (the scalar TU does not).
 static inline void store_row(int32_t out_dtype, const float* src, void* dst, int64_t n) {
@@ -45,7 +39,7 @@ static inline void store_row(int32_t out_dtype, const float* src, void* dst, int
     std::memcpy(dst, src, size_t(n) * 4);
   } else {
     uint16_t* d = static_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) d[i] = to_bf16(src[i]);
+    for (int64_t i = 0; i < n; ++i) d[i] = f32_to_bf16(src[i]);
   }
 }
 
@@ -70,16 +64,6 @@ static inline void* tbuf(int which, int64_t bytes) {
 static inline void* xbuf(int64_t bytes) { return tbuf(0, bytes); }
 static inline void* wbuf(int64_t bytes) { return tbuf(1, bytes); }
 
-// IEEE half bits -> float (the w4 tiles' scales; not every TU has F16C or _Float16).
-static inline float f16f(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-  if (e == 0) {  // zero or subnormal: mant * 2^-24, exact in float
-    const float v = float(mant) * 0x1p-24f;
-    return sign ? -v : v;
-  }
-  return __builtin_bit_cast(float, sign | (e == 31 ? 0x7f800000u : (e + 112) << 23) | (mant << 13));
-}
-
 // Column block t (16 weight rows) of qgemm.h's packed quantized tiles -> the dense layout's block
 // [k / 2][16][2] of bf16: w = code * s - s * zero (w4) or code * s (w8), in fp32 as
 // QuantizedTensor.dequantize computes it (no fused multiply-add), rounded to nearest even.
@@ -98,7 +82,7 @@ static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int6
     if (w4) {
       uint16_t h[32];
       std::memcpy(h, gp + chunks * 64, 64);
-      for (int r = 0; r < 16; ++r) s[r] = f16f(h[r]), z[r] = f16f(h[16 + r]);
+      for (int r = 0; r < 16; ++r) s[r] = f16_to_f32(h[r]), z[r] = f16_to_f32(h[16 + r]);
     } else {
       std::memcpy(s, gp + chunks * 64, 64);
       for (int r = 0; r < 16; ++r) z[r] = 0.f;
@@ -113,14 +97,14 @@ static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int6
             const int sh = (q & 1) * 16 + (q >> 1) * 4;
             const float a = float((u[r] >> sh) & 15u) * s[r] - z[r];
             const float b = float((u[r] >> (sh + 8)) & 15u) * s[r] - z[r];
-            o[q * 16 + r] = uint32_t(to_bf16(a)) | uint32_t(to_bf16(b)) << 16;
+            o[q * 16 + r] = uint32_t(f32_to_bf16(a)) | uint32_t(f32_to_bf16(b)) << 16;
           }
       } else {
         for (int q = 0; q < 2; ++q)
           for (int r = 0; r < 16; ++r) {
             const float a = float(int8_t(u[r] >> (16 * q))) * s[r];
             const float b = float(int8_t(u[r] >> (16 * q + 8))) * s[r];
-            o[q * 16 + r] = uint32_t(to_bf16(a)) | uint32_t(to_bf16(b)) << 16;
+            o[q * 16 + r] = uint32_t(f32_to_bf16(a)) | uint32_t(f32_to_bf16(b)) << 16;
           }
       }
     }
@@ -198,7 +182,7 @@ struct DenseGemm {
     for (int64_t r = 0; r < m; ++r) {
       float* d = buf + r * w;
       const uint16_t* s = xs16 + r * k;
-      for (int64_t i = 0; i < k; ++i) d[i] = bf16f(s[i]);
+      for (int64_t i = 0; i < k; ++i) d[i] = bf16_to_f32(s[i]);
       for (int64_t i = k; i < w; ++i) d[i] = 0.f;
     }
     return buf;
@@ -285,7 +269,7 @@ struct ScalarP {
       const uint16_t* wb = w + b * kp * 32;
       for (int64_t p = 0; p < kp; ++p)
         for (int c = 0; c < 16; ++c) {
-          const float we = bf16f(wb[p * 32 + 2 * c]), wo = bf16f(wb[p * 32 + 2 * c + 1]);
+          const float we = bf16_to_f32(wb[p * 32 + 2 * c]), wo = bf16_to_f32(wb[p * 32 + 2 * c + 1]);
           for (int r = 0; r < R; ++r) {
             float& a = acc[r * B * 16 + b * 16 + c];
             a += we * x[r * xs + 2 * p];

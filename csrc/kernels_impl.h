@@ -24,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "float_conv.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -39,41 +40,7 @@ static inline int imin(int a, int b) { return a < b ? a : b; }
 static inline int imax(int a, int b) { return a > b ? a : b; }
 static inline void zero(float* p, int64_t n) { std::memset(p, 0, n * sizeof(float)); }
 
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as PyTorch
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
-
-// GCC 12 (Debian 12's aarch64-linux-gnu-g++) has no _Float16 in C++ on aarch64; its __fp16
-// converts with the same IEEE fcvt instructions (round to nearest even).
-#if defined(__aarch64__)
-typedef __fp16 half_t;
-#else
-typedef _Float16 half_t;
-#endif
-
-static inline float f16_to_f32(uint16_t h) {
-  half_t v;
-  std::memcpy(&v, &h, 2);
-  return float(v);
-}
-
-static inline uint16_t f32_to_f16(float f) {
-  half_t v = half_t(f);
-  uint16_t h;
-  std::memcpy(&h, &v, 2);
-  return h;
-}
+using namespace armserve_conv;  // bf16_to_f32, f32_to_bf16, f16_to_f32, f32_to_f16, half_t
 
 // exp(x) to about 1 ulp (Cephes' range reduction and polynomial), branch-free so loops of it
 // vectorise for each TU's ISA; libm's expf is a scalar call. Inputs are clamped to the finite
@@ -199,14 +166,6 @@ struct Buffer {
   ~Buffer() { std::free(p); }
   T& operator[](int64_t i) { return p[i]; }
 };
-
-static inline int num_threads() {
-#ifdef _OPENMP
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
 
 }  // namespace
 }  // namespace armserve
