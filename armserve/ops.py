@@ -600,15 +600,6 @@ def qgemm_dense(fmt: str, out: torch.Tensor, col: int, x: torch.Tensor, packed: 
           group, out.stride(0))
 
 
-def qgemm_dense_ref(x: torch.Tensor, qt) -> torch.Tensor:
-    """What `qgemm_dense` computes: x times the weight dequantized with the kernels' scales and
-    rounded to bf16, summed in float64 (a QuantizedTensor `qt`; layers/quantized_linear.py)."""
-    from armserve.layers.quantized_linear import kernel_scales
-
-    w = kernel_scales(qt).dequantize().to(torch.bfloat16)
-    return (x.double() @ w.double().T).to(x.dtype)
-
-
 # From this many rows the int8-weight (w8: GGUF Q8_0 / Q6_K / Q5_K) parts of a bf16 quantized layer
 # dequantize their weight panel by panel for the dense bf16 GEMM instead of quantizing the
 # activations for the w8a8 GEMM: the dequantization is then shared by enough rows, and the bf16

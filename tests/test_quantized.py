@@ -18,6 +18,7 @@ from armserve.layers.quantized_linear import (
     QuantizedLinear,
     QuantizedTensor,
     pack,
+    qgemm_dense_ref,
     qlinear_ref,
     quantize_act_ref,
     quantize_weight,
@@ -76,7 +77,7 @@ def test_qgemm_dense_matches_reference(isa, fmt):
                 x = torch.randn(m, k).to(torch.bfloat16)
                 out = torch.full((m, n + 5), 7.0, dtype=torch.bfloat16)
                 ops.qgemm_dense(fmt, out, 2, x, pack(qt), n, g)  # into a column slice of a wider output
-                want = ops.qgemm_dense_ref(x, qt).float()
+                want = qgemm_dense_ref(x, qt).float()
                 # fp32 sums of exact bf16 products (order differs from float64), one bf16 rounding
                 torch.testing.assert_close(out[:, 2:2 + n].float(), want, atol=1e-2 * want.abs().max().item(),
                                            rtol=1e-2)
@@ -105,7 +106,7 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
     assert not ops.use_kernel("qgemm_dense", x[:-1]) and not ops.use_kernel("qgemm_dense", x.float())
     got = layer(x).float()
     w8a8 = qlinear_ref(x.float(), b).float()
-    want_b = ops.qgemm_dense_ref(x, b).float() if dense else w8a8
+    want_b = qgemm_dense_ref(x, b).float() if dense else w8a8
     torch.testing.assert_close(got[:, :32], qlinear_ref(x.float(), a).float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got[:, 32:], want_b, atol=1e-2 * want_b.abs().max().item(), rtol=1e-2)
     if dense:  # the two paths differ (int8 activations or not), and the reference told them apart

@@ -222,6 +222,13 @@ def qlinear_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
     return y.to(x.dtype).reshape(*x.shape[:-1], qt.codes.shape[0])
 
 
+def qgemm_dense_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """What `ops.qgemm_dense` (the prefill path) computes: x times the weight dequantized with the
+    kernels' scales and rounded to bf16, summed in float64."""
+    w = kernel_scales(qt).dequantize().to(torch.bfloat16)
+    return (x.double() @ w.double().T).to(x.dtype)
+
+
 # ---- the layer -----------------------------------------------------------------------------
 
 
