@@ -136,6 +136,8 @@ def _load() -> ctypes.CDLL | None:
         select_isa(want)
     if os.environ.get("ARMSERVE_BF16_DOT", "").strip() == "0":
         _lib.armserve_set_bf16_dot(0)
+    if os.environ.get("ARMSERVE_AMX", "").strip() == "0":
+        _lib.armserve_set_amx(0)
     return _lib
 
 
@@ -225,6 +227,34 @@ def set_bf16_dot(on: bool) -> bool:
     kernel_generation += 1
     if lib.armserve_set_bf16_dot(int(on)) == 2:
         raise KernelError(f"this CPU has no bf16 dot instruction (features: {' '.join(cpu_features())})")
+    return before
+
+
+def amx_available() -> bool:
+    """True when the dense bf16 GEMM can run on Intel AMX tiles here: the CPU has AMX-BF16 and
+    Linux granted this process the tile data (the library asks once)."""
+    lib = _load()
+    if lib is None:
+        return False
+    before = bool(lib.armserve_amx_wanted())
+    ok = lib.armserve_set_amx(1) == 0
+    lib.armserve_set_amx(int(before))
+    return ok
+
+
+def set_amx(on: bool) -> bool:
+    """Allow (on, the default) or forbid AMX tiles in the dense bf16 GEMM (tests, comparisons;
+    `ARMSERVE_AMX=0` at start-up); returns the previous setting, to restore. AMX is used only with
+    the avx512 variant and the bf16 dot instruction allowed, from 3 rows (see `dense_isa()`)."""
+    lib = _load()
+    if lib is None:
+        raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    global kernel_generation
+    before = bool(lib.armserve_amx_wanted())
+    kernel_generation += 1
+    if lib.armserve_set_amx(int(on)) == 2:
+        raise KernelError("AMX-BF16 is not available here (the CPU lacks it or Linux refused its tile data; "
+                          f"features: {' '.join(cpu_features())})")
     return before
 
 

@@ -107,6 +107,8 @@ void armserve_cpu_features(char* buf, int32_t n);
 int32_t armserve_set_bf16_dot(int32_t on);  // 0 ok, 2 this CPU has no bf16 dot instruction
 int32_t armserve_bf16_dot_wanted();          // the last armserve_set_bf16_dot (default: the CPU has one)
 int32_t armserve_native_bf16();
+int32_t armserve_set_amx(int32_t on);  // 0 ok, 2 no AMX-BF16 here (CPU, or Linux refused its tile data)
+int32_t armserve_amx_wanted();         // the last armserve_set_amx (default 1)
 int32_t armserve_bind_threads(const int32_t* cores, int32_t n);
 int32_t armserve_thread_cores(int32_t* out, int32_t max);
 int32_t armserve_openmp_library(char* buf, int32_t n);
@@ -154,6 +156,8 @@ const char* armserve_signature(const char* name);
   X(armserve_set_bf16_dot)                                                                                     \
   X(armserve_bf16_dot_wanted)                                                                                  \
   X(armserve_native_bf16)                                                                                      \
+  X(armserve_set_amx)                                                                                          \
+  X(armserve_amx_wanted)                                                                                       \
   X(armserve_bind_threads)                                                                                     \
   X(armserve_thread_cores)                                                                                     \
   X(armserve_openmp_library)

@@ -36,6 +36,8 @@ VARIANTS = {
         "dense_gemm_avx2.cpp": ["-mavx2", "-mfma"],
         # AVX512-BF16 only inside functions marked target("avx512bf16") (dense_gemm_avx512.cpp).
         "dense_gemm_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+        # AMX only inside functions marked target("amx-tile,amx-bf16") (dense_gemm_amx.cpp).
+        "dense_gemm_amx.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
         "dense_dispatch.cpp": [],
         "api.cpp": [],
     },

@@ -1,7 +1,8 @@
 // Dense bf16 GEMM variant that goes with the kernel variant in use (dispatch.cpp) and the bf16-dot
-// switch (armserve_bf16_dot): avx512 -> AVX512-BF16 vdpbf16ps tiles when the CPU has it and the
-// switch is on, else widening AVX-512 tiles; neon/sve -> BFDOT tiles likewise (HWCAP2_BF16). A CPU
-// without the instruction never reaches the tiles that use it.
+// switch (armserve_bf16_dot): avx512 -> AMX tiles when the CPU has AMX-BF16, Linux granted its
+// tile data and the AMX switch is on (armserve_set_amx), else AVX512-BF16 vdpbf16ps tiles when
+// the CPU has it and the switch is on, else widening AVX-512 tiles; neon/sve -> BFDOT tiles
+// likewise (HWCAP2_BF16). A CPU without the instruction never reaches the tiles that use it.
 #include <cstring>
 
 #include "dense_gemm_impl.h"
@@ -10,9 +11,12 @@ extern "C" const char* armserve_isa();
 
 namespace {
 
-const DenseTable* pick(const char* isa, int dot) {
+int g_amx_wanted = 1;
+
+const DenseTable* pick(const char* isa, int dot, int amx) {
   const CpuFeatures& f = *armserve_cpu();
 #if defined(__x86_64__)
+  if (!std::strcmp(isa, "avx512") && dot && amx && armserve_amx_ready()) return armserve_dense_amx();
   if (!std::strcmp(isa, "avx512")) return dot && f.avx512_bf16 ? armserve_dense_avx512_bf16() : armserve_dense_avx512();
   if (!std::strcmp(isa, "avx2")) return armserve_dense_avx2();
 #elif defined(__aarch64__)
@@ -21,19 +25,21 @@ const DenseTable* pick(const char* isa, int dot) {
 #endif
   (void)f;
   (void)dot;
+  (void)amx;
   return armserve_dense_scalar();
 }
 
 const DenseTable* dtable() {
   static const char* for_isa = nullptr;
-  static int for_dot = -1;
+  static int for_dot = -1, for_amx = -1;
   static const DenseTable* t = nullptr;
   const char* isa = armserve_isa();
-  const int dot = armserve_bf16_dot;
-  if (isa != for_isa || dot != for_dot) {  // the kernel variant or the bf16-dot switch changed
-    t = pick(isa, dot);
+  const int dot = armserve_bf16_dot, amx = g_amx_wanted;
+  if (isa != for_isa || dot != for_dot || amx != for_amx) {  // the variant or a switch changed
+    t = pick(isa, dot, amx);
     for_isa = isa;
     for_dot = dot;
+    for_amx = amx;
   }
   return t;
 }
@@ -43,6 +49,18 @@ const DenseTable* dtable() {
 extern "C" {
 
 const char* armserve_dense_isa() { return dtable()->name; }
+
+int32_t armserve_set_amx(int32_t on) {
+#if defined(__x86_64__)
+  if (on && !armserve_amx_ready()) return 2;
+#else
+  if (on) return 2;
+#endif
+  g_amx_wanted = on ? 1 : 0;
+  return 0;
+}
+
+int32_t armserve_amx_wanted() { return g_amx_wanted; }
 
 // w [n, k] bf16 -> packed [ceil(n / 16)][ceil(k / 2)][16][2] (dense_gemm.h), zero-padded.
 void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed) {

@@ -29,6 +29,9 @@ const DenseTable* armserve_dense_scalar();
 const DenseTable* armserve_dense_avx2();
 const DenseTable* armserve_dense_avx512();
 const DenseTable* armserve_dense_avx512_bf16();  // needs AVX512-BF16
+const DenseTable* armserve_dense_amx();          // needs AMX-BF16 and armserve_amx_ready()
+// 1 once Linux granted this process AMX's tile data (asked on the first call), else 0.
+int32_t armserve_amx_ready();
 #endif
 #if defined(__aarch64__)
 const DenseTable* armserve_dense_neon();

@@ -8,7 +8,7 @@ namespace {
 #ifndef ARMSERVE_DENSE_AVX2_MR
 #define ARMSERVE_DENSE_AVX2_MR 5
 #endif
-struct Avx2 {
+struct Avx2 : armserve_dense::TileBase {
   static constexpr bool kDot = false;
   // 5 rows x 1 block: 10 accumulators + 4 widened weight halves + 2 broadcasts = 16 ymm; 10
   // chains of 2 FMAs hide the FMA latency (4 rows: 8 chains, 76 GFLOP/s; 5 rows: 109 on Zen 5).

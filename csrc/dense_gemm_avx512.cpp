@@ -19,7 +19,7 @@ namespace {
 
 // AVX512-BF16. The attribute keeps vdpbf16ps out of every other function of this file; the table
 // is only picked when the CPU has the instruction (dense_dispatch.cpp).
-struct Avx512Bf16 {
+struct Avx512Bf16 : armserve_dense::TileBase {
   static constexpr bool kDot = true;
   // 6 x 4 accumulators (24 zmm) + 4 weight rows + a broadcast: 2 vdpbf16ps per cycle need ~12
   // independent chains in flight, and 10 loads per 24 vdpbf16ps stay well below the load ports
@@ -65,7 +65,7 @@ struct Avx512Bf16 {
   }
 };
 
-struct Avx512 {
+struct Avx512 : armserve_dense::TileBase {
   static constexpr bool kDot = false;
   // Widening: 2 FMAs and 2 integer ops per weight row, R * B + 2 B + 2 = 26 registers at 4 x 4
   // (FMA-bound: ~245 GFLOP/s on Zen 5, half of vdpbf16ps; 4 x 4 beat 6 x 3, 8 x 2 and 6 x 2).

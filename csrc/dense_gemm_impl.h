@@ -5,6 +5,11 @@
 //   static constexpr int MR, NB   largest tile: MR rows of x times NB column blocks of 16
 //   static constexpr int kAlign   activation rows are padded (with zeros) to a multiple of kAlign pairs
 //   static constexpr int kStreamRows  up to this many rows, panels are 1 block wide (see gemm)
+//   static constexpr int kRowPad  activation rows are padded (with zero rows) to a multiple of
+//                                 kRowPad, and row tiles are MR rows but the last (tile
+//                                 registers of a fixed height: AMX); 1 = no padding, balanced tiles
+//   static void begin(), end()    around a panel's tiles on the thread that runs them (AMX tile
+//                                 configuration); TileBase supplies kRowPad = 1 and no-ops
 //   template <int R, int B> tile(xa, xs, w, kp, acc)
 //       acc[r * B * 16 + j] = sum over all kp pairs of row r of the activations (`xs` elements
 //       apart: uint32 pairs or floats) times column j of the B consecutive packed blocks at `w`
@@ -135,6 +140,13 @@ static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* 
   });
 }
 
+// Defaults for the optional members of a primitive.
+struct TileBase {
+  static constexpr int kRowPad = 1;
+  static void begin() {}
+  static void end() {}
+};
+
 template <class P>
 struct DenseGemm {
   using TileFn = void (*)(const void*, int64_t, const uint16_t*, int64_t, float*);
@@ -165,12 +177,14 @@ struct DenseGemm {
     const uint16_t* xs16 = static_cast<const uint16_t*>(x);
     if (P::kDot) {
       *xs = kpa;
-      if (k % 2 == 0 && kpa == kp) return x;  // already bf16 pairs
-      uint16_t* buf = static_cast<uint16_t*>(xbuf(m * kpa * 4));
+      const int64_t mp = (m + P::kRowPad - 1) / P::kRowPad * P::kRowPad;
+      if (k % 2 == 0 && kpa == kp && mp == m) return x;  // already bf16 pairs
+      uint16_t* buf = static_cast<uint16_t*>(xbuf(mp * kpa * 4));
       for (int64_t r = 0; r < m; ++r) {
         std::memcpy(buf + r * kpa * 2, xs16 + r * k, size_t(k) * 2);
         std::memset(buf + r * kpa * 2 + k, 0, size_t(kpa * 2 - k) * 2);
       }
+      std::memset(buf + m * kpa * 2, 0, size_t((mp - m) * kpa) * 4);
       return buf;
     }
     *xs = kpa * 2;
@@ -190,21 +204,23 @@ struct DenseGemm {
 
   // Every row of x against one panel: `bc` column blocks at `wp` (kp * 32 uint16 apart), output
   // columns [c0, c0 + cols); rows in tiles of at most MR, balanced (17 rows at MR = 8: 6 + 6 + 5,
-  // not 8 + 8 + 1).
+  // not 8 + 8 + 1) unless the rows are padded (kRowPad: full tiles, then the rest).
   static void panel(int32_t out_dtype, void* out, const void* xa, int64_t xs, const uint16_t* wp, int64_t kp,
                     int bc, int64_t c0, int64_t cols, int64_t m, int64_t ldo) {
     static const Tiles tiles;
     const int es = out_dtype == AS_F32 ? 4 : 2;
     const int64_t nrt = (m + P::MR - 1) / P::MR, rbase = m / nrt, rextra = m % nrt;
     alignas(64) float acc[P::MR * P::NB * 16];
+    P::begin();
     int64_t r0 = 0;
     for (int64_t t = 0; t < nrt; ++t) {
-      const int rows = int(rbase + (t < rextra ? 1 : 0));
+      const int rows = P::kRowPad > 1 ? int(m - r0 < P::MR ? m - r0 : P::MR) : int(rbase + (t < rextra ? 1 : 0));
       tiles.fn[rows][bc](static_cast<const char*>(xa) + r0 * xs * 4, xs, wp, kp, acc);  // 4-byte elements
       for (int r = 0; r < rows; ++r)
         store_row(out_dtype, acc + r * bc * 16, static_cast<char*>(out) + ((r0 + r) * ldo + c0) * es, cols);
       r0 += rows;
     }
+    P::end();
   }
 
   static void gemm(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n, int64_t k,
@@ -258,7 +274,7 @@ struct DenseGemm {
 
 // Portable reference tiles (the scalar variant): the same sums in the same order as the widening
 // SIMD tiles, one fp32 multiply-add per element.
-struct ScalarP {
+struct ScalarP : TileBase {
   static constexpr bool kDot = false;
   static constexpr int MR = 4, NB = 1, kAlign = 1, kStreamRows = 0;
   template <int R, int B>

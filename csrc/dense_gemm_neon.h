@@ -11,7 +11,7 @@ namespace armserve_dense {
 namespace {
 
 // Without BF16: each 32-bit pair lane widens to fp32 (<< 16 even k, & 0xffff0000 odd k).
-struct NeonP {
+struct NeonP : TileBase {
   static constexpr bool kDot = false;
   // 4 rows x 1 block: 16 accumulators + 4 activation registers + 3 temporaries of 32.
   static constexpr int MR = 4, NB = 1, kAlign = 2, kStreamRows = 0;
@@ -60,7 +60,7 @@ struct NeonP {
 // BF16 (Neoverse V1/N2 and later, HWCAP2_BF16): BFDOT by element multiplies a block register by
 // one activation pair of a 4-pair register. The attribute keeps BFDOT out of every other function;
 // the table is only picked when the CPU has it (dense_dispatch.cpp).
-struct NeonBf16P {
+struct NeonBf16P : TileBase {
   static constexpr bool kDot = true;
   // 4 rows x 1 block: 16 accumulators + 4 activation registers + 1 weight register.
   static constexpr int MR = 4, NB = 1, kAlign = 4, kStreamRows = 0;

@@ -49,6 +49,7 @@ CpuFeatures detect() {
   f.avx512_bf16 = f.avx512 && ((a >> 5) & 1);
   __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
   f.amx = (d >> 24) & 1;  // AMX-TILE
+  f.amx_bf16 = (d >> 22) & 1;
 #elif defined(__aarch64__) && defined(__linux__)
   const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
   f.neon = true;  // AdvSIMD is mandatory on aarch64 Linux
@@ -199,6 +200,7 @@ void armserve_cpu_features(char* buf, int32_t n) {
   add(f.avx512_bf16, "avx512_bf16");
   add(f.avx512_vnni, "avx512_vnni");
   add(f.amx, "amx");
+  add(f.amx_bf16, "amx_bf16");
   add(f.neon, "neon");
   add(f.dotprod, "dotprod");
   add(f.bf16, "bf16");

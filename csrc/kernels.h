@@ -34,7 +34,7 @@ extern int armserve_bf16_dot;
 // The CPU's features as dispatch.cpp detects them (cpuid / HWCAP, once), for the other
 // dispatchers (qdispatch.cpp) to read rather than probe again.
 struct CpuFeatures {
-  bool avx2, fma, f16c, avx512, avx512_bf16, avx512_vnni, amx;
+  bool avx2, fma, f16c, avx512, avx512_bf16, avx512_vnni, amx, amx_bf16;
   bool neon, dotprod, bf16, i8mm, sve, sve2;
   int sve_bits;  // 0 without SVE
 };

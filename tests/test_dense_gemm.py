@@ -1,7 +1,7 @@
 """The dense bf16 GEMM on prepacked weights (csrc/dense_gemm.h) against PyTorch, for every ISA
-variant this CPU runs, with and without the CPU's bf16 dot instruction: all row counts the
-register tiles split differently, odd N and K (padding tails), column-range output, float32
-output, and the packing itself.
+variant this CPU runs, with and without the CPU's bf16 dot instruction, and on AMX tiles where
+the CPU has AMX-BF16: all row counts the register tiles split differently, odd N and K (padding
+tails), column-range output, float32 output, and the packing itself.
 """
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ def has_dot() -> bool:
     return "avx512_bf16" in f or "bf16" in f
 
 
-def dot_modes() -> list[bool]:
-    return [False, True] if has_dot() else [False]
+def dot_modes() -> list[str]:
+    """widen: no bf16 dot instruction; dot: with it (AMX off); amx: AMX tiles from 3 rows, the
+    dot instruction below (only where the CPU has AMX-BF16: elsewhere there is nothing to run)."""
+    return ["widen"] + (["dot"] if has_dot() else []) + (["amx"] if ops.amx_available() else [])
 
 
-def expected_variant(isa: str, dot: bool) -> str:
+def expected_variant(isa: str, dot: bool, amx: bool = False) -> str:
+    if isa == "avx512" and dot and amx:
+        return "amx_bf16"
     if isa in ("avx512", "neon", "sve") and dot:
         return {"avx512": "avx512_bf16", "neon": "neon_bf16", "sve": "sve_bf16"}[isa]
     return isa
@@ -42,11 +46,18 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2.0 ** -21 * k ** 0.5 * (x.double().abs() @ w.double().abs().t()) + 1e-30
 
 
-@pytest.fixture(params=dot_modes(), ids=lambda d: "dot" if d else "widen")
+@pytest.fixture(params=dot_modes())
 def dot(request):
-    before = ops.set_bf16_dot(request.param)
-    yield request.param
+    """The mode's bf16-dot switch (True: dot or amx); AMX is on in "amx" mode only."""
+    before = ops.set_bf16_dot(request.param != "widen")
+    amx_before = ops.set_amx(False) if ops.amx_available() else None
+    if request.param == "amx":
+        ops.set_amx(True)
+    yield request.param != "widen"
     ops.set_bf16_dot(before)
+    if amx_before is not None:
+        ops.set_amx(amx_before)
+
 
 
 def test_pack_round_trip():
@@ -61,8 +72,9 @@ def test_pack_round_trip():
         assert not full[n:].any() and not full[:, k:].any()
 
 
-def test_gemm_matches_reference(isa, dot):
-    assert ops.dense_isa() == expected_variant(isa, dot and ops.bf16_dot())
+def test_gemm_matches_reference(isa, dot, request):
+    amx = request.node.callspec.params["dot"] == "amx"
+    assert ops.dense_isa() == expected_variant(isa, dot and ops.bf16_dot(), amx and ops.bf16_dot())
     torch.manual_seed(1)
     for n, k in SHAPES:
         w = torch.randn(n, k).bfloat16()
@@ -135,3 +147,24 @@ def test_gemm_is_recordable():
     out.zero_()
     ops.run_graph(rec)
     assert torch.equal(out, want)
+
+
+def test_amx_switch(isa):
+    """AMX tiles serve the avx512 variant with the bf16 dot instruction where the CPU has AMX-BF16;
+    asking for them elsewhere is a clear error, and switching them off falls back to the dot tiles."""
+    before = ops.set_amx(False) if ops.amx_available() else None
+    try:
+        if before is None:
+            with pytest.raises(ops.KernelError, match="AMX-BF16 is not available"):
+                ops.set_amx(True)
+            assert ops.dense_isa() != "amx_bf16"
+            return
+        assert ops.dense_isa() == expected_variant(isa, ops.bf16_dot())
+        ops.set_amx(True)
+        assert ops.dense_isa() == expected_variant(isa, ops.bf16_dot(), True)
+        dot = ops.set_bf16_dot(False)
+        assert ops.dense_isa() == expected_variant(isa, False, True)  # AMX only with the dot tiles' activations
+        ops.set_bf16_dot(dot)
+    finally:
+        if before is not None:
+            ops.set_amx(before)

@@ -63,12 +63,17 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
 @pytest.mark.parametrize("fmt", ["w4", "w8"])
 def test_qgemm_dense_matches_reference(isa, fmt):
     """The prefill path of quantized layers: the weight dequantized to bf16 panel by panel for the
-    dense GEMM's tiles (with the bf16 dot instruction where the variant has one, and without)
-    against bf16 activations."""
+    dense GEMM's tiles (with the bf16 dot instruction where the variant has one, and without; on
+    AMX tiles where the CPU has them) against bf16 activations."""
     torch.manual_seed(3)
-    for dot in ([True, False] if ops.bf16_dot() else [None]):  # None: a variant without one
+    # (dot, amx): None for a switch this CPU / variant lacks; AMX tiles from 3 rows where it has them
+    modes = [(None, None)] if not ops.bf16_dot() else (
+        [(True, True), (True, False), (False, False)] if ops.amx_available() else [(True, None), (False, None)])
+    for dot, amx in modes:
         before = None if dot is None else ops.set_bf16_dot(dot)
+        amx_before = None if amx is None else ops.set_amx(amx)
         try:
+            assert (ops.dense_isa() == "amx_bf16") == bool(amx)
             for m, n, k, g in SHAPES + [(130, 70, 192, 32)]:
                 if g % 8:
                     continue
@@ -85,6 +90,8 @@ def test_qgemm_dense_matches_reference(isa, fmt):
         finally:
             if before is not None:
                 ops.set_bf16_dot(before)
+            if amx_before is not None:
+                ops.set_amx(amx_before)
 
 
 def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
