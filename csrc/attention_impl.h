@@ -36,6 +36,8 @@
 
 #if defined(__x86_64__)
 #include <immintrin.h>
+
+#include "amx.h"
 #elif defined(__aarch64__)
 #include <arm_neon.h>
 #endif
@@ -307,6 +309,110 @@ __attribute__((target("avx512bf16"))) static void values_bf16_dot(const float* p
   for (; c + 16 * CC <= hd; c += 16 * CC) values_cols<NR, CC>(p, vt, nt, jn_last, hd, c, acc);
   for (; c < hd; c += 16) values_cols<NR, 1>(p, vt, nt, jn_last, hd, c, acc);
 }
+
+// ---- AMX tiles (amx.h): prefill rows of a bfloat16 cache, 16 x 16 x 32 products per instruction ----
+// The bf16 K tile [hd / 2][16][2] is AMX's B operand as it is (rows = dim pairs, columns = keys):
+// 32 head dims of 16 keys are one contiguous 1 KiB B tile. Values need 32 keys per instruction,
+// two cache tiles that sit in different blocks, so a partition's V tiles are first copied into one
+// buffer (values_amx_stage), which also zeroes what lies past the keys (0 x NaN is NaN).
+// Rows go 16 (RT = 1) or 32 (RT = 2) at a time; the queries, probabilities and outputs have room
+// for padding rows up to the next multiple of 32. Needs hd a multiple of 32.
+#define ARMSERVE_ATTN_AMX 1
+constexpr int kAmxRows = 32;  // rows of a block (two A tiles)
+
+// s[r][t * 16 + j] = q[r] . key j of tile t, 16 * RT rows of bf16 queries (hd apart), raw sums.
+template <int RT>
+__attribute__((target("amx-tile,amx-bf16"))) static void scores_amx(const uint16_t* q, const uint16_t* const* kt,
+                                                                   int nt, int hd, float* s) {
+  const int64_t qs = int64_t(hd) * 2;  // bytes between query rows
+  armserve_amx::fence();                // the queries were written just now (amx.h)
+  for (int t = 0; t < nt; t += 2) {
+    const bool two = t + 1 < nt;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (RT > 1) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int d = 0; d < hd; d += 32) {  // 16 dim pairs: rows d / 2 .. d / 2 + 15 of the K tiles
+      _tile_loadd(4, q + d, qs);
+      if (RT > 1) _tile_loadd(5, q + 16 * hd + d, qs);
+      _tile_loadd(6, kt[t] + d * kKT, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (RT > 1) _tile_dpbf16ps(2, 5, 6);
+      if (two) {
+        _tile_loadd(7, kt[t + 1] + d * kKT, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (RT > 1) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, s + t * kKT, kP * 4);
+    if (two) _tile_stored(1, s + (t + 1) * kKT, kP * 4);
+    if (RT > 1) {
+      _tile_stored(2, s + 16 * kP + t * kKT, kP * 4);
+      if (two) _tile_stored(3, s + 16 * kP + (t + 1) * kKT, kP * 4);
+    }
+  }
+}
+
+// The partition's V tiles (vt[t]: [8][hd][2], pairs of keys) one after another in vb, pair rows
+// past jn_last keys of the last tile zeroed (an odd last key's partner too), and a zero tile
+// after an odd count. Returns the number of keys to run (a multiple of 32).
+static inline int values_amx_stage(const uint16_t* const* vt, int nt, int jn_last, int hd, uint16_t* vb) {
+  const int64_t tile = int64_t(kKT) * hd;  // uint16 per tile: 8 pair rows x hd x 2
+  for (int t = 0; t < nt; ++t) std::memcpy(vb + t * tile, vt[t], size_t(tile) * 2);
+  uint16_t* last = vb + (nt - 1) * tile;
+  const int np = (jn_last + 1) / 2;
+  std::memset(last + int64_t(np) * hd * 2, 0, size_t(kKT / 2 - np) * hd * 4);
+  if (jn_last % 2)
+    for (int d = 0; d < hd; ++d) last[(int64_t(np - 1) * hd + d) * 2 + 1] = 0;
+  const int nk = (nt * kKT + 31) / 32 * 32;
+  if (nk > nt * kKT) std::memset(vb + nt * tile, 0, size_t(tile) * 2);
+  return nk;
+}
+
+// acc[r][d] = sum over the nk staged keys of p[r][j] v[j][d] (written, not added to), 16 * RT
+// rows; pf: fp32 probabilities rows kP apart, rounded to bf16 here (zero past nt tiles).
+template <int RT>
+__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void values_amx(const float* pf, int nt, const uint16_t* vb,
+                                                                   int nk, int hd, float* acc) {
+  alignas(64) uint16_t p[kAmxRows * kP];
+  for (int r = 0; r < 16 * RT; ++r) {
+    for (int t = 0; t < nt; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kP + t * kKT),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pf + r * kP + t * kKT)));
+    if (nk > nt * kKT) std::memset(p + r * kP + nt * kKT, 0, size_t(nk - nt * kKT) * 2);
+  }
+  const int64_t vs = int64_t(hd) * 4;  // bytes between pair rows
+  armserve_amx::fence();                // p and the staged values were written just now (amx.h)
+  for (int c = 0; c < hd; c += 32) {   // two 16-dim column tiles
+    _tile_zero(0);
+    _tile_zero(1);
+    if (RT > 1) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int j = 0; j < nk; j += 32) {
+      const uint16_t* v = vb + (int64_t(j / 2) * hd + c) * 2;
+      _tile_loadd(4, p + j, kP * 2);
+      if (RT > 1) _tile_loadd(5, p + 16 * kP + j, kP * 2);
+      _tile_loadd(6, v, vs);
+      _tile_loadd(7, v + 32, vs);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (RT > 1) {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    _tile_stored(0, acc + c, hd * 4);
+    _tile_stored(1, acc + c + 16, hd * 4);
+    if (RT > 1) {
+      _tile_stored(2, acc + 16 * hd + c, hd * 4);
+      _tile_stored(3, acc + 16 * hd + c + 16, hd * 4);
+    }
+  }
+}
 #elif defined(__aarch64__)
 #define ARMSERVE_ATTN_BF16_DOT 1
 #if defined(__ARM_FEATURE_SVE)
@@ -415,6 +521,22 @@ static void silu_and_mul_row(const void* x, void* out, int64_t d) {
     store16<CT>(out, i, s * u);
   }
 }
+
+#ifdef ARMSERVE_ATTN_AMX
+// The tile configuration for the scope of an item that uses AMX (amx.h).
+struct AmxScope {
+  bool on;
+  explicit AmxScope(bool o) : on(o) {
+    if (on) armserve_amx::begin();
+  }
+  ~AmxScope() {
+    if (on) armserve_amx::end();
+  }
+};
+static inline bool amx_active() { return armserve_amx_active() != 0; }
+#else
+static inline bool amx_active() { return false; }
+#endif
 
 template <class Isa>
 struct Attention {
@@ -678,6 +800,7 @@ struct Attention {
     int32_t hq, hk, hd, window;
     float scale, softcap;
     int64_t q_stride;
+    bool amx;  // AMX tiles may run (armserve_amx_active), for items of a bfloat16 cache with enough rows
   };
 
   // First and one-past-last key position a tile of queries may see.
@@ -697,19 +820,36 @@ struct Attention {
     int lo, hi;
     key_range(a, w.seq, w.q0, w.qn, &lo, &hi);
 
-    float* qf = scratch(0, int64_t(R) * hd);
-    float* acc = scratch(1, int64_t(R) * hd);
-    float* tot = scratch(2, int64_t(R) * hd);
-    float* st = scratch(3, int64_t(R) * 4 + int64_t(RB) * P);
-    float *m = st, *l = st + R, *M = st + 2 * R, *L = st + 3 * R;
-    float* sb = st + 4 * R;  // [RB][P]: one row block's scores, then probabilities, over a partition
-    // The queries as fp32, and for a bfloat16 cache also as they are (the dot instructions' operand).
-    uint16_t* qb = CT == CT_BF16 ? reinterpret_cast<uint16_t*>(scratch(4, int64_t(R) * hd / 2 + 1)) : nullptr;
 #ifdef ARMSERVE_ATTN_BF16_DOT
     const bool dot = CT == CT_BF16 && armserve_bf16_dot;
 #else
     const bool dot = false;
 #endif
+#ifdef ARMSERVE_ATTN_AMX
+    // AMX for a block of at least 16 rows (prefill); a decode item's few rows keep the dot tiles.
+    const bool amx = dot && a.amx && hd % 32 == 0 && R >= 16;
+    const int RA = (R + kAmxRows - 1) / kAmxRows * kAmxRows;  // rows with room for tile padding
+    const AmxScope amx_scope(amx);
+#else
+    const bool amx = false;
+    const int RA = R;
+#endif
+#ifdef ARMSERVE_ATTN_AMX
+    const int rb = amx ? kAmxRows : RB;  // rows per block
+#else
+    const int rb = RB;
+#endif
+    float* qf = scratch(0, int64_t(R) * hd);
+    float* acc = scratch(1, int64_t(RA) * hd);
+    float* tot = scratch(2, int64_t(R) * hd);
+    float* st = scratch(3, int64_t(R) * 4 + int64_t(rb) * P);
+    float *m = st, *l = st + R, *M = st + 2 * R, *L = st + 3 * R;
+    float* sb = st + 4 * R;  // [rb][P]: one row block's scores, then probabilities, over a partition
+    // The queries as fp32, and for a bfloat16 cache also as they are (the dot instructions' operand).
+    uint16_t* qb = CT == CT_BF16 ? reinterpret_cast<uint16_t*>(scratch(4, int64_t(RA) * hd / 2 + 1)) : nullptr;
+    // AMX: the partition's values staged in one buffer (values_amx_stage), a spare zero tile after.
+    uint16_t* vb = amx ? reinterpret_cast<uint16_t*>(scratch(6, int64_t(P + KT) * hd / 2)) : nullptr;
+    if (amx) std::memset(qb + int64_t(R) * hd, 0, sizeof(uint16_t) * (RA - R) * hd);  // padding rows
     const bool prescale = CT == CT_I8 || a.softcap > 0.f || !(a.scale > 0.f);
     const float xs = prescale ? 1.f : a.scale;  // the scale applied inside the exponential
 
@@ -749,9 +889,20 @@ struct Attention {
         vtp[t] = vbase + v_index(slots[t], bs, a.hk, w.head, hd, 0, pairs) * cs;
       }
       if (!dot) std::memset(acc, 0, sizeof(float) * R * hd);
-      for (int r0 = 0; r0 < R; r0 += RB) {
-        const int nr = imin(RB, R - r0);
-        if (dot) {
+      int nk = 0;  // AMX: keys staged
+#ifdef ARMSERVE_ATTN_AMX
+      if (amx) nk = values_amx_stage(reinterpret_cast<const uint16_t* const*>(vtp), nt, jn_last, hd, vb);
+#endif
+      for (int r0 = 0; r0 < R; r0 += rb) {
+        const int nr = imin(rb, R - r0);
+        if (amx) {
+#ifdef ARMSERVE_ATTN_AMX
+          if (nr > 16)
+            scores_amx<2>(qb + int64_t(r0) * hd, reinterpret_cast<const uint16_t* const*>(ktp), nt, hd, sb);
+          else
+            scores_amx<1>(qb + int64_t(r0) * hd, reinterpret_cast<const uint16_t* const*>(ktp), nt, hd, sb);
+#endif
+        } else if (dot) {
 #ifdef ARMSERVE_ATTN_BF16_DOT
           // (first row block: also prefetches the next K tiles and this partition's V tiles)
           scores_dot_n<CT>(nr, qb + int64_t(r0) * hd, reinterpret_cast<const uint16_t* const*>(ktp), nt, hd, sb,
@@ -815,7 +966,14 @@ struct Attention {
           }
           l[r0 + r] = hsum(lv);
         }
-        if (dot) {
+        if (amx) {
+#ifdef ARMSERVE_ATTN_AMX
+          if (nr > 16)
+            values_amx<2>(sb, nt, vb, nk, hd, acc + int64_t(r0) * hd);
+          else
+            values_amx<1>(sb, nt, vb, nk, hd, acc + int64_t(r0) * hd);
+#endif
+        } else if (dot) {
 #ifdef ARMSERVE_ATTN_BF16_DOT
           values_dot_n<CT>(nr, sb, reinterpret_cast<const uint16_t* const*>(vtp), nt, jn_last, hd,
                            acc + int64_t(r0) * hd);
@@ -928,13 +1086,13 @@ struct Attention {
   static void paged_attention(int32_t dtype, void* out, const void* q, const void* kc, const void* vc,
                               const AttnBatch* b, int32_t hq, int32_t hk, int32_t hd, float scale, int32_t window,
                               float softcap, int64_t q_stride) {
-    attend(Args{dtype, out, q, kc, vc, nullptr, nullptr, b, hq, hk, hd, window, scale, softcap, q_stride});
+    attend(Args{dtype, out, q, kc, vc, nullptr, nullptr, b, hq, hk, hd, window, scale, softcap, q_stride, amx_active()});
   }
 
   static void paged_attention_i8(int32_t dtype, void* out, const void* q, const int8_t* kc, const int8_t* vc,
                                  const float* ks, const float* vs, const AttnBatch* b, int32_t hq, int32_t hk,
                                  int32_t hd, float scale, int32_t window, float softcap, int64_t q_stride) {
-    attend(Args{dtype, out, q, kc, vc, ks, vs, b, hq, hk, hd, window, scale, softcap, q_stride});
+    attend(Args{dtype, out, q, kc, vc, ks, vs, b, hq, hk, hd, window, scale, softcap, q_stride, false});
   }
 };
 

@@ -62,6 +62,15 @@ int32_t armserve_set_amx(int32_t on) {
 
 int32_t armserve_amx_wanted() { return g_amx_wanted; }
 
+// AMX tiles may run now (amx.h): the CPU and Linux allow them and the switch is on.
+int32_t armserve_amx_active() {
+#if defined(__x86_64__)
+  return g_amx_wanted && armserve_amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // w [n, k] bf16 -> packed [ceil(n / 16)][ceil(k / 2)][16][2] (dense_gemm.h), zero-padded.
 void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed) {
   armserve_dense::pack_bf16(static_cast<const uint16_t*>(w), n, k, static_cast<uint16_t*>(packed));

@@ -10,13 +10,13 @@
 //
 // Linux hands AMX's tile data to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM): until
 // then the first tile instruction is fatal. armserve_amx_ready() asks once; the table is picked
-// only when it said yes (dense_dispatch.cpp). Every thread loads the tile configuration at the
-// start of each panel (another library on the thread may have loaded its own in between) and
-// releases the tiles after it.
+// only when it said yes (dense_dispatch.cpp). Every thread loads the tile configuration (amx.h) at
+// the start of each panel and releases the tiles after it.
 #include <immintrin.h>
 
 #include <cstring>
 
+#include "amx.h"
 #include "dense_gemm_impl.h"
 
 #if defined(__linux__)
@@ -33,25 +33,12 @@ namespace {
 #define ARMSERVE_AMX_MIN_ROWS 3
 #endif
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 struct AmxBf16 {
   static constexpr bool kDot = true;
   static constexpr int MR = 32, NB = 2, kAlign = 16, kStreamRows = 0, kRowPad = 16;
 
-  __attribute__((target("amx-tile"))) static void begin() {
-    static const TileConfig cfg = [] {
-      TileConfig c;
-      for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;  // every tile 16 rows x 64 bytes
-      return c;
-    }();
-    _tile_loadconfig(&cfg);
-  }
-  __attribute__((target("amx-tile"))) static void end() { _tile_release(); }
+  static void begin() { armserve_amx::begin(); }  // every tile 16 rows x 64 bytes (amx.h)
+  static void end() { armserve_amx::end(); }
 
   // One K step of 16 pairs: A tiles at `xp` (rows `xstride` bytes apart), B tiles at `wp` and
   // `wp + bs` (rows 64 bytes apart).
@@ -77,6 +64,7 @@ struct AmxBf16 {
     const char* x = static_cast<const char*>(xa);
     const char* wb = reinterpret_cast<const char*>(w);
     const int64_t xstride = xs * 4, bs = kp * 64, kfull = kp / 16 * 16;
+    armserve_amx::fence();  // the activations may have been written just now (amx.h)
     _tile_zero(0);
     if (B > 1) _tile_zero(1);
     if (RA > 1) _tile_zero(2);
@@ -91,6 +79,7 @@ struct AmxBf16 {
         std::memcpy(tail[b], wb + b * bs + kfull * 64, size_t(kp - kfull) * 64);
         std::memset(tail[b] + (kp - kfull) * 64, 0, size_t(16 - (kp - kfull)) * 64);
       }
+      armserve_amx::fence();
       step<RA, B>(x + kfull * 4, xstride, reinterpret_cast<const char*>(tail[0]), 1024);
     }
     // C tile (ra, b) -> acc[(16 ra + i) * B * 16 + 16 b + j]; acc holds MR x NB x 16 floats, so the

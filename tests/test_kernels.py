@@ -127,6 +127,7 @@ ATTN_CASES = [
     (256, 4, 2, [(9, 9), (1, 33)], None, None),
     (64, 4, 2, [(12, 12), (1, 50), (6, 30)], 8, None),  # sliding window
     (64, 4, 2, [(4, 10), (1, 18)], None, 30.0),  # Gemma-2 soft-capping
+    (64, 6, 2, [(40, 300), (17, 17)], None, None),  # prefill tiles over partitions (AMX where there is AMX)
 ]
 if SMALL:
     ATTN_CASES = [
@@ -172,6 +173,12 @@ def test_paged_attention(isa, dtype, case):
             close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
         finally:
             ops.set_bf16_dot(before)
+        if ops.amx_available():  # prefill rows on the dot instruction rather than AMX tiles
+            before = ops.set_amx(False)
+            try:
+                close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
+            finally:
+                ops.set_amx(before)
 
 
 def test_paged_attention_threads_split_long_decode(isa):
