@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
+import logging
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +46,45 @@ def kv_cache_num_blocks(config, kv_cache_space_gib: float, block_size: int, cach
 PROMPT_LOGPROBS_SLICE = 256
 
 
+_log = logging.getLogger("armserve")
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), "" if unknown."""
+    try:
+        words = open("/sys/kernel/mm/transparent_hugepage/enabled").read().split()
+    except OSError:
+        return ""
+    return next((w[1:-1] for w in words if w.startswith("[")), "")
+
+
+def prefault_kv_cache(cache: torch.Tensor) -> None:
+    """Back the KV cache with huge pages where the kernel allows (fewer TLB misses across scattered
+    blocks) and write it once, now: otherwise each block's first write pays the page faults inside
+    a request (measured on a 2-core VM: ~45 ms of a 1024-token prompt's 720 ms time to first token,
+    about 2.3 ms per MB touched). vLLM zero-fills its cache at start-up the same way.
+    `ARMSERVE_KV_PREFAULT=0` leaves the pages to be touched on first use (faster start-up)."""
+    if os.environ.get("ARMSERVE_KV_PREFAULT", "").strip() == "0" or cache.numel() == 0:
+        return
+    t = time.perf_counter()
+    nbytes = cache.numel() * cache.element_size()
+    if _thp_mode() in ("always", "madvise") and nbytes >= 2 * _HUGE_PAGE:
+        start = -(-cache.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+        end = (cache.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure changes nothing
+        except (OSError, AttributeError):
+            pass
+    cache.view(torch.uint8).view(-1).zero_()
+    took = time.perf_counter() - t
+    if took > 1.0:
+        _log.info("KV cache of %.1f GiB paged in in %.1f s (ARMSERVE_KV_PREFAULT=0 skips this)", nbytes / 2**30, took)
+
+
 @dataclass
 class ModelRunnerOutput:
     sampled: list[int | None]  # one per scheduled request; None for a mid-prompt chunk
@@ -79,9 +122,10 @@ class ModelRunner:
         # One block more than the scheduler hands out: the step graphs' padding rows write there.
         k_shape, v_shape, s_shape = kv_cache_shapes(num_blocks + 1, block_size, a0.num_kv_heads, a0.head_dim,
                                                    self.cache_dtype)
-        # One allocation for all layers; torch.empty touches no pages until they are written.
+        # One allocation for all layers, touched once here (prefault_kv_cache).
         self.kv_cache = torch.empty(2, len(attn_layers), num_blocks + 1, a0.num_kv_heads, block_size, a0.head_dim,
                                     dtype=self.cache_dtype)
+        prefault_kv_cache(self.kv_cache)
         self.kv_scales: torch.Tensor | None = None
         if self.cache_dtype == torch.int8:
             # NOTE: zeros, not empty: the PyTorch decode path gathers padding slots (masked out),
