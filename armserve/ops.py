@@ -635,8 +635,9 @@ def qgemm_dense(fmt: str, out: torch.Tensor, col: int, x: torch.Tensor, packed: 
 # activations for the w8a8 GEMM: the dequantization is then shared by enough rows, and the bf16
 # tiles run near the bf16 dot instruction's peak (1.2-1.5x the w8a8 GEMM's 300 GFLOP/s from 256
 # rows, Zen 5). int4 parts keep the w4a8 GEMM, which runs as fast as the bf16 tiles there
-# (benchmarks/bench_kernels.py --only qdense). Only with a bf16 dot instruction: widened to fp32
-# (AVX2, NEON without BF16) the dense tiles lose to the int8 dot products.
+# (benchmarks/bench_kernels.py --only qdense), except on AMX tiles (Xeon: ~900 GFLOP/s against the
+# w4a8 GEMM's ~200). Only with a bf16 dot instruction: widened to fp32 (AVX2, NEON without BF16) the
+# dense tiles lose to the int8 dot products.
 QDENSE_MIN_ROWS = 128
 
 
@@ -655,16 +656,17 @@ KERNEL_OPS = ("rms_norm", "rotary", "act_and_mul", "embedding", "attention", "qg
               "dense_pack", "dense", "gemv", "small", "argmax")
 
 
-def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None) -> bool:
+def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None, fmt: str | None = None) -> bool:
     """Whether `op` runs its C++ kernel on `x` (a tensor, or for "attention" the model dtype).
 
     - "rms_norm", "rotary", "act_and_mul", "embedding", "qgemm" (x: the activations): any kernel
       dtype (float32, bfloat16, float16).
     - "attention": a kernel dtype and `head_dim` a multiple of 16 (the kernel walks head_dim in
       16-lane vectors).
-    - "qgemm_dense": bf16 activations x of a quantized layer's w8 parts take the dequantizing
-      dense GEMM (`qgemm_dense`) rather than the int8 one: from QDENSE_MIN_ROWS rows, with a bf16
-      dot instruction.
+    - "qgemm_dense": bf16 activations x of a quantized layer's part of format `fmt` take the
+      dequantizing dense GEMM (`qgemm_dense`) rather than the int8 one: from QDENSE_MIN_ROWS rows,
+      with a bf16 dot instruction; int4 ("w4") parts only on AMX tiles, where the bf16 GEMM is
+      several times the w4a8 GEMM (elsewhere they run as fast as each other).
     - "dense_pack": x is a weight to prepack at load for the dense GEMM, which then serves every
       row count on every variant: bfloat16 matrices. "dense": activations x for a prepacked
       weight: bfloat16 rows (else, or with the kernels switched off after loading, the weight is
@@ -690,6 +692,10 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     if op == "qgemm_pack":
         return True
     if op == "qgemm_dense":
+        if fmt not in ("w4", "w8"):
+            raise ValueError(f"use_kernel('qgemm_dense') needs the part's fmt ('w4' or 'w8'), got {fmt!r}")
+        if fmt == "w4" and dense_isa() != "amx_bf16":
+            return False
         return dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= QDENSE_MIN_ROWS and bf16_dot()
     if op == "gemv":
         return x.dim() == 2 and dtype in _DTYPE_CODES and x.shape[0] <= gemv_limit(dtype)

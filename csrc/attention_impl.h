@@ -511,6 +511,29 @@ static inline vf16 round16(vf16 v) {
   return load16<CT>(t, 0);
 }
 
+// One RMSNorm row of d elements (a multiple of 16) in two passes of 16-lane vectors: with a
+// residual, x + residual rounded to the element type goes back into the residual and is what gets
+// normalised; the normalised row is rounded before the weight multiplies it (PyTorch's
+// `hidden.to(dtype) * weight`), or, with a weight offset (Gemma's 1 + w), multiplied unrounded.
+template <int CT>
+static void rms_norm_row(const void* x, void* res, const void* w, void* out, int64_t d, float eps, float w_offset) {
+  vf16 ss = vf16{};
+  for (int64_t i = 0; i < d; i += 16) {
+    vf16 v = load16<CT>(x, i);
+    if (res) {
+      v = round16<CT>(v + load16<CT>(res, i));
+      store16<CT>(res, i, v);
+    }
+    ss += v * v;
+  }
+  const vf16 inv = vsplat(1.0f / std::sqrt(hsum(ss) / float(d) + eps)), off = vsplat(w_offset);
+  const void* src = res ? res : x;
+  for (int64_t i = 0; i < d; i += 16) {
+    const vf16 v = load16<CT>(src, i), wv = load16<CT>(w, i);
+    store16<CT>(out, i, w_offset != 0.f ? v * inv * (wv + off) : round16<CT>(v * inv) * wv);
+  }
+}
+
 // out row [d] = silu(x[:d]) * x[d:2d] for one row, d a multiple of 16; silu rounded to the
 // element type before the product, as PyTorch's F.silu(gate) * up.
 template <int CT>

@@ -188,6 +188,20 @@ struct Kernels {
   static void rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
                        int64_t dim, float eps, float w_offset) {
     const int es = dtype_size(dtype);
+    if (dim % 16 == 0) {  // every model's hidden size: one pass of 16-lane vectors each way per row
+      armserve_par::for_static(rows, rows * dim >= (1 << 15), [&](int64_t r) {
+        const char* xr = static_cast<const char*>(x) + r * dim * es;
+        char* rr = residual ? static_cast<char*>(residual) + r * dim * es : nullptr;
+        char* o = static_cast<char*>(out) + r * dim * es;
+        if (dtype == AS_BF16)
+          rms_norm_row<CT_BF16>(xr, rr, w, o, dim, eps, w_offset);
+        else if (dtype == AS_F16)
+          rms_norm_row<CT_F16>(xr, rr, w, o, dim, eps, w_offset);
+        else
+          rms_norm_row<CT_F32>(xr, rr, w, o, dim, eps, w_offset);
+      });
+      return;
+    }
     armserve_par::for_static(rows, rows * dim >= (1 << 15), [&](int64_t r) {
       float* v = scratch(0, dim);
       float* wf = scratch(1, dim);

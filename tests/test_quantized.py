@@ -96,8 +96,9 @@ def test_qgemm_dense_matches_reference(isa, fmt):
 
 def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
     """From QDENSE_MIN_ROWS bf16 rows, a layer's int8-weight part goes through the dequantized bf16
-    GEMM where the CPU has a bf16 dot instruction (else, and for its int4 part, the w4a8 / w8a8
-    GEMM): each part against the reference of the path it should take."""
+    GEMM where the CPU has a bf16 dot instruction, and its int4 part too where the GEMM runs on AMX
+    tiles (else the w4a8 / w8a8 GEMM): each part against the reference of the path it should take,
+    with AMX on and off where the CPU has it."""
     torch.manual_seed(4)
     k = 128
     a = quantize_weight(torch.randn(32, k), 32, symmetric=False)
@@ -108,16 +109,26 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
     layer.finalize()
     assert [p.fmt for p in layer.parts] == ["w4", "w8"]
     x = torch.randn(ops.QDENSE_MIN_ROWS, k).to(torch.bfloat16)
-    dense = ops.use_kernel("qgemm_dense", x)
-    assert dense == ops.bf16_dot()
-    assert not ops.use_kernel("qgemm_dense", x[:-1]) and not ops.use_kernel("qgemm_dense", x.float())
-    got = layer(x).float()
-    w8a8 = qlinear_ref(x.float(), b).float()
-    want_b = qgemm_dense_ref(x, b).float() if dense else w8a8
-    torch.testing.assert_close(got[:, :32], qlinear_ref(x.float(), a).float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got[:, 32:], want_b, atol=1e-2 * want_b.abs().max().item(), rtol=1e-2)
-    if dense:  # the two paths differ (int8 activations or not), and the reference told them apart
-        assert (got[:, 32:] - w8a8).abs().max() > (got[:, 32:] - want_b).abs().max()
+    with pytest.raises(ValueError, match="fmt"):
+        ops.use_kernel("qgemm_dense", x)
+    for amx in ([True, False] if ops.amx_available() else [None]):
+        before = None if amx is None else ops.set_amx(amx)
+        try:
+            dense = {f: ops.use_kernel("qgemm_dense", x, fmt=f) for f in ("w4", "w8")}
+            assert dense["w8"] == ops.bf16_dot()
+            assert dense["w4"] == (ops.dense_isa() == "amx_bf16") == bool(amx and ops.bf16_dot())
+            assert not ops.use_kernel("qgemm_dense", x[:-1], fmt="w8")
+            assert not ops.use_kernel("qgemm_dense", x.float(), fmt="w8")
+            got = layer(x).float()
+            for part, qt, cols in (("w4", a, slice(0, 32)), ("w8", b, slice(32, 48))):
+                quantized_acts = qlinear_ref(x.float(), qt).float()
+                want = qgemm_dense_ref(x, qt).float() if dense[part] else quantized_acts
+                torch.testing.assert_close(got[:, cols], want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+                if dense[part]:  # the two paths differ (int8 activations or not), and the reference told them apart
+                    assert (got[:, cols] - quantized_acts).abs().max() > (got[:, cols] - want).abs().max()
+        finally:
+            if before is not None:
+                ops.set_amx(before)
 
 
 def test_quantized_linear_with_mixed_shards(isa):

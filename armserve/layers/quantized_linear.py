@@ -319,7 +319,7 @@ class QuantizedLinear(nn.Module):
             out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             acts: dict[int, tuple] = {}
             for p in self.parts:
-                if p.fmt == "w8" and ops.use_kernel("qgemm_dense", x2):  # prefill rows: bf16 tiles
+                if ops.use_kernel("qgemm_dense", x2, fmt=p.fmt):  # prefill rows: bf16 tiles
                     ops.qgemm_dense(p.fmt, out, p.col, x2, p.packed, p.n, p.group)
                     continue
                 if p.group not in acts:  # one activation quantization per group size
