@@ -168,3 +168,25 @@ def test_amx_switch(isa):
     finally:
         if before is not None:
             ops.set_amx(before)
+
+
+def test_gemm_same_on_two_threads(isa, dot):
+    """Threads split the columns, so each output is the same sum on one thread or two (AMX: each
+    thread loads its own tile configuration)."""
+    torch.manual_seed(5)
+    n, k = 200, 96
+    w = torch.randn(n, k).bfloat16()
+    p = ops.pack_bf16(w)
+    threads = torch.get_num_threads()
+    try:
+        for m in (3, 40, 130):
+            x = torch.randn(m, k).bfloat16()
+            torch.set_num_threads(2)
+            two = ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32)
+            torch.set_num_threads(1)
+            one = ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32)
+            assert torch.equal(one, two), m
+            exact = x.double() @ w.double().t()
+            assert ((one.double() - exact).abs() <= bound(x, w)).all(), m
+    finally:
+        torch.set_num_threads(threads)

@@ -181,6 +181,37 @@ def test_paged_attention(isa, dtype, case):
                 ops.set_amx(before)
 
 
+def test_paged_attention_prefill_same_on_two_threads(isa):
+    """A prefill chunk over several partitions (AMX tiles where the CPU has them: each thread loads
+    its own tile configuration) gives the same bits on two threads as on one, and the reference's
+    result."""
+    torch.manual_seed(10)
+    hd, hq, hk, block_size = 64, 6, 2, 16
+    rng = random.Random(10)
+    q_start, q_len, ctx, tables, T = random_batch(rng, block_size, 60, [(48, 300), (20, 20)])
+    k_cache = torch.randn(60 * block_size, hk, hd).bfloat16()
+    v_cache = torch.randn(60 * block_size, hk, hd).bfloat16()
+    kc, vc = cache_from_rows(k_cache, block_size, key=True), cache_from_rows(v_cache, block_size, key=False)
+    q = torch.randn(T, hq * hd).bfloat16()
+    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    keep = (torch.tensor(q_start, dtype=torch.int32), torch.tensor(q_len, dtype=torch.int32),
+            torch.tensor(ctx, dtype=torch.int32), bt)
+    batch = ops.make_attn_batch(*keep, block_size)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5)
+        torch.set_num_threads(1)
+        one = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, hd**-0.5)
+    close(one, want, torch.bfloat16)
+
+
 def test_paged_attention_threads_split_long_decode(isa):
     """One long sequence on every thread (KV split) gives the same result as one thread."""
     torch.manual_seed(9)
