@@ -206,7 +206,10 @@ def test_prompt_logprobs_and_logprobs(tiny_llama):
         entry = out.prompt_logprobs[pos]
         assert ids[pos] in entry
         assert abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
-        assert entry[ids[pos]].rank == 1 + int((ref[pos - 1] > ref[pos - 1, ids[pos]]).sum())
+        # the rank counts the tokens above it; ones within the logprob tolerance may fall either way
+        x = ref[pos - 1, ids[pos]]
+        above, near = int((ref[pos - 1] > x + 1e-4).sum()), int((ref[pos - 1] > x - 1e-4).sum())
+        assert 1 + above <= entry[ids[pos]].rank <= 1 + near
         assert len(entry) <= 3
     c = out.outputs[0]
     assert len(c.logprobs) == 3
