@@ -103,25 +103,16 @@ static inline float hsum(vf16 v) {
 // ISA has them (a short dependency chain: the softmax is a fair part of the attention's time).
 static inline vf16 vexp(vf16 x) {
 #if defined(__AVX512F__)
-  // The same n and polynomial; vscalefps applies 2^n (no clamp, exponent add, or multiply), which
-  // also takes x < -87.3 down to denormals and 0 where the clamp stops at ~1e-38.
-  const __m512 xv = _mm512_min_ps((__m512)x, _mm512_set1_ps(88.72283f));
-  const __m512 nv = _mm512_roundscale_ps(_mm512_mul_ps(xv, _mm512_set1_ps(1.44269504088896341f)),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const vf16 n = (vf16)nv, xc = (vf16)xv;
-  vf16 r = vfma(n, vsplat(-0.693359375f), xc);
-  r = vfma(n, vsplat(2.12194440e-4f), r);
-  vf16 p = vfma(vsplat(1.9875691500e-4f), r, vsplat(1.3981999507e-3f));
-  p = vfma(p, r, vsplat(8.3334519073e-3f));
-  p = vfma(p, r, vsplat(4.1665795894e-2f));
-  p = vfma(p, r, vsplat(1.6666665459e-1f));
-  p = vfma(p, r, vsplat(5.0000001201e-1f));
-  p = vfma(p * r, r, r + 1.0f);
-  return (vf16)_mm512_scalef_ps((__m512)p, nv);
+  // n = round(x log2 e) in one instruction, and vscalefps applies 2^n at the end: no clamp below,
+  // no exponent to assemble (x < -87.3 goes to denormals and 0, where the clamp stops at ~1e-38).
+  x = (vf16)_mm512_min_ps((__m512)x, _mm512_set1_ps(88.72283f));
+  const vf16 n = (vf16)_mm512_roundscale_ps(_mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
   const vf16 lo = vsplat(-87.33654f), hi = vsplat(88.72283f);
   x = x < lo ? lo : (x > hi ? hi : x);
   const vf16 n = vfma(x, vsplat(1.44269504088896341f), vsplat(12582912.0f)) - 12582912.0f;
+#endif
   vf16 r = vfma(n, vsplat(-0.693359375f), x);
   r = vfma(n, vsplat(2.12194440e-4f), r);
   vf16 p = vfma(vsplat(1.9875691500e-4f), r, vsplat(1.3981999507e-3f));
@@ -130,6 +121,9 @@ static inline vf16 vexp(vf16 x) {
   p = vfma(p, r, vsplat(1.6666665459e-1f));
   p = vfma(p, r, vsplat(5.0000001201e-1f));
   p = vfma(p * r, r, r + 1.0f);
+#if defined(__AVX512F__)
+  return (vf16)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
   const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
   return p * (vf16)e;
 #endif

@@ -181,6 +181,18 @@ def test_paged_attention(isa, dtype, case):
                 ops.set_amx(before)
 
 
+def on_one_and_two_threads(fn):
+    """fn() on one thread and on two (the kernels' thread count follows torch's)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = fn()
+        torch.set_num_threads(1)
+        return fn(), two
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_paged_attention_prefill_same_on_two_threads(isa):
     """A prefill chunk over several partitions (AMX tiles where the CPU has them: each thread loads
     its own tile configuration) gives the same bits on two threads as on one, and the reference's
@@ -199,14 +211,7 @@ def test_paged_attention_prefill_same_on_two_threads(isa):
     keep = (torch.tensor(q_start, dtype=torch.int32), torch.tensor(q_len, dtype=torch.int32),
             torch.tensor(ctx, dtype=torch.int32), bt)
     batch = ops.make_attn_batch(*keep, block_size)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5)
-        torch.set_num_threads(1)
-        one = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
     assert torch.equal(one, two)
     want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, hd**-0.5)
     close(one, want, torch.bfloat16)
@@ -225,14 +230,7 @@ def test_paged_attention_threads_split_long_decode(isa):
     keep = (torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
             torch.tensor([ctx], dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
     batch = ops.make_attn_batch(*keep, block_size)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5)
-        torch.set_num_threads(1)
-        one = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
     want = paged_attention_ref(q, k_cache, v_cache, [0], [1], [ctx], tables, block_size, hq, hk, hd, hd**-0.5)
     close(two, want, torch.float32)
     close(one, want, torch.float32)
