@@ -127,7 +127,8 @@ def main() -> None:
     bw = read_bandwidth_gbs()
     lines = ["## Attention kernel: ns per (key, query head) (issue 13)", "",
              f"Machine: {machine_description()}. {args.threads} thread(s), kernel variant `{ops.isa()}` "
-             f"(bf16 dot instruction: {'on' if ops.bf16_dot() else 'off'}), armserve rev `{git_revision()}`, "
+             f"(bf16 dot instruction: {'on' if ops.bf16_dot() else 'off'}; AMX tiles for prefill rows: "
+             f"{'on' if ops.dense_isa() == 'amx_bf16' else 'off'}), armserve rev `{git_revision()}`, "
              f"load average {load0:.2f} before. Read bandwidth (torch sum over 1 GiB): **{bw:.1f} GB/s**. "
              "Queries bfloat16; 16-token blocks scattered over the cache; median of 5 runs.", ""]
     for shape, (hq, hk, hd) in SHAPES.items():
