@@ -864,15 +864,11 @@ struct Attention {
     // AMX for a block of at least 16 rows (prefill); a decode item's few rows keep the dot tiles.
     const bool amx = dot && a.amx && hd % 32 == 0 && R >= 16;
     const int RA = (R + kAmxRows - 1) / kAmxRows * kAmxRows;  // rows with room for tile padding
+    const int rb = amx ? kAmxRows : RB;                       // rows per block
     const AmxScope amx_scope(amx);
 #else
     const bool amx = false;
-    const int RA = R;
-#endif
-#ifdef ARMSERVE_ATTN_AMX
-    const int rb = amx ? kAmxRows : RB;  // rows per block
-#else
-    const int rb = RB;
+    const int RA = R, rb = RB;
 #endif
     float* qf = scratch(0, int64_t(R) * hd);
     float* acc = scratch(1, int64_t(RA) * hd);

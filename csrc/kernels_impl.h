@@ -141,8 +141,8 @@ static inline float quantize_row_i8(const float* x, int8_t* q, int64_t n) {
 
 // Thread-local scratch rows, grown on demand and reused across calls.
 struct Scratch {
-  float* p[8] = {};
-  int64_t n[8] = {};
+  float* p[7] = {};
+  int64_t n[7] = {};
   ~Scratch() {
     for (float* q : p) std::free(q);
   }

@@ -48,6 +48,18 @@ def isa(request):
     ops.select_isa(before)
 
 
+def on_one_and_two_threads(fn):
+    """fn() on one thread and on two (the kernels' thread count follows torch's)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = fn()
+        torch.set_num_threads(1)
+        return fn(), two
+    finally:
+        torch.set_num_threads(threads)
+
+
 def random_batch(rng, block_size: int, num_blocks: int, specs: list[tuple[int, int]]):
     """An attention step of sequences given as (q_len, context_len), block tables drawn without
     reuse: (q_start, q_len, context_len, block_tables, total rows)."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from armserve import ops
+from conftest import on_one_and_two_threads
 
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
 ROWS = [1, 2, 3, 5, 8, 17, 33, 64, 130] if not SMALL else [1, 3, 8, 17]
@@ -48,12 +49,13 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(params=dot_modes())
 def dot(request):
-    """The mode's bf16-dot switch (True: dot or amx); AMX is on in "amx" mode only."""
+    """Sets up the mode ("widen", "dot", "amx") and yields it: the bf16-dot switch on in "dot" and
+    "amx", AMX on in "amx" only."""
     before = ops.set_bf16_dot(request.param != "widen")
     amx_before = ops.set_amx(False) if ops.amx_available() else None
     if request.param == "amx":
         ops.set_amx(True)
-    yield request.param != "widen"
+    yield request.param
     ops.set_bf16_dot(before)
     if amx_before is not None:
         ops.set_amx(amx_before)
@@ -72,9 +74,8 @@ def test_pack_round_trip():
         assert not full[n:].any() and not full[:, k:].any()
 
 
-def test_gemm_matches_reference(isa, dot, request):
-    amx = request.node.callspec.params["dot"] == "amx"
-    assert ops.dense_isa() == expected_variant(isa, dot and ops.bf16_dot(), amx and ops.bf16_dot())
+def test_gemm_matches_reference(isa, dot):
+    assert ops.dense_isa() == expected_variant(isa, dot != "widen" and ops.bf16_dot(), dot == "amx" and ops.bf16_dot())
     torch.manual_seed(1)
     for n, k in SHAPES:
         w = torch.randn(n, k).bfloat16()
@@ -177,16 +178,9 @@ def test_gemm_same_on_two_threads(isa, dot):
     n, k = 200, 96
     w = torch.randn(n, k).bfloat16()
     p = ops.pack_bf16(w)
-    threads = torch.get_num_threads()
-    try:
-        for m in ((3, 40, 130) if not SMALL else (3, 17)):
-            x = torch.randn(m, k).bfloat16()
-            torch.set_num_threads(2)
-            two = ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32)
-            torch.set_num_threads(1)
-            one = ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32)
-            assert torch.equal(one, two), m
-            exact = x.double() @ w.double().t()
-            assert ((one.double() - exact).abs() <= bound(x, w)).all(), m
-    finally:
-        torch.set_num_threads(threads)
+    for m in ((3, 40, 130) if not SMALL else (3, 17)):
+        x = torch.randn(m, k).bfloat16()
+        one, two = on_one_and_two_threads(lambda: ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32))
+        assert torch.equal(one, two), m
+        exact = x.double() @ w.double().t()
+        assert ((one.double() - exact).abs() <= bound(x, w)).all(), m

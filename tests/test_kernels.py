@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from conftest import kernel_isas, random_batch
+from conftest import kernel_isas, on_one_and_two_threads, random_batch
 
 from armserve import ops
 from armserve.layers.activation import act_and_mul_ref
@@ -179,18 +179,6 @@ def test_paged_attention(isa, dtype, case):
                 close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
             finally:
                 ops.set_amx(before)
-
-
-def on_one_and_two_threads(fn):
-    """fn() on one thread and on two (the kernels' thread count follows torch's)."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        two = fn()
-        torch.set_num_threads(1)
-        return fn(), two
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_paged_attention_prefill_same_on_two_threads(isa):
