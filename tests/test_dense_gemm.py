@@ -119,6 +119,32 @@ def test_column_range_output(isa, dot):
             assert (fused[:, :col] == 7).all() and (fused[:, col + n:] == 7).all()
 
 
+def test_weights_over_several_groups(isa, dot):
+    """Prefill-sized calls whose weights are wider than one ~1 MiB group of panels (AMX: every row
+    across a group before the next; the others: panel by panel): a partial last group, a partial
+    16-column block, rows that end inside a tile, into a column range of a wider output, on one
+    thread and two."""
+    torch.manual_seed(7)
+    n, k, m, col = (2100, 512, 70, 3) if not SMALL else (1100, 512, 40, 3)
+    w = torch.randn(n, k).bfloat16()
+    p = ops.pack_bf16(w)
+    x = torch.randn(m, k).bfloat16()
+    exact = x.double() @ w.double().t()
+
+    def run(dtype):
+        out = torch.full((m, n + 2 * col), 7.0, dtype=dtype)
+        ops.gemm_bf16(x, p, n, k, out=out[:, col:col + n])
+        return out
+
+    for dtype in (torch.float32, torch.bfloat16):
+        one, two = on_one_and_two_threads(lambda: run(dtype))
+        assert torch.equal(one, two), dtype
+        assert (one[:, :col] == 7).all() and (one[:, col + n:] == 7).all(), "wrote outside its columns"
+        err = (one[:, col:col + n].double() - exact).abs()
+        rounding = 0 if dtype == torch.float32 else 2.0 ** -8 * exact.abs()
+        assert (err <= rounding + bound(x, w)).all(), dtype
+
+
 def test_special_values(isa, dot):
     """NaN propagates (rounded to bf16 as PyTorch: 0x7fc0), large values round, zeros stay zero."""
     n, k = 20, 6

@@ -74,7 +74,8 @@ def test_qgemm_dense_matches_reference(isa, fmt):
         amx_before = None if amx is None else ops.set_amx(amx)
         try:
             assert (ops.dense_isa() == "amx_bf16") == bool(amx)
-            for m, n, k, g in SHAPES + [(130, 70, 192, 32)]:
+            # the last: weights wider than one ~1 MiB group of dequantized panels (AMX path)
+            for m, n, k, g in SHAPES + [(130, 70, 192, 32), (40, 1100, 512, 64)]:
                 if g % 8:
                     continue
                 qt = (quantize_weight(torch.randn(n, k), g, symmetric=(n % 2 == 0)) if fmt == "w4"
