@@ -193,6 +193,11 @@ struct Kernels {
         const char* xr = static_cast<const char*>(x) + r * dim * es;
         char* rr = residual ? static_cast<char*>(residual) + r * dim * es : nullptr;
         char* o = static_cast<char*>(out) + r * dim * es;
+#ifdef ARMSERVE_ROWS_BF16_CVT
+        if (dtype == AS_BF16 && armserve_bf16_dot && dim % 32 == 0 && w_offset == 0.f)
+          rms_norm_row_bf16_cvt(xr, rr, w, o, dim, eps);
+        else
+#endif
         if (dtype == AS_BF16)
           rms_norm_row<CT_BF16>(xr, rr, w, o, dim, eps, w_offset);
         else if (dtype == AS_F16)
@@ -271,6 +276,11 @@ struct Kernels {
       armserve_par::for_static(rows, rows * d >= (1 << 14), [&](int64_t r) {
         const char* xr = static_cast<const char*>(x) + r * 2 * d * es;
         char* o = static_cast<char*>(out) + r * d * es;
+#ifdef ARMSERVE_ROWS_BF16_CVT
+        if (dtype == AS_BF16 && armserve_bf16_dot && d % 32 == 0)
+          silu_and_mul_row_bf16_cvt(xr, o, d);
+        else
+#endif
         if (dtype == AS_BF16)
           silu_and_mul_row<CT_BF16>(xr, o, d);
         else if (dtype == AS_F16)
