@@ -22,6 +22,9 @@ _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # llama.cpp permutes q/k rows of these GGUF architectures for its rotary layout.
 _GGUF_PERMUTED_ARCHS = {"llama", "mistral"}
@@ -264,7 +267,11 @@ def _unpermute_gguf_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 _GGUF_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
 
 
-def _iter_gguf(path: str, config, keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None = None
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF file's tensors under Hugging Face names (the model class's `gguf_block_names` on
+    top of Llama's), q/k rows un-permuted where llama.cpp permuted them, norm weights back from
+    llama.cpp's 1 + w where the family stores them so (`gguf_norm_offset`)."""
     import numpy as np
     from gguf.quants import dequantize
 
@@ -275,13 +282,15 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True) -> Iterator[tuple
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
     permute = arch in _GGUF_PERMUTED_ARCHS
+    block_names = {**_GGUF_BLOCK_NAMES, **(getattr(cls, "gguf_block_names", None) or {})}
+    norm_offset = float(getattr(cls, "gguf_norm_offset", 0.0))
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         parts = t.name.split(".")
         if parts[0] == "blk":
-            base = _GGUF_BLOCK_NAMES.get(parts[2])
+            base = block_names.get(parts[2])
             if base is None:
                 continue
             name = f"model.layers.{parts[1]}.{base}.{parts[3]}"
@@ -314,6 +323,8 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True) -> Iterator[tuple
         w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             w = _unpermute_gguf_qk(w, n_head if parts[2] == "attn_q" else n_kv)
+        if norm_offset and name.endswith("norm.weight"):
+            w -= norm_offset
         yield name, w
     release_gguf_reader()  # the weights are copies by now; the parsed header is no longer needed
 
@@ -349,7 +360,7 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         torch.set_default_dtype(prev)
     qcfg = armserve_quantization(config)
     if src.is_gguf:
-        weights = _iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=not dequantize)
+        weights = _iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=not dequantize, cls=cls)
     else:
         weights = _iter_safetensors(src.folder, qcfg is not None, dequantize)
     expected = model.expected_weights()

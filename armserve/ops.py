@@ -458,8 +458,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     dim = x.shape[-1]
     _call("armserve_rms_norm", _DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), _ptr(residual),
-                           weight.data_ptr(), x.numel() // dim, dim, eps, offset)
+                           weight.data_ptr(), x.numel() // dim, dim, eps, offset, 1, dim)
     return out
+
+
+def rms_norm_heads_(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """In place: each head of x [T, heads, head_dim] normalised, times (weight + offset) [head_dim]
+    (Qwen3's and Gemma 3's q/k norms). x may be a view into a fused qkv output: heads contiguous
+    within a row, rows any stride apart."""
+    assert x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2], "heads must be contiguous within a row"
+    t, heads, dim = x.shape
+    _call("armserve_rms_norm", _DTYPE_CODES[x.dtype], x.data_ptr(), x.data_ptr(), None, weight.data_ptr(),
+          t * heads, dim, eps, offset, heads, x.stride(0))
+    return x
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_dim: int,
@@ -652,7 +663,7 @@ _gemv_limit: dict[torch.dtype, int] = {}
 # ---- kernel or PyTorch: the one place that decides ---------------------------------------------
 # Every layer asks `use_kernel` and runs its PyTorch reference otherwise (what ARMSERVE_ISA=torch,
 # a missing library or an unsupported input get); no layer applies a rule of its own.
-KERNEL_OPS = ("rms_norm", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack", "qgemm_dense",
+KERNEL_OPS = ("rms_norm", "rms_norm_heads", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack", "qgemm_dense",
               "dense_pack", "dense", "gemv", "small", "argmax")
 
 
@@ -661,6 +672,8 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
 
     - "rms_norm", "rotary", "act_and_mul", "embedding", "qgemm" (x: the activations): any kernel
       dtype (float32, bfloat16, float16).
+    - "rms_norm_heads": x [T, heads, head_dim] in a kernel dtype with the heads contiguous within
+      a row (rows any stride apart: the q or k part of a fused qkv output).
     - "attention": a kernel dtype and `head_dim` a multiple of 16 (the kernel walks head_dim in
       16-lane vectors).
     - "qgemm_dense": bf16 activations x of a quantized layer's part of format `fmt` take the
@@ -685,6 +698,8 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     dtype = x if isinstance(x, torch.dtype) else x.dtype
     if op in ("rms_norm", "rotary", "act_and_mul", "embedding", "qgemm"):
         return dtype in _DTYPE_CODES
+    if op == "rms_norm_heads":
+        return dtype in _DTYPE_CODES and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     if op == "attention":
         return dtype in _DTYPE_CODES and head_dim is not None and head_dim % 16 == 0
     if op in ("dense_pack", "dense"):

@@ -29,9 +29,12 @@ struct AttnBatch {
 struct GraphOp;  // graph.cpp
 
 // ---- kernels, by the selected ISA variant (dispatch.cpp) ----------------------------------------
-// out = norm(x (+ residual)) * (w + w_offset); with residual, residual <- x + residual first.
+// out = norm(x (+ residual)) * (w + w_offset) for `rows` vectors of `dim`; with residual (contiguous
+// vectors), residual <- x + residual first. x and out hold `heads` vectors per row, rows `row_stride`
+// elements apart (heads = 1, row_stride = dim: contiguous; per-head q/k norms: rows of a fused qkv
+// output, in place); vector i is at (i / heads) * row_stride + (i % heads) * dim.
 void armserve_rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
-                       int64_t dim, float eps, float w_offset);
+                       int64_t dim, float eps, float w_offset, int32_t heads, int64_t row_stride);
 // In place on q [T, nq*hd] and k [T, nk*hd] (rows `q_stride`/`k_stride` elements apart, so q and k
 // may be views into a fused qkv output); cos_sin: [max_pos, rot_dim] float32 (cos | sin).
 void armserve_rotary(int32_t dtype, const int64_t* positions, void* q, void* k, const float* cos_sin,

@@ -212,8 +212,8 @@ void armserve_cpu_features(char* buf, int32_t n) {
 }
 
 void armserve_rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
-                       int64_t dim, float eps, float w_offset) {
-  table()->rms_norm(dtype, out, x, residual, w, rows, dim, eps, w_offset);
+                       int64_t dim, float eps, float w_offset, int32_t heads, int64_t row_stride) {
+  table()->rms_norm(dtype, out, x, residual, w, rows, dim, eps, w_offset, heads, row_stride);
 }
 
 void armserve_rotary(int32_t dtype, const int64_t* positions, void* q, void* k, const float* cos_sin,

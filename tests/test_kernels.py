@@ -70,6 +70,25 @@ def test_rms_norm(isa, dtype, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rms_norm_heads_in_place(isa, dtype, head_dim):
+    """Per-head norms (Qwen3 / Gemma 3 q and k) in place on the heads inside a fused qkv output:
+    each head normalised on its own, nothing else in the row touched."""
+    torch.manual_seed(head_dim)
+    T, heads, other = 5, 3, 24
+    qkv = torch.randn(T, heads * head_dim + other).to(dtype)
+    before = qkv.clone()
+    w = (torch.rand(head_dim) + 0.5).to(dtype)
+    for offset in (0.0, 1.0):
+        x = qkv[:, :heads * head_dim].view(T, heads, head_dim)
+        want = rms_norm_ref(before[:, :heads * head_dim].view(T, heads, head_dim), w, 1e-6, None, offset)[0]
+        ops.rms_norm_heads_(x, w, 1e-6, offset)
+        close(x, want, dtype)
+        assert torch.equal(qkv[:, heads * head_dim:], before[:, heads * head_dim:])
+        qkv.copy_(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh"])
 def test_act_and_mul(isa, dtype, act):
     torch.manual_seed(1)
@@ -333,6 +352,9 @@ def test_use_kernel_is_the_one_decision(monkeypatch):
     assert ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS, 8))
     assert not ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS + 1, 8))
     assert ops.use_kernel("argmax", f32) and not ops.use_kernel("argmax", f32.t())
+    qkv = torch.zeros(3, 4 * 32 + 16, dtype=torch.bfloat16)
+    assert ops.use_kernel("rms_norm_heads", qkv[:, :128].view(3, 4, 32))  # heads inside a wider row
+    assert not ops.use_kernel("rms_norm_heads", qkv[:, :128].view(3, 4, 32).transpose(0, 1))
     with pytest.raises(ValueError, match="unknown kernel op 'softmax'"):
         ops.use_kernel("softmax", f32)
     # what _load leaves for ARMSERVE_ISA=torch: no library

@@ -57,7 +57,7 @@ def assert_matches_hf(folder_for_hf: str, llm: LLM, prompt: str, atol: float) ->
     assert worst < atol, f"log-probs differ from transformers by {worst:.2e} (tolerance {atol})"
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3-rope-tied", "mistral", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_tiny_architectures_match_transformers(tiny_checkpoints, name):
     folder = tiny_checkpoints[name]
     llm = LLM(folder, dtype="float32", kv_cache_space=0.05, max_model_len=512, block_size=16)
@@ -85,6 +85,38 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf, smollm2_hf_reference):
         use_tqdm=False,
     )[0]
     assert "Paris" in out.outputs[0].text
+
+
+def test_gemma3_gguf_matches_transformers(gemma3_gguf, gemma3_hf_reference):
+    """The real Gemma-3-270M GGUF (no chat template: a base model), dequantized, against
+    transformers on the same file: its norms are stored as 1 + w, its q/k norms and local/global
+    layers all in play."""
+    llm = LLM(gemma3_gguf, dtype="float32", kv_cache_space=0.2, max_model_len=1024, quantization="none")
+    for prompt in PROMPTS[:2]:
+        assert_matches_hf(gemma3_hf_reference, llm, prompt, atol=2e-3)
+
+
+def test_gemma3_gguf_quantized_perplexity(gemma3_gguf, gemma3_hf_reference):
+    """Kept quantized (w4a8 / w8a8 from Q4_K / Q6_K blocks), Gemma 3's perplexity on a text stays
+    within 3% of transformers' on the same file dequantized."""
+    from transformers import AutoModelForCausalLM
+
+    from armserve.evaluate import perplexity
+
+    text = (
+        "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+        "combined movable metal type, oil-based ink and a wooden press adapted from those used to make "
+        "wine. Books, once copied by hand over months, could now be produced by the hundreds in weeks. "
+        "Within fifty years presses were working in more than two hundred European cities, and the "
+        "spread of printed pamphlets changed how news, science and religious ideas travelled."
+    )
+    llm = LLM(gemma3_gguf, kv_cache_space=0.2, max_model_len=1024)
+    ids = llm.get_tokenizer()(text)["input_ids"]
+    ours = perplexity(llm, ids, window=len(ids))
+    ref_model = AutoModelForCausalLM.from_pretrained(gemma3_hf_reference, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = math.exp(ref_model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item())
+    assert abs(ours / ref - 1) < 0.03, (ours, ref)
 
 
 def test_bfloat16_close_to_float32(tiny_llama):

@@ -284,8 +284,10 @@ class AsyncLLM:
         # NOTE: a thread, not a process: torch releases the GIL inside its kernels, so while a
         # step computes, the asyncio thread keeps parsing requests and streaming tokens. A
         # process would add a serialization hop per step for no gain at CPU-sized batches.
+        self._warmed_up = threading.Event()
         self._thread = threading.Thread(target=self._run, name="armserve-engine", daemon=True)
         self._thread.start()
+        self._warmed_up.wait()  # ready only once the engine thread has run its warm-up step
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Attach a logger (e.g. Prometheus); call before submitting requests."""
@@ -365,6 +367,13 @@ class AsyncLLM:
     def _run(self) -> None:
         engine = self.engine
         try:
+            # On this thread: the kernels' per-thread scratch buffers and the memory a large step
+            # touches are then in place before the first request (ARMSERVE_WARMUP=0 skips it).
+            try:
+                if os.environ.get("ARMSERVE_WARMUP", "1") != "0":
+                    engine.warm_up()
+            finally:
+                self._warmed_up.set()
             while True:
                 if not self._drain_inbox(block=not engine.has_unfinished_requests()):
                     break

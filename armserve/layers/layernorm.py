@@ -45,3 +45,11 @@ class RMSNorm(nn.Module):
             return out if residual is None else (out, residual)
         out, summed = rms_norm_ref(x, self.weight, self.eps, residual, self.offset)
         return out if residual is None else (out, summed)
+
+    def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
+        """In place on x [T, heads, head_dim] (a view into a fused qkv output): each head normalised
+        by this norm of head_dim (Qwen3's and Gemma 3's q/k norms)."""
+        if ops.use_kernel("rms_norm_heads", x):
+            return ops.rms_norm_heads_(x, self.weight, self.eps, self.offset)
+        x.copy_(rms_norm_ref(x, self.weight, self.eps, None, self.offset)[0])
+        return x

@@ -50,6 +50,21 @@ def _inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
     )
 
 
+_COS_SIN: dict[tuple, torch.Tensor] = {}
+
+
+def _cos_sin(rotary_dim: int, max_position: int, params: dict) -> torch.Tensor:
+    """[max_position, rotary_dim] float32: cos and sin of each half. One table per setting, shared
+    by every layer that uses it (Gemma 3 270M: 32k positions x 256 dims is 32 MiB a table)."""
+    key = (rotary_dim, max_position, repr(sorted(params.items())))
+    table = _COS_SIN.get(key)
+    if table is None:
+        inv_freq = _inv_freq(rotary_dim, params)
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        table = _COS_SIN[key] = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    return table
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q and k in place of a copy.
 
@@ -69,11 +84,7 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
         self.is_neox_style = is_neox_style
-        inv_freq = _inv_freq(self.rotary_dim, params)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        # [max_position, rotary_dim]: cos and sin of each half, kept in float32.
-        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin", _cos_sin(self.rotary_dim, max_position, params), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

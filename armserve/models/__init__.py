@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from armserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM
+from armserve.models.gemma3 import Gemma3ForCausalLM
+from armserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

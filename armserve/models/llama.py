@@ -1,5 +1,6 @@
-"""Llama, and the architectures that are Llama with a twist: Mistral (sliding window) and Qwen2
-(q/k/v bias). One decoder, configured from the Hugging Face config.
+"""Llama, and the architectures that are Llama with a twist: Mistral (sliding window), Qwen2
+(q/k/v bias), Qwen3 (per-head q/k norms). One decoder, configured from the Hugging Face config;
+Gemma 3 (gemma3.py) reuses its parts.
 
 Projections are fused at load time: q/k/v into `qkv_proj`, gate/up into `gate_up_proj`
 (`packed_modules_mapping` tells the loader where each checkpoint tensor goes).
@@ -87,7 +88,13 @@ class VocabEmbedding(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, sliding_window: int | None, bias: bool) -> None:
+    """q/k/v from one fused projection, RoPE, paged attention, the output projection; with
+    `qk_norm`, an RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3; `norm_offset` 1
+    for Gemma's (1 + w) weights). `rope` and `scale` override the config's (Gemma 3's local layers
+    and its query_pre_attn_scalar)."""
+
+    def __init__(self, config, sliding_window: int | None, bias: bool, qk_norm: bool = False,
+                 norm_offset: float = 0.0, rope: dict | None = None, scale: float | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -97,11 +104,13 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "o_bias", False))
         self.rotary_emb = RotaryEmbedding(
-            self.head_dim, config.max_position_embeddings, rope_parameters(config)
+            self.head_dim, config.max_position_embeddings, rope or rope_parameters(config)
         )
         self.attn = Attention(
-            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, sliding_window
+            self.num_heads, self.head_dim, scale or self.head_dim**-0.5, self.num_kv_heads, sliding_window
         )
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, norm_offset) if qk_norm else None
 
     def set_key_channel_rms(self, w_k: torch.Tensor, norm: RMSNorm) -> None:
         """Estimate the key channels' RMS for int8-cache smoothing (Attention.enable_key_smoothing),
@@ -109,9 +118,14 @@ class LlamaAttention(nn.Module):
         that scaling a pair commutes with the rotation."""
         if not self.rotary_emb.is_neox_style:
             return  # no smoothing: the pairing below is the neox one
-        b = self.qkv_proj.bias
-        b_k = None if b is None else b.data[self.q_size:self.q_size + self.kv_size]
-        rms = key_channel_rms(w_k, b_k, norm.weight.data + norm.offset).view(self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            # normalised keys: each head's channels have mean square 1 before the norm's weight
+            w = (self.k_norm.weight.data.float() + self.k_norm.offset).abs()
+            rms = w.expand(self.num_kv_heads, self.head_dim)
+        else:
+            b = self.qkv_proj.bias
+            b_k = None if b is None else b.data[self.q_size:self.q_size + self.kv_size]
+            rms = key_channel_rms(w_k, b_k, norm.weight.data + norm.offset).view(self.num_kv_heads, self.head_dim)
         half = self.rotary_emb.rotary_dim // 2
         pair = ((rms[:, :half].pow(2) + rms[:, half:2 * half].pow(2)) / 2).sqrt()
         self.attn.key_channel_rms = torch.cat([pair, pair, rms[:, 2 * half:]], dim=1).reshape(-1)
@@ -119,6 +133,9 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # in place on the heads inside qkv
+            self.q_norm.forward_heads_(q.view(q.shape[0], self.num_heads, self.head_dim))
+            self.k_norm.forward_heads_(k.view(k.shape[0], self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
@@ -130,18 +147,20 @@ class LlamaMLP(nn.Module):
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
-        self.act = get_act_and_mul(getattr(config, "hidden_act", "silu"))
+        # (Gemma names it hidden_activation)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        self.act = get_act_and_mul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, sliding_window: int | None, qkv_bias: bool) -> None:
+    def __init__(self, config, sliding_window: int | None, qkv_bias: bool, qk_norm: bool = False) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, sliding_window, qkv_bias)
+        self.self_attn = LlamaAttention(config, sliding_window, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config)
 
@@ -170,20 +189,27 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
     qkv_bias = False
+    qk_norm = False
+    # GGUF tensor name (after `blk.N.`) -> this family's name, where it differs from Llama's
+    # (model_loader.GGUF_BLOCK_NAMES); llama.cpp stores Llama's q/k rows permuted for its rotary.
+    gguf_block_names: dict[str, str] = {}
+    gguf_permuted_qk = True
 
     def __init__(self, config) -> None:
         super().__init__()
         self.config = config
-        windows = layer_sliding_windows(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, windows[i], self.qkv_bias)
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = self.make_layers(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.tied_head: Linear | None = None  # a packed copy of the tied table (process_weights_after_loading)
+
+    def make_layers(self, config) -> nn.ModuleList:
+        windows = layer_sliding_windows(config)
+        return nn.ModuleList(
+            LlamaDecoderLayer(config, windows[i], self.qkv_bias, self.qk_norm) for i in range(config.num_hidden_layers)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -362,3 +388,17 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on the q/k/v projections."""
 
     qkv_bias = True
+    gguf_permuted_qk = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama with an RMSNorm over each head of q and k (before RoPE), no q/k/v bias unless
+    the config's attention_bias, and head_dim from the config."""
+
+    qk_norm = True
+    gguf_block_names = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+    gguf_permuted_qk = False
+
+    def __init__(self, config) -> None:
+        self.qkv_bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(config)
