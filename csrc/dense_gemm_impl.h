@@ -237,6 +237,10 @@ struct DenseGemm {
   // row). The callers keep a group's weights to ~1 MiB (kGroupBytes), so they stay in L2 while the
   // row tiles pass.
   static constexpr int64_t kGroupBytes = 1 << 20;
+  static int64_t group_panels(int64_t kp) {
+    const int64_t g = kGroupBytes / (int64_t(P::NB) * kp * 64);
+    return g > 1 ? g : 1;
+  }
   static void blocks(int32_t out_dtype, void* out, const void* xa, int64_t xs, const uint16_t* wg, int64_t kp,
                      int64_t nb, int64_t p0, int64_t p1, int64_t n, int64_t m, int64_t ldo) {
     static const Tiles tiles;
@@ -291,7 +295,7 @@ struct DenseGemm {
     const int nbp = stream ? 1 : P::NB;
     const int64_t panels = (nb + nbp - 1) / nbp;
     if (P::kRowPad > 1 && m > P::MR) {
-      const int64_t group = kGroupBytes / (P::NB * kp * 64) > 1 ? kGroupBytes / (P::NB * kp * 64) : 1;
+      const int64_t group = group_panels(kp);
       per_thread_ranges(panels, [&](int64_t p0, int64_t p1) {
         for (int64_t g0 = p0; g0 < p1; g0 += group)
           blocks(out_dtype, out, xa, xs, w + g0 * P::NB * kp * 32, kp, nb, g0, g0 + group < p1 ? g0 + group : p1, n, m,
@@ -318,7 +322,7 @@ struct DenseGemm {
     const void* xa = activations(x, m, k, &xs);
     if (P::kRowPad > 1 && m > P::MR) {
       // A group of panels dequantized at a time (~1 MiB of bf16), then every row across it.
-      const int64_t gp = kGroupBytes / (P::NB * kp * 64) > 1 ? kGroupBytes / (P::NB * kp * 64) : 1;
+      const int64_t gp = group_panels(kp);
       per_thread_ranges(panels, [&](int64_t p0, int64_t p1) {
         for (int64_t g0 = p0; g0 < p1; g0 += gp) {
           const int64_t g1 = g0 + gp < p1 ? g0 + gp : p1, bend = g1 * P::NB < nb ? g1 * P::NB : nb;
