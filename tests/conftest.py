@@ -95,25 +95,7 @@ def smollm2_gguf() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_hf_reference(smollm2_gguf) -> str:
-    """SmolLM2 as transformers itself loads it from the GGUF, saved once as a plain HF folder
-    (transformers' GGUF loading takes about a minute; the saved copy loads in a second)."""
-    out = os.path.join(CACHE, "smollm2-hf-from-gguf")
-    if os.path.isfile(os.path.join(out, "model.safetensors")):
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, name = os.path.split(smollm2_gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
-    return out
+    return hf_folder_from_gguf(smollm2_gguf, os.path.join(CACHE, "smollm2-hf-from-gguf"))
 
 
 def hf_folder_from_gguf(gguf_path: str, out: str) -> str:

@@ -46,6 +46,13 @@ class RMSNorm(nn.Module):
         out, summed = rms_norm_ref(x, self.weight, self.eps, residual, self.offset)
         return out if residual is None else (out, summed)
 
+    def start_or_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's first norm: (norm(x), x) for the first layer (x starts the residual
+        stream), (norm(x + residual), x + residual) after it."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)
+
     def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
         """In place on x [T, heads, head_dim] (a view into a fused qkv output): each head normalised
         by this norm of head_dim (Qwen3's and Gemma 3's q/k norms)."""

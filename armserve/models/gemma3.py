@@ -69,11 +69,7 @@ class Gemma3DecoderLayer(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual add of each sublayer is fused into the next norm (RMSNorm(x, residual)).
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm.start_or_add(x, residual)
         x = self.post_attention_layernorm(self.self_attn(positions, x))
         x, residual = self.pre_feedforward_layernorm(x, residual)
         return self.post_feedforward_layernorm(self.mlp(x)), residual

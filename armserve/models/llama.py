@@ -167,11 +167,7 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.input_layernorm.start_or_add(x, residual)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
