@@ -182,7 +182,10 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
 
 
 def checkpoint_dtype(config) -> torch.dtype | None:
-    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    """The dtype the checkpoint's config names, if any."""
+    d = getattr(config, "dtype", None)
+    if d is None:  # transformers 4.x's name; 5.x keeps it as a property that warns on every use
+        d = vars(config).get("torch_dtype")
     if isinstance(d, str):
         d = getattr(torch, d, None)
     return d if isinstance(d, torch.dtype) else None

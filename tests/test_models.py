@@ -87,6 +87,22 @@ def test_smollm2_gguf_matches_transformers(smollm2_gguf, smollm2_hf_reference):
     assert "Paris" in out.outputs[0].text
 
 
+def test_gguf_load_prints_no_warnings(smollm2_gguf):
+    """Loading a GGUF shows armserve's own log lines only: no transformers warning (a deprecated
+    config attribute read on every GGUF load used to print one), in a fresh process since
+    transformers prints each warning once per process."""
+    import subprocess
+    import sys
+
+    code = ("from armserve import LLM; import sys; "
+            "LLM(sys.argv[1], kv_cache_space=0.05, max_model_len=128)")
+    r = subprocess.run([sys.executable, "-c", code, smollm2_gguf], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    noise = [line for line in (r.stdout + r.stderr).splitlines()
+             if line.strip() and "armserve" not in line and not line.startswith("INFO")]
+    assert not noise, noise
+
+
 def test_gemma3_gguf_matches_transformers(gemma3_gguf, gemma3_hf_reference):
     """The real Gemma-3-270M GGUF (no chat template: a base model), dequantized, against
     transformers on the same file: its norms are stored as 1 + w, its q/k norms and local/global
