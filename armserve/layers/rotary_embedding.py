@@ -10,10 +10,13 @@ from torch import nn
 from armserve import ops
 
 
-def rope_parameters(config) -> dict:
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     """The rope settings of a transformers config, old (`rope_theta` + `rope_scaling`) or new
-    (`rope_parameters`) style, as one flat dict with at least `rope_type` and `rope_theta`."""
+    (`rope_parameters`) style, as one flat dict with at least `rope_type` and `rope_theta`; with
+    `layer_type`, that kind of layer's own entry where the config has one per layer type (Gemma 3)."""
     params = getattr(config, "rope_parameters", None)
+    if layer_type is not None and isinstance(params, dict) and isinstance(params.get(layer_type), dict):
+        params = params[layer_type]
     if isinstance(params, dict) and "rope_theta" in params:
         out = dict(params)
     else:

@@ -23,14 +23,10 @@ from armserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, Vo
 
 def _layer_rope(config, layer_type: str) -> dict:
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and isinstance(params.get(layer_type), dict):
-        out = dict(params[layer_type])
-        out["rope_type"] = out.get("rope_type") or out.get("type") or "default"
-        return out
-    out = rope_parameters(config)
-    if layer_type == "sliding_attention":  # older configs: local layers on their own base, unscaled
-        out = {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
-    return out
+    per_type = isinstance(params, dict) and isinstance(params.get(layer_type), dict)
+    if layer_type == "sliding_attention" and not per_type:  # older configs: local layers on their own base
+        return {"rope_type": "default", "rope_theta": getattr(config, "rope_local_base_freq", 10000.0)}
+    return rope_parameters(config, layer_type)
 
 
 class ScaledEmbedding(VocabEmbedding):
@@ -38,14 +34,12 @@ class ScaledEmbedding(VocabEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.normalizer = hidden_size**0.5
-        self._scale: torch.Tensor | None = None  # float32 [hidden], the rounded normalizer per column
+        # float32 [hidden]: the normalizer as a value of the table's dtype, per column (mul_cols)
+        s = float(torch.tensor(hidden_size**0.5, dtype=self.weight.dtype))
+        self._scale = torch.full((hidden_size,), s, dtype=torch.float32)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().forward(input_ids)
-        if self._scale is None or self._scale.shape[0] != x.shape[-1]:
-            s = float(torch.tensor(self.normalizer, dtype=self.weight.dtype))
-            self._scale = torch.full((x.shape[-1],), s, dtype=torch.float32)
         if ops.use_kernel("small", x) and x.dim() == 2:
             return ops.mul_cols(x, self._scale)  # recordable: decode steps stay replayable
         return x * self._scale[0].to(x.dtype)
