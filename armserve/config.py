@@ -110,7 +110,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_seqs: int = 256
-    block_size: int = 16
+    block_size: int = 32  # 32+: a bf16 cache block holds whole 32-key AMX value tiles
     enable_prefix_caching: bool = True
     kv_cache_space: float | None = None
     kv_cache_dtype: str = "auto"

@@ -357,9 +357,9 @@ __attribute__((target("avx512bf16"))) static void values_bf16_dot(const float* p
 
 // ---- AMX tiles (amx.h): prefill rows of a bfloat16 cache, 16 x 16 x 32 products per instruction ----
 // The bf16 K tile [hd / 2][16][2] is AMX's B operand as it is (rows = dim pairs, columns = keys):
-// 32 head dims of 16 keys are one contiguous 1 KiB B tile. Values need 32 keys per instruction,
-// two cache tiles that sit in different blocks, so a partition's V tiles are first copied into one
-// buffer (values_amx_stage), which also zeroes what lies past the keys (0 x NaN is NaN).
+// 32 head dims of 16 keys are one contiguous 1 KiB B tile. Values need 32 keys per instruction:
+// two cache tiles, read in place where one block holds both (blocks of 32+ keys), else copied
+// (values_amx_chunks). The softmax writes the probabilities as bf16 A tiles (softmax_row_bf16).
 // Rows go 16 (RT = 1) or 32 (RT = 2) at a time; the queries, probabilities and outputs have room
 // for padding rows up to the next multiple of 32. Needs hd a multiple of 32.
 #define ARMSERVE_ATTN_AMX 1
@@ -400,34 +400,76 @@ __attribute__((target("amx-tile,amx-bf16"))) static void scores_amx(const uint16
   }
 }
 
-// The partition's V tiles (vt[t]: [8][hd][2], pairs of keys) one after another in vb, pair rows
-// past jn_last keys of the last tile zeroed (an odd last key's partner too), and a zero tile
-// after an odd count. Returns the number of keys to run (a multiple of 32).
-static inline int values_amx_stage(const uint16_t* const* vt, int nt, int jn_last, int hd, uint16_t* vb) {
+// The partition's values as 32-key chunks of 16 pair rows (hd * 4 bytes apart), one B tile per
+// 16 head dims: vc[c] is chunk c's first pair row. A full chunk whose two 16-key tiles lie one
+// after the other (in one cache block of 32 keys or more) is read where it lies; any other chunk
+// (blocks of 16, the last one) is copied into vb, with what lies past jn_last keys of the last
+// tile zeroed (an odd last key's partner too: 0 x NaN is NaN) and a zero tile after an odd count.
+// Returns the number of keys to run (a multiple of 32).
+static inline int values_amx_chunks(const uint16_t* const* vt, int nt, int jn_last, int hd, uint16_t* vb,
+                                    const uint16_t** vc) {
   const int64_t tile = int64_t(kKT) * hd;  // uint16 per tile: 8 pair rows x hd x 2
-  for (int t = 0; t < nt; ++t) std::memcpy(vb + t * tile, vt[t], size_t(tile) * 2);
-  uint16_t* last = vb + (nt - 1) * tile;
-  const int np = (jn_last + 1) / 2;
-  std::memset(last + int64_t(np) * hd * 2, 0, size_t(kKT / 2 - np) * hd * 4);
-  if (jn_last % 2)
-    for (int d = 0; d < hd; ++d) last[(int64_t(np - 1) * hd + d) * 2 + 1] = 0;
-  const int nk = (nt * kKT + 31) / 32 * 32;
-  if (nk > nt * kKT) std::memset(vb + nt * tile, 0, size_t(tile) * 2);
-  return nk;
+  const int nc = (nt + 1) / 2;
+  for (int c = 0; c < nc; ++c) {
+    const int t = 2 * c;
+    const bool full = t + 1 < nt && (t + 2 < nt || jn_last == kKT);
+    if (full && vt[t + 1] == vt[t] + tile) {
+      vc[c] = vt[t];
+      continue;
+    }
+    uint16_t* dst = vb + c * 2 * tile;
+    vc[c] = dst;
+    for (int u = 0; u < 2; ++u) {
+      if (t + u >= nt) {
+        std::memset(dst + u * tile, 0, size_t(tile) * 2);
+        continue;
+      }
+      std::memcpy(dst + u * tile, vt[t + u], size_t(tile) * 2);
+      if (t + u == nt - 1) {
+        uint16_t* last = dst + u * tile;
+        const int np = (jn_last + 1) / 2;
+        std::memset(last + int64_t(np) * hd * 2, 0, size_t(kKT / 2 - np) * hd * 4);
+        if (jn_last % 2)
+          for (int d = 0; d < hd; ++d) last[(int64_t(np - 1) * hd + d) * 2 + 1] = 0;
+      }
+    }
+  }
+  return nc * 32;
 }
 
-// acc[r][d] = sum over the nk staged keys of p[r][j] v[j][d] (written, not added to), 16 * RT
-// rows; pf: fp32 probabilities rows kP apart, rounded to bf16 here (zero past nt tiles).
-template <int RT>
-__attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void values_amx(const float* pf, int nt, const uint16_t* vb,
-                                                                   int nk, int hd, float* acc) {
-  alignas(64) uint16_t p[kAmxRows * kP];
-  for (int r = 0; r < 16 * RT; ++r) {
-    for (int t = 0; t < nt; ++t)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kP + t * kKT),
-                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(pf + r * kP + t * kKT)));
-    if (nk > nt * kKT) std::memset(p + r * kP + nt * kKT, 0, size_t(nk - nt * kKT) * 2);
+// One row's probabilities over a partition, exp(x (s - max)) computed as 2^y with
+// y = s c - max c (c = x log2 e, one FMA), written as bf16 for the values' tile multiply (zeros up
+// to nk keys); returns the sum of the fp32 values. 2^y = 2^floor(y) 2^frac(y): vreduceps gives the
+// fraction, a degree-4 polynomial 2^frac (relative error 3e-6, far below the bf16 rounding that
+// follows) and vscalefps applies 2^floor(y). A masked key's -inf gives fraction 0 and 2^-inf = 0:
+// exact zeros with no compare.
+__attribute__((target("avx512f,avx512dq,avx512bf16"))) static float softmax_row_bf16(const float* s, int nt, int nk,
+                                                                                      float c, float max_c,
+                                                                                      uint16_t* p) {
+  const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(-max_c);
+  const __m512 c4 = _mm512_set1_ps(0.013426724821329117f), c3 = _mm512_set1_ps(0.052242401987314224f);
+  const __m512 c2 = _mm512_set1_ps(0.24128024280071259f), c1 = _mm512_set1_ps(0.6930448412895203f);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 sum = _mm512_setzero_ps();
+  for (int t = 0; t < nt; ++t) {
+    const __m512 y = _mm512_fmadd_ps(_mm512_loadu_ps(s + t * kKT), vc, vm);
+    const __m512 f = _mm512_maskz_reduce_ps(0xffff, y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 e = _mm512_fmadd_ps(c4, f, c3);
+    e = _mm512_fmadd_ps(e, f, c2);
+    e = _mm512_fmadd_ps(e, f, c1);
+    e = _mm512_scalef_ps(_mm512_fmadd_ps(e, f, one), y);
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t * kKT), (__m256i)_mm512_cvtneps_pbh(e));
   }
+  if (nk > nt * kKT) std::memset(p + nt * kKT, 0, size_t(nk - nt * kKT) * 2);
+  return hsum((vf16)sum);
+}
+
+// acc[r][d] = sum over the nk keys of p[r][j] v[j][d] (written, not added to), 16 * RT rows;
+// p: bf16 probabilities, rows kP apart; vc: the value chunks (values_amx_chunks).
+template <int RT>
+__attribute__((target("amx-tile,amx-bf16"))) static void values_amx(const uint16_t* p, const uint16_t* const* vc,
+                                                                    int nk, int hd, float* acc) {
   const int64_t vs = int64_t(hd) * 4;  // bytes between pair rows
   armserve_amx::fence();                // p and the staged values were written just now (amx.h)
   for (int c = 0; c < hd; c += 32) {   // two 16-dim column tiles
@@ -438,7 +480,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512bf16"))) static void values_amx(c
       _tile_zero(3);
     }
     for (int j = 0; j < nk; j += 32) {
-      const uint16_t* v = vb + (int64_t(j / 2) * hd + c) * 2;
+      const uint16_t* v = vc[j / 32] + c * 2;
       _tile_loadd(4, p + j, kP * 2);
       if (RT > 1) _tile_loadd(5, p + 16 * kP + j, kP * 2);
       _tile_loadd(6, v, vs);
@@ -664,7 +706,7 @@ static inline bool amx_active() { return false; }
 template <class Isa>
 struct Attention {
   static constexpr int KT = kKT;  // keys per tile (one vector of lanes)
-  static constexpr int QT = 16;   // query positions per prefill item
+  static constexpr int QT = 16;   // query positions per prefill item (32 for AMX: whole 32-row blocks)
   static constexpr int P = kP;    // keys per partition (a multiple of KT)
 #if defined(__AVX512F__)
   static constexpr int RB = 8;  // query rows whose scores / outputs stay in registers together
@@ -894,7 +936,9 @@ struct Attention {
     }
     const float Mn = fmax2(M, m), f1 = exp_fast(M - Mn), f2 = exp_fast(m - Mn);
     L = L * f1 + l * f2;
-    for (int d = 0; d < hd; ++d) T[d] = T[d] * f1 + a[d] * f2;
+    int d = 0;
+    for (; d + 16 <= hd; d += 16) vstore(T + d, vfma(vload(T + d), vsplat(f1), vload(a + d) * f2));
+    for (; d < hd; ++d) T[d] = T[d] * f1 + a[d] * f2;
     M = Mn;
   }
 
@@ -966,8 +1010,11 @@ struct Attention {
     float* sb = st + 4 * R;  // [rb][P]: one row block's scores, then probabilities, over a partition
     // The queries as fp32, and for a bfloat16 cache also as they are (the dot instructions' operand).
     uint16_t* qb = CT == CT_BF16 ? reinterpret_cast<uint16_t*>(scratch(4, int64_t(RA) * hd / 2 + 1)) : nullptr;
-    // AMX: the partition's values staged in one buffer (values_amx_stage), a spare zero tile after.
-    uint16_t* vb = amx ? reinterpret_cast<uint16_t*>(scratch(6, int64_t(P + KT) * hd / 2)) : nullptr;
+    // AMX: value chunks copied where they cannot be read in place (values_amx_chunks), a spare zero
+    // tile after; a row block's bf16 probabilities.
+    [[maybe_unused]] uint16_t* vb = amx ? reinterpret_cast<uint16_t*>(scratch(6, int64_t(P + KT) * hd / 2)) : nullptr;
+    uint16_t* pb = amx ? reinterpret_cast<uint16_t*>(scratch(5, int64_t(rb) * P / 2)) : nullptr;
+    [[maybe_unused]] const uint16_t* vch[P / 32 + 1];
     if (amx) std::memset(qb + int64_t(R) * hd, 0, sizeof(uint16_t) * (RA - R) * hd);  // padding rows
     const bool prescale = CT == CT_I8 || a.softcap > 0.f || !(a.scale > 0.f);
     const float xs = prescale ? 1.f : a.scale;  // the scale applied inside the exponential
@@ -1010,7 +1057,7 @@ struct Attention {
       if (!dot) std::memset(acc, 0, sizeof(float) * R * hd);
       int nk = 0;  // AMX: keys staged
 #ifdef ARMSERVE_ATTN_AMX
-      if (amx) nk = values_amx_stage(reinterpret_cast<const uint16_t* const*>(vtp), nt, jn_last, hd, vb);
+      if (amx) nk = values_amx_chunks(reinterpret_cast<const uint16_t* const*>(vtp), nt, jn_last, hd, vb, vch);
 #endif
       for (int r0 = 0; r0 < R; r0 += rb) {
         const int nr = imin(rb, R - r0);
@@ -1036,6 +1083,10 @@ struct Attention {
             scores_n<CT>(nr, qf + int64_t(r0) * hd, ktp[t], hd, sb + t * KT);
           }
         }
+        // Tiles [ta, tb) need no mask for any row of the item: past every row's window start,
+        // before the first row's own position.
+        const int ta = imin(nt, imax(0, (imax(k0, lo_all) - t0 + KT - 1) / KT));
+        const int tb = imax(ta, imin(nt, (imin(k1, first + 1) - t0) / KT));
         for (int r = 0; r < nr; ++r) {
           float* sr = sb + r * P;
           const int pos = first + (r0 + r) / group;
@@ -1043,35 +1094,45 @@ struct Attention {
           // The softmax scale goes into the exponential (one FMA) unless the scores need it first:
           // an int8 cache's per-key scales, a soft cap. It stays off the queries: the bf16 dot
           // takes them as they are.
-          vf16 mv = vsplat(-INFINITY);
-          for (int t = 0; t < nt; ++t) {
-            const int j0 = t0 + t * KT;
-            vf16 sv = vload(sr + t * KT);
-            bool changed = false;
-            if (prescale) {
+          if (prescale) {
+            for (int t = 0; t < nt; ++t) {
               const vf16 sc = CT == CT_I8 ? vload(a.ks + block_base(slots[t], bs, a.hk, w.head) + slots[t] % bs) * a.scale
                                           : vsplat(a.scale);
-              sv *= sc;
+              vf16 sv = vload(sr + t * KT) * sc;
               if (a.softcap > 0.f)
                 for (int j = 0; j < KT; ++j) sv[j] = std::tanh(sv[j] / a.softcap) * a.softcap;
-              changed = true;
+              vstore(sr + t * KT, sv);
             }
-            if (!(j0 >= imax(k0, lo_all) && j0 + KT <= imin(k1, first + 1))) {  // a tile at an edge
+          }
+          vf16 mv = vsplat(-INFINITY);
+          for (int t = 0; t < nt; ++t) {
+            vf16 sv = vload(sr + t * KT);
+            if (t < ta || t >= tb) {  // a tile at an edge
+              const int j0 = t0 + t * KT;
               vi16 keys;
               for (int j = 0; j < KT; ++j) keys[j] = j0 + j;
               sv = (keys >= klo) & (keys < khi) ? sv : vsplat(-INFINITY);
-              changed = true;
+              vstore(sr + t * KT, sv);
             }
-            if (changed) vstore(sr + t * KT, sv);
             mv = mv > sv ? mv : sv;
           }
           const float mr = hmax(mv);
           m[r0 + r] = mr * xs;  // the max in scaled units, as the merge wants it
           if (mr == -INFINITY) {  // no key of this partition is visible to this row
             l[r0 + r] = 0.f;
-            std::memset(sr, 0, sizeof(float) * nt * KT);
+            if (amx)
+              std::memset(pb + int64_t(r) * P, 0, sizeof(uint16_t) * nk);
+            else
+              std::memset(sr, 0, sizeof(float) * nt * KT);
             continue;
           }
+#ifdef ARMSERVE_ATTN_AMX
+          if (amx) {
+            constexpr float kLog2e = 1.44269504088896341f;
+            l[r0 + r] = softmax_row_bf16(sr, nt, nk, xs * kLog2e, mr * xs * kLog2e, pb + int64_t(r) * P);
+            continue;
+          }
+#endif
           vf16 lv = vf16{};
           const vf16 xsv = vsplat(xs), off = vsplat(-mr * xs), ninf = vsplat(-INFINITY);
           for (int t = 0; t < nt; ++t) {
@@ -1088,9 +1149,9 @@ struct Attention {
         if (amx) {
 #ifdef ARMSERVE_ATTN_AMX
           if (nr > 16)
-            values_amx<2>(sb, nt, vb, nk, hd, acc + int64_t(r0) * hd);
+            values_amx<2>(pb, vch, nk, hd, acc + int64_t(r0) * hd);
           else
-            values_amx<1>(sb, nt, vb, nk, hd, acc + int64_t(r0) * hd);
+            values_amx<1>(pb, vch, nk, hd, acc + int64_t(r0) * hd);
 #endif
         } else if (dot) {
 #ifdef ARMSERVE_ATTN_BF16_DOT
@@ -1129,9 +1190,10 @@ struct Attention {
     const AttnBatch* b = a.b;
     const int group = a.hq / a.hk;
     const int nthreads = armserve_par::team_size();
+    const int qt = a.amx && a.dtype == AS_BF16 && !a.ks && a.hd % 32 == 0 ? 2 * QT : QT;
     int64_t tiles = 0, max_items = 0;
     for (int s = 0; s < b->num_seqs; ++s) {
-      const int t = (b->q_len[s] + QT - 1) / QT;
+      const int t = (b->q_len[s] + qt - 1) / qt;
       tiles += t;
       max_items += int64_t(t) * a.hk * ((b->context_len[s] + P - 1) / P + 1);
     }
@@ -1139,12 +1201,14 @@ struct Attention {
     const bool split = tiles * a.hk < 2LL * nthreads;
     Buffer<Item> items(split ? max_items : tiles * a.hk);
     int64_t n_items = 0, partial_floats = 0;
+    // A sequence's items head by head (the tiles of one head share its keys and values, in cache),
+    // the last query tile first: it sees the most keys, and the longest items go first.
     for (int s = 0; s < b->num_seqs; ++s) {
-      for (int q0 = 0; q0 < b->q_len[s]; q0 += QT) {
-        const int qn = imin(QT, b->q_len[s] - q0);
-        int lo, hi;
-        key_range(a, s, q0, qn, &lo, &hi);
-        for (int h = 0; h < a.hk; ++h) {
+      for (int h = 0; h < a.hk && b->q_len[s] > 0; ++h) {
+        for (int q0 = (b->q_len[s] - 1) / qt * qt; q0 >= 0; q0 -= qt) {
+          const int qn = imin(qt, b->q_len[s] - q0);
+          int lo, hi;
+          key_range(a, s, q0, qn, &lo, &hi);
           if (!split) {
             items[n_items++] = Item{s, q0, qn, h, -1, 0};
             continue;

@@ -20,6 +20,7 @@ BLOCK_BYTES_TINY = 2 * 2 * 16 * 2 * 16 * 4  # K+V, 2 layers, 16 tokens, 2 kv hea
 def tiny(folder: str, **kw) -> LLM:
     kw.setdefault("dtype", "float32")
     kw.setdefault("kv_cache_space", 0.02)
+    kw.setdefault("block_size", 16)  # short test prompts: 16-token blocks give each several
     return LLM(folder, **kw)
 
 

@@ -147,6 +147,8 @@ ATTN_CASES = [
     (64, 4, 2, [(12, 12), (1, 50), (6, 30)], 8, None),  # sliding window
     (64, 4, 2, [(4, 10), (1, 18)], None, 30.0),  # Gemma-2 soft-capping
     (64, 6, 2, [(40, 300), (17, 17)], None, None),  # prefill tiles over partitions (AMX where there is AMX)
+    (64, 6, 2, [(67, 601), (33, 33)], None, None),  # 32-query AMX tiles, odd last keys
+    (64, 4, 2, [(50, 400)], 100, None),  # a window starting mid-tile under AMX prefill tiles
 ]
 if SMALL:
     ATTN_CASES = [
@@ -156,13 +158,16 @@ if SMALL:
     ]
 
 
+@pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", range(len(ATTN_CASES)))
-def test_paged_attention(isa, dtype, case):
+def test_paged_attention(isa, dtype, case, block_size):
+    """Against the PyTorch reference. Blocks of 32 let AMX read 32-key value tiles in place (where
+    the random block table puts two neighbours' tiles together), blocks of 16 never."""
     hd, hq, hk, specs, window, softcap = ATTN_CASES[case]
     rng = random.Random(case)
     torch.manual_seed(case)
-    block_size, num_blocks = 16, 80
+    num_blocks = 80 * 16 // block_size
     q_start, q_len, ctx, tables, T = random_batch(rng, block_size, num_blocks, specs)
     k_cache = torch.randn(num_blocks * block_size, hk, hd).to(dtype)
     v_cache = torch.randn(num_blocks * block_size, hk, hd).to(dtype)

@@ -144,6 +144,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 def tiny(folder: str, **kw) -> LLM:
     kw.setdefault("dtype", "float32")
     kw.setdefault("kv_cache_space", 0.02)
+    kw.setdefault("block_size", 16)  # short test prompts: 16-token blocks give each several
     return LLM(folder, **kw)
 
 
