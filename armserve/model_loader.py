@@ -25,6 +25,11 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 # llama.cpp permutes q/k rows of these GGUF architectures for its rotary layout.
 _GGUF_PERMUTED_ARCHS = {"llama", "mistral"}

@@ -25,9 +25,11 @@ import torch
 from armserve import model_loader
 from armserve.layers.quantized_linear import quantize_weight, quantize_weight_int8
 
-# Decoder-layer projections that are quantized; anything else is copied.
+# Decoder-layer projections that are quantized (MoE experts included: Mixtral names its experts'
+# gate/down/up w1/w2/w3); anything else is copied, routers (`mlp.gate`) too.
 LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
-                   "gate_proj.weight", "up_proj.weight", "down_proj.weight")
+                   "gate_proj.weight", "up_proj.weight", "down_proj.weight",
+                   ".w1.weight", ".w2.weight", ".w3.weight")
 SHARD_BYTES = 2 * 2**30
 
 

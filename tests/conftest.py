@@ -187,6 +187,9 @@ def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms
         "Qwen2ForCausalLM": transformers.Qwen2Config,
         "Qwen3ForCausalLM": transformers.Qwen3Config,
         "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
+        "MixtralForCausalLM": transformers.MixtralConfig,
+        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
     }[arch]
     kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     kw.update(overrides)
@@ -242,5 +245,27 @@ def tiny_checkpoints(tokenizer_dir) -> dict[str, str]:
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+        ),
+        **tiny_moe_checkpoints(tokenizer_dir),
+    }
+
+
+def tiny_moe_checkpoints(tokenizer_dir: str) -> dict[str, str]:
+    """Tiny Mixture-of-Experts checkpoints: several experts, top-2, each family's twist."""
+    return {
+        # every layer sparse, top-2 renormalised, sliding window
+        "mixtral": make_tiny_checkpoint(os.path.join(CACHE, "tiny-mixtral"), "MixtralForCausalLM", tokenizer_dir,
+                                        num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+        # q/k/v bias, top-2 of 6 not renormalised, a shared expert behind its sigmoid gate
+        "qwen2_moe": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-qwen2-moe"), "Qwen2MoeForCausalLM", tokenizer_dir, num_experts=6,
+            num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+            norm_topk_prob=False, decoder_sparse_step=1,
+        ),
+        # q/k norms, top-2 of 8 renormalised, the first layer dense (mlp_only_layers)
+        "qwen3_moe": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-qwen3-moe"), "Qwen3MoeForCausalLM", tokenizer_dir, perturb_norms=True,
+            head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+            decoder_sparse_step=1, mlp_only_layers=[0],
         ),
     }

@@ -141,9 +141,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    """down(act(gate(x)) * up(x)), gate and up as one projection; `intermediate_size` overrides
+    the config's (an MoE expert's or shared expert's width)."""
+
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
         self.down_proj = Linear(inter, config.hidden_size, bias=bias)
