@@ -163,12 +163,55 @@ def load_config(src: ModelSource):
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
         what = src.gguf_file or "config.json"
         raise ModelLoadError(f"cannot read the model config from {what} in {src.folder}: {e}") from e
+    if src.is_gguf:
+        config = _gguf_moe_config(_gguf_reader(os.path.join(src.folder, src.gguf_file)), config)
     archs = getattr(config, "architectures", None) or []
     if not archs:
         arch = _MODEL_TYPE_TO_ARCH.get(config.model_type)
         if arch is None:
             get_model_class(f"<model_type {config.model_type}>")  # raises with the supported list
         config.architectures = [arch]
+    return config
+
+
+def _gguf_field(reader, key: str):
+    """A scalar metadata value of the GGUF file, or None."""
+    f = reader.fields.get(key)
+    if f is None or not f.data:
+        return None
+    return f.parts[f.data[0]].tolist()[0]
+
+
+def _gguf_moe_config(reader, config):
+    """What transformers' GGUF config leaves out for Mixture-of-Experts files: llama.cpp writes
+    Mixtral as a `llama` file with an expert count (-> a Mixtral config), and the experts' (and
+    Qwen2-MoE's shared expert's) widths under `expert_feed_forward_length` and
+    `expert_shared_feed_forward_length`. llama.cpp renormalises Qwen3-MoE's top-k weights and
+    not Qwen2-MoE's."""
+    arch_field = reader.fields.get("general.architecture")
+    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+    experts = _gguf_field(reader, f"{arch}.expert_count")
+    if not experts:
+        return config
+    used = _gguf_field(reader, f"{arch}.expert_used_count")
+    if config.model_type == "llama":
+        from transformers import MixtralConfig
+
+        values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**values)
+        config.num_local_experts, config.num_experts_per_tok = int(experts), int(used)
+        config.architectures = ["MixtralForCausalLM"]
+        return config
+    width = _gguf_field(reader, f"{arch}.expert_feed_forward_length")
+    if width:
+        config.moe_intermediate_size = int(width)
+    shared = _gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
+    if shared:
+        config.shared_expert_intermediate_size = int(shared)
+    if arch == "qwen3moe":
+        config.norm_topk_prob = True
+    elif arch == "qwen2moe":
+        config.norm_topk_prob = False
     return config
 
 
@@ -272,7 +315,10 @@ def _unpermute_gguf_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 # GGUF tensors that feed a linear layer (so may stay quantized); token_embd too, as a tied lm_head.
-_GGUF_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output"}
+_GGUF_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output",
+                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}
+# MoE experts stacked in one GGUF tensor [experts, rows, cols] -> one expert's projection
+_GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
 def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None = None
@@ -297,6 +343,9 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None 
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in _GGUF_EXPERTS:
+            yield from _gguf_experts(t, parts, keep_quantized, path)
+            continue
         if parts[0] == "blk":
             base = block_names.get(parts[2])
             if base is None:
@@ -333,8 +382,31 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None 
             w = _unpermute_gguf_qk(w, n_head if parts[2] == "attn_q" else n_kv)
         if norm_offset and name.endswith("norm.weight"):
             w -= norm_offset
+        if kind == "ffn_gate_inp_shexp" and w.dim() == 1:
+            w = w.unsqueeze(0)  # llama.cpp keeps Qwen2-MoE's shared-expert gate [hidden], HF [1, hidden]
         yield name, w
     release_gguf_reader()  # the weights are copies by now; the parsed header is no longer needed
+
+
+def _gguf_experts(t, parts: list[str], keep_quantized: bool, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor (`blk.N.ffn_{gate,up,down}_exps`, [experts, rows, cols]) as each
+    expert's projection under the Hugging Face name, quantized blocks kept as they are."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    proj = _GGUF_EXPERTS[parts[2]]
+    for e in range(t.data.shape[0]):
+        name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
+        data = t.data[e]  # [rows, bytes of a row] for block types, [rows, cols] for float ones
+        qt = gguf_quants.convert(t.tensor_type.name, data) if keep_quantized else None
+        if qt is not None:
+            yield name, qt
+            continue
+        try:
+            arr = dequantize(data, t.tensor_type)
+        except Exception as err:
+            raise ModelLoadError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of {path}: {err}") from err
+        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))
 
 
 # ---- the model ---------------------------------------------------------------------------------

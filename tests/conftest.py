@@ -259,7 +259,7 @@ def tiny_moe_checkpoints(tokenizer_dir: str) -> dict[str, str]:
         # q/k/v bias, top-2 of 6 not renormalised, a shared expert behind its sigmoid gate
         "qwen2_moe": make_tiny_checkpoint(
             os.path.join(CACHE, "tiny-qwen2-moe"), "Qwen2MoeForCausalLM", tokenizer_dir, num_experts=6,
-            num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=96,
+            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
             norm_topk_prob=False, decoder_sparse_step=1,
         ),
         # q/k norms, top-2 of 8 renormalised, the first layer dense (mlp_only_layers)

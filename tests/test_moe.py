@@ -4,9 +4,11 @@ batches, with prefix caching, chunked prefill and w4a8 experts from `armserve qu
 
 from __future__ import annotations
 
+import os
+from types import SimpleNamespace
+
 import pytest
 import torch
-from types import SimpleNamespace
 
 from armserve import LLM, SamplingParams
 from armserve.layers.fused_moe import fused_experts, fused_moe_ref, select_experts
@@ -128,3 +130,112 @@ def test_quantize_moe_experts(tiny_checkpoints, tmp_path):
     common = set(a) & set(b)
     assert len(common) >= 3
     assert max(abs(a[t].logprob - b[t].logprob) for t in common) < 0.15  # int8 activations only
+
+
+def write_moe_gguf(hf_folder: str, path: str, expert_type: str = "F32") -> None:
+    """A GGUF file of a tiny HF MoE checkpoint as llama.cpp's converter lays it out: Mixtral as a
+    `llama` file (q/k rows permuted for its rotary, an expert count), Qwen2-MoE as `qwen2moe`;
+    experts stacked per layer in `ffn_{gate,up,down}_exps` (F32 or Q8_0 blocks), the shared
+    expert's gate as a vector. No tokenizer (the test passes the HF folder's)."""
+    import json
+    import os
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(os.path.join(hf_folder, "config.json")))
+    sd = load_file(os.path.join(hf_folder, "model.safetensors"))
+    mixtral = cfg["model_type"] == "mixtral"
+    arch = "llama" if mixtral else "qwen2moe"
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    experts = cfg["num_local_experts"] if mixtral else cfg["num_experts"]
+    w = GGUFWriter(path, arch)
+    w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
+    w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
+    w.add_uint32(f"{arch}.block_count", cfg["num_hidden_layers"])
+    w.add_uint32(f"{arch}.feed_forward_length", cfg["intermediate_size"])
+    w.add_uint32(f"{arch}.attention.head_count", n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", n_kv)
+    w.add_float32(f"{arch}.rope.freq_base", float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+    w.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
+    w.add_uint32(f"{arch}.expert_count", experts)
+    w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
+    if not mixtral:
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+        w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"])
+
+    def permute(t: torch.Tensor, heads: int) -> torch.Tensor:  # llama.cpp's rotary row order
+        return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    def add(name: str, t: torch.Tensor, quantized: bool = False) -> None:
+        a = t.float().numpy()
+        if quantized and expert_type == "Q8_0":
+            w.add_tensor(name, quantize(a, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, np.ascontiguousarray(a))
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
+    if "lm_head.weight" in sd:
+        add("output.weight", sd["lm_head.weight"])
+    moe = "block_sparse_moe" if mixtral else "mlp"
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        for short, hf in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+            t = sd[p + f"self_attn.{hf}.weight"]
+            if mixtral and short in ("q", "k"):
+                t = permute(t, n_head if short == "q" else n_kv)
+            add(f"blk.{i}.attn_{short}.weight", t)
+            if p + f"self_attn.{hf}.bias" in sd:
+                add(f"blk.{i}.attn_{short}.bias", sd[p + f"self_attn.{hf}.bias"])
+        add(f"blk.{i}.ffn_gate_inp.weight", sd[p + f"{moe}.gate.weight"])
+        for gg, hf in zip(("gate", "up", "down"), names):
+            stacked = torch.stack([sd[p + f"{moe}.experts.{e}.{hf}.weight"] for e in range(experts)])
+            add(f"blk.{i}.ffn_{gg}_exps.weight", stacked, quantized=True)
+        if not mixtral:
+            add(f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0])
+            for gg in ("gate", "up", "down"):
+                add(f"blk.{i}.ffn_{gg}_shexp.weight", sd[p + f"mlp.shared_expert.{gg}_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_gguf_stacked_experts(tiny_checkpoints, tokenizer_dir, tmp_path, name):
+    """A GGUF file with stacked experts loads as the right family (Mixtral from a `llama` file
+    with an expert count; Qwen2-MoE with its expert widths from the file) and gives
+    transformers' greedy tokens; Q8_0 experts stay quantized (w8a8) and stay close."""
+    from armserve.layers.quantized_linear import QuantizedLinear
+    from conftest import CACHE, make_tiny_checkpoint
+
+    folder = tiny_checkpoints[name]
+    if name == "mixtral":  # llama.cpp's Mixtral files carry no sliding window: one without
+        folder = make_tiny_checkpoint(os.path.join(CACHE, "tiny-mixtral-nowindow"), "MixtralForCausalLM",
+                                      tokenizer_dir, num_local_experts=4, num_experts_per_tok=2)
+    f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
+    write_moe_gguf(folder, f32)
+    write_moe_gguf(folder, q8, expert_type="Q8_0")
+    llm = LLM(f32, tokenizer=folder, dtype="float32", kv_cache_space=0.05, max_model_len=256)
+    assert type(llm.llm_engine.model).__name__ == {"mixtral": "MixtralForCausalLM",
+                                                    "qwen2_moe": "Qwen2MoeForCausalLM"}[name]
+    params = SamplingParams(temperature=0.0, max_tokens=N, min_tokens=N)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, o.prompt_token_ids) for o in outs]
+
+    q = LLM(q8, tokenizer=folder, dtype="float32", kv_cache_space=0.05, max_model_len=256)
+    experts = q.llm_engine.model.layers[0].mlp.experts
+    assert all(isinstance(m.gate_up_proj, QuantizedLinear) and [p.fmt for p in m.down_proj.parts] == ["w8"]
+               for m in experts)
+    p = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    a = q.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    b = llm.generate(PROMPTS[:1], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    common = set(a) & set(b)
+    assert len(common) >= 3 and max(abs(a[t].logprob - b[t].logprob) for t in common) < 0.1

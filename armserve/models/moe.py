@@ -61,6 +61,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral attention, every layer sparse; top-k of the softmax, renormalised."""
 
     norm_topk_prob = True
+    # (the stacked experts ffn_{gate,up,down}_exps are split per expert by the loader)
     gguf_block_names = {"ffn_gate_inp": "mlp.gate"}
 
     def num_experts(self, config) -> int:
@@ -94,6 +95,9 @@ class Qwen2MoeForCausalLM(MixtralForCausalLM):
 
     qkv_bias = True
     gguf_permuted_qk = False
+    gguf_block_names = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+                        "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                        "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 
     def num_experts(self, config) -> int:
         return config.num_experts
