@@ -60,7 +60,7 @@ def test_select_experts_matches_softmax_topk():
 
 @pytest.mark.parametrize("routing", ["random", "one_expert", "one_token"])
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "w4a8"])
-def test_fused_experts_matches_reference(kind, routing):
+def test_fused_experts_matches_reference(isa, kind, routing):
     """Every expert's tokens gathered, one pass per active expert, the weighted sum scattered
     back; experts that receive nothing (all of them but one with `one_expert`) are skipped."""
     dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
