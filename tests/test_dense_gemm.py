@@ -120,12 +120,17 @@ def test_column_range_output(isa, dot):
 
 
 def test_weights_over_several_groups(isa, dot):
-    """Prefill-sized calls whose weights are wider than one ~1 MiB group of panels (AMX: every row
-    across a group before the next; the others: panel by panel): a partial last group, a partial
-    16-column block, rows that end inside a tile, into a column range of a wider output, on one
-    thread and two."""
+    """Prefill-sized calls whose weights are wider than one ~1 MiB group of panels (AMX past
+    kBlocksMinRows = 512 rows: every row across a group before the next; else panel by panel): a
+    partial last group, a partial 16-column block, rows that end inside a tile, into a column range
+    of a wider output, on one thread and two."""
     torch.manual_seed(7)
-    n, k, m, col = (2100, 512, 70, 3) if not SMALL else (1100, 512, 40, 3)
+    n, k, col = (2100, 512, 3) if not SMALL else (1100, 512, 3)
+    for m in [70 if not SMALL else 40] + ([530] if ops.dense_isa() == "amx_bf16" else []):
+        check_over_groups(n, k, m, col)
+
+
+def check_over_groups(n: int, k: int, m: int, col: int) -> None:
     w = torch.randn(n, k).bfloat16()
     p = ops.pack_bf16(w)
     x = torch.randn(m, k).bfloat16()
