@@ -128,12 +128,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.kv_cache_space is None:
-            env = os.environ.get("ARMSERVE_KVCACHE_SPACE")
-            if env:
+            # (vLLM's CPU name, for setups written for it; armserve's own wins)
+            var = next((v for v in ("ARMSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE") if os.environ.get(v)), None)
+            if var:
+                env = os.environ[var]
                 try:
                     self.kv_cache_space = float(env)
                 except ValueError:
-                    raise ConfigError(f"ARMSERVE_KVCACHE_SPACE must be a number of GiB, got {env!r}")
+                    raise ConfigError(f"{var} must be a number of GiB, got {env!r}")
             else:
                 self.kv_cache_space = DEFAULT_KV_CACHE_SPACE_GIB
         if not self.kv_cache_space > 0:

@@ -98,7 +98,14 @@ def init_threads() -> dict:
     from armserve import ops
 
     info: dict = {"bind": None}
-    bind = os.environ.get("ARMSERVE_THREADS_BIND", "").strip()
+    # vLLM's CPU name too (armserve's own wins); its `|` separates tensor-parallel ranks, of which
+    # one engine process has one
+    var = next((v for v in ("ARMSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND") if os.environ.get(v, "").strip()),
+               "ARMSERVE_THREADS_BIND")
+    bind = os.environ.get(var, "").strip()
+    if "|" in bind:
+        raise ValueError(f"{var}: {bind!r} lists cores for several tensor-parallel ranks ('|'); "
+                         "this engine runs one rank: give one core list")
     if _initialised:
         info["threads"] = torch.get_num_threads()
         return info
@@ -112,17 +119,17 @@ def init_threads() -> dict:
             try:
                 cores = parse_cpu_list(bind)
             except ValueError as e:
-                raise ValueError(f"ARMSERVE_THREADS_BIND: {e}") from None
+                raise ValueError(f"{var}: {e}") from None
             bad = sorted(set(cores) - set(allowed_cpus()))
             if bad:
-                raise ValueError(f"ARMSERVE_THREADS_BIND lists cores {bad} that this process may not use "
+                raise ValueError(f"{var} lists cores {bad} that this process may not use "
                                  f"(allowed: {allowed_cpus()})")
         torch.set_num_threads(len(cores))
         if ops.available():
             ops.bind_threads(cores)
             info["bind"] = cores
         else:
-            logger.warning("ARMSERVE_THREADS_BIND ignored: %s", ops.load_error())
+            logger.warning("%s ignored: %s", var, ops.load_error())
     elif not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(max(1, len(physical_cores())))
     info["threads"] = torch.get_num_threads()

@@ -53,6 +53,24 @@ def test_threads_bind_rejects_cores_outside_the_cpu_set():
     assert r.returncode == 2 and "ARMSERVE_THREADS_BIND" in r.stderr
 
 
+def test_vllm_cpu_environment_names(monkeypatch):
+    """vLLM's CPU variables work where armserve's are unset: the thread binding (its `|` between
+    tensor-parallel ranks refused by name) and the KV cache size."""
+    core = allowed_cpus()[-1]
+    r = run(["info", "--json"], VLLM_CPU_OMP_THREADS_BIND=str(core))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["thread_cores"] == [core]
+    r = run(["info"], VLLM_CPU_OMP_THREADS_BIND=f"{core}|{core}")
+    assert r.returncode == 2 and "VLLM_CPU_OMP_THREADS_BIND" in r.stderr and "rank" in r.stderr
+    from armserve.config import EngineConfig
+
+    monkeypatch.delenv("ARMSERVE_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1.5")
+    assert EngineConfig(model="x").kv_cache_space == 1.5
+    monkeypatch.setenv("ARMSERVE_KVCACHE_SPACE", "0.5")  # armserve's own wins
+    assert EngineConfig(model="x").kv_cache_space == 0.5
+
+
 def test_unknown_isa_is_a_clear_error():
     r = run(["info"], ARMSERVE_ISA="avx9000")
     assert r.returncode == 2 and "unknown ISA" in r.stderr

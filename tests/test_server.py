@@ -60,11 +60,11 @@ class ServerProcess:
             return f.read()
 
     def metrics(self) -> dict[str, float]:
-        """Prometheus samples of the `armserve:` metrics, keyed by name plus sorted labels."""
+        """Prometheus samples of the `armserve:` and `vllm:` metrics, keyed by name plus sorted labels."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
-            if not line.startswith("armserve:"):
+            if not line.startswith(("armserve:", "vllm:")):
                 continue
             m = re.match(r"^([^{ ]+)(\{.*\})? (\S+)$", line)
             assert m, line
@@ -521,6 +521,11 @@ def test_64_streams_with_a_quarter_disconnecting(server, model):
     assert delta("armserve:generation_tokens_total") >= 48 * 24
     assert delta("armserve:time_to_first_token_seconds_count") == 64
     assert delta("armserve:e2e_request_latency_seconds_count") == 64
+    # vLLM's names for the same series (dashboards and autoscalers built for vLLM)
+    assert delta('vllm:request_success_total{finished_reason="length"}') == 48
+    assert delta('vllm:request_success_total{finished_reason="abort"}') == 16
+    assert delta("vllm:time_to_first_token_seconds_count") == 64
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert server.log().count("(client disconnected)") >= 16
 
@@ -549,6 +554,12 @@ def test_metrics_exposes_the_documented_series(server):
                  "armserve:time_to_first_token_seconds_count", "armserve:time_per_output_token_seconds_count",
                  "armserve:e2e_request_latency_seconds_count", "armserve:prefix_cache_queries_total"]:
         assert name in m, name
+    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                 "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "num_preemptions_total", "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count",
+                 "request_prompt_tokens_count", "request_generation_tokens_count"]:
+        assert m[f"vllm:{name}"] == m[f"armserve:{name}"], name  # vLLM's names, the same values
     # The same system prompt in every chat: the prefix cache must have hit.
     assert m["armserve:prefix_cache_hits_total"] > 0 and 0 < m["armserve:prefix_cache_hit_rate"] <= 1
     assert re.search(r'armserve\.access: 127\.0\.0\.1:\d+ "POST /v1/chat/completions HTTP/1\.1" 200', server.log())

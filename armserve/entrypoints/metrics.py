@@ -1,4 +1,6 @@
-"""Prometheus metrics for `GET /metrics`, with vLLM's metric names under the `armserve:` prefix.
+"""Prometheus metrics for `GET /metrics`, with vLLM's metric names under the `armserve:` prefix,
+and the engine's series also under vLLM's own `vllm:` prefix (same values), so dashboards and
+autoscalers built for vLLM (KServe, llm-d) read armserve unchanged.
 
 Engine metrics are recorded from the engine thread (a `StatLogger`); HTTP metrics from the
 access-log middleware. Each server owns its own registry, so several servers in one process
@@ -28,6 +30,28 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
+class _Twin:
+    """An armserve series and its `vllm:` twin, updated together."""
+
+    def __init__(self, *children) -> None:
+        self.children = children
+
+    def set(self, v: float) -> None:
+        for c in self.children:
+            c.set(v)
+
+    def inc(self, v: float = 1.0) -> None:
+        for c in self.children:
+            c.inc(v)
+
+    def observe(self, v: float) -> None:
+        for c in self.children:
+            c.observe(v)
+
+    def labels(self, **kw) -> "_Twin":
+        return _Twin(*(c.labels(**kw) for c in self.children))
+
+
 class PrometheusMetrics:
     """All of one server's metrics; also a `StatLogger` for `AsyncLLM`."""
 
@@ -39,43 +63,48 @@ class PrometheusMetrics:
         labels = ["model_name"]
         self._labels = {"model_name": model_name}
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(**self._labels)
+        # `twin`: also as vllm:<name> (a series vLLM exports under that name and meaning)
+        def gauge(name: str, doc: str, twin: bool = False):
+            g = [Gauge(f"{p}:{name}", doc, labels, registry=r).labels(**self._labels)
+                 for p in (("armserve", "vllm") if twin else ("armserve",))]
+            return _Twin(*g) if twin else g[0]
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(**self._labels)
+        def counter(name: str, doc: str, twin: bool = False):
+            c = [Counter(f"{p}:{name}", doc, labels, registry=r).labels(**self._labels)
+                 for p in (("armserve", "vllm") if twin else ("armserve",))]
+            return _Twin(*c) if twin else c[0]
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(**self._labels)
+        def histogram(name: str, doc: str, buckets) -> _Twin:  # every histogram has its vLLM twin
+            return _Twin(*(Histogram(f"{p}:{name}", doc, labels, buckets=buckets, registry=r).labels(**self._labels)
+                           for p in ("armserve", "vllm")))
 
-        self.num_running = gauge("armserve:num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("armserve:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("armserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
-        self.kv_used = gauge("armserve:kv_cache_used_blocks", "KV cache blocks held by requests.")
-        self.kv_total = gauge("armserve:kv_cache_total_blocks", "KV cache blocks in the pool.")
-        self.prefix_hit_rate = gauge("armserve:prefix_cache_hit_rate",
-                                     "Prefix-cache hit rate over all queried prompt tokens (0-1).")
-        self.prefix_queries = counter("armserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("armserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("armserve:num_preemptions", "Requests preempted for lack of KV blocks.")
-        self.prompt_tokens = counter("armserve:prompt_tokens", "Prompt tokens prefilled.")
-        self.generation_tokens = counter("armserve:generation_tokens", "Tokens generated.")
-        self.request_success = Counter(
-            "armserve:request_success", "Requests finished, by finish reason (stop, length, abort).",
+        self.num_running = gauge("num_requests_running", "Requests in the running batch.", twin=True)
+        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.", twin=True)
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", twin=True)
+        self.kv_used = gauge("kv_cache_used_blocks", "KV cache blocks held by requests.")
+        self.kv_total = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
+        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all queried prompt tokens (0-1).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", twin=True)
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", twin=True)
+        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.", twin=True)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.", twin=True)
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.", twin=True)
+        self.request_success = _Twin(*(Counter(
+            f"{p}:request_success", "Requests finished, by finish reason (stop, length, abort).",
             labels + ["finished_reason"], registry=r,
-        )
+        ) for p in ("armserve", "vllm")))
         for reason in ("stop", "length", "abort"):  # export zeros, so a scrape sees every series
             self.request_success.labels(finished_reason=reason, **self._labels)
-        self.ttft = histogram("armserve:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.tpot = histogram("armserve:time_per_output_token_seconds",
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
                               "Mean time per output token of each request (after the first).", _TPOT_BUCKETS)
-        self.e2e = histogram("armserve:e2e_request_latency_seconds", "End-to-end request latency.",
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.",
                              _LATENCY_BUCKETS)
-        self.queue_time = histogram("armserve:request_queue_time_seconds", "Time waiting before first scheduled.",
+        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
                                     _LATENCY_BUCKETS)
-        self.req_prompt_tokens = histogram("armserve:request_prompt_tokens", "Prompt length per request.",
+        self.req_prompt_tokens = histogram("request_prompt_tokens", "Prompt length per request.",
                                            _TOKEN_BUCKETS)
-        self.req_gen_tokens = histogram("armserve:request_generation_tokens", "Generated tokens per request.",
+        self.req_gen_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
                                         _TOKEN_BUCKETS)
         self.http_requests = Counter("armserve:http_requests", "HTTP requests by method, path and status.",
                                      ["method", "handler", "status"], registry=r)
