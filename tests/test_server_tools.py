@@ -1,0 +1,241 @@
+"""Structured outputs and tool calling through the server, with the official `openai` client and
+LangChain's ChatOpenAI, on SmolLM2 (hermes parser) and, for the real tool-calling checks, on
+Qwen2.5-Coder-0.5B-Instruct."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+
+from structured_schemas import SCHEMAS
+from test_server import ServerProcess
+
+pytest.importorskip("xgrammar")
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24}},
+                       "required": ["city"], "additionalProperties": False},
+    },
+}
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {"type": "object",
+                       "properties": {"a": {"type": "integer", "minimum": -999, "maximum": 999},
+                                      "b": {"type": "integer", "minimum": -999, "maximum": 999}},
+                       "required": ["a", "b"], "additionalProperties": False},
+    },
+}
+PARIS = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_gguf, tmp_path_factory):
+    srv = ServerProcess(smollm2_gguf, ["--kv-cache-space", "0.2", "--max-model-len", "2048",
+                                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        str(tmp_path_factory.mktemp("smol") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(smol) -> OpenAI:
+    return OpenAI(base_url=smol.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def model_of(client: OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+# ---- structured outputs ---------------------------------------------------------------------------
+
+
+def test_response_format_json_schema_and_json_object(client):
+    m = model_of(client)
+    for question, schema in [SCHEMAS[0], SCHEMAS[12], SCHEMAS[16]]:
+        r = client.chat.completions.create(
+            model=m, messages=[{"role": "user", "content": question}], temperature=0, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    r = client.chat.completions.create(model=m, messages=[{"role": "user", "content": "A JSON object about a dog."}],
+                                       temperature=0, max_tokens=60, response_format={"type": "json_object"},
+                                       stop=["\n"])  # any-JSON is unbounded: keep it short
+    assert r.choices[0].message.content.startswith("{")
+
+
+def test_vllm_fields_on_chat_and_completions(client):
+    m = model_of(client)
+    q = [{"role": "user", "content": "Give a phone number."}]
+    r = client.chat.completions.create(model=m, messages=q, temperature=0, max_tokens=20,
+                                       extra_body={"structured_outputs": {"regex": r"\d{3}-\d{4}"}})
+    assert re.fullmatch(r"\d{3}-\d{4}", r.choices[0].message.content)
+    r = client.chat.completions.create(model=m, messages=q, temperature=0, max_tokens=20,
+                                       extra_body={"guided_choice": ["alpha", "beta"]})
+    assert r.choices[0].message.content in ("alpha", "beta")
+    r = client.chat.completions.create(model=m, messages=q, temperature=0, max_tokens=20,
+                                       extra_body={"guided_grammar": 'root ::= "tel:" [0-9] [0-9] [0-9]'})
+    assert re.fullmatch(r"tel:\d{3}", r.choices[0].message.content)
+    schema = SCHEMAS[3][1]
+    r = client.completions.create(model=m, prompt="A point as JSON: ", temperature=0, max_tokens=40,
+                                  extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+    r = client.completions.create(model=m, prompt="The answer is ", temperature=0, max_tokens=10, n=2,
+                                  extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert all(c.text in ("yes", "no") for c in r.choices)
+    r = client.completions.create(model=m, prompt="A point as JSON: ", temperature=0, max_tokens=40,
+                                  extra_body={"response_format": {"type": "json_schema",
+                                                                  "json_schema": {"name": "p", "schema": schema}}})
+    jsonschema.validate(json.loads(r.choices[0].text), schema)
+
+
+def test_streamed_structured_equals_non_streamed(client):
+    m = model_of(client)
+    kw = dict(model=m, messages=[{"role": "user", "content": "A team of people."}], temperature=0, max_tokens=120,
+              response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMAS[12][1]}})
+    full = client.chat.completions.create(**kw).choices[0].message.content
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices)
+    assert text == full
+    jsonschema.validate(json.loads(text), SCHEMAS[12][1])
+
+
+# ---- tool calling ---------------------------------------------------------------------------------
+
+
+def test_tool_choice_required_and_named(client):
+    m = model_of(client)
+    r = client.chat.completions.create(model=m, messages=PARIS, tools=[WEATHER_TOOL, ADD_TOOL],
+                                       tool_choice="required", temperature=0, max_tokens=100)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        tool = {"get_weather": WEATHER_TOOL, "add": ADD_TOOL}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    r = client.chat.completions.create(model=m, messages=PARIS, tools=[WEATHER_TOOL, ADD_TOOL], temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "add"}},
+                                       parallel_tool_calls=False, max_tokens=40)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add" and set(json.loads(call.function.arguments)) == {"a", "b"}
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_call_reassembles_to_the_non_streamed_one(client, tool_choice):
+    kw = dict(model=model_of(client), messages=PARIS, tools=[WEATHER_TOOL], tool_choice=tool_choice,
+              temperature=0, max_tokens=60)
+    full = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    calls: dict[int, dict] = {}
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, {"id": d.id, "name": None, "arguments": ""})
+            if d.function.name:
+                assert call["name"] is None and call["arguments"] == ""  # the name comes first, once
+                call["name"] = d.function.name
+            call["arguments"] += d.function.arguments or ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in full]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_parses_hermes_text_and_history_renders(client):
+    m = model_of(client)
+    # SmolLM2 rarely calls tools on its own: whatever it says, the answer is well-formed.
+    r = client.chat.completions.create(model=m, messages=PARIS, tools=[WEATHER_TOOL], temperature=0, max_tokens=30)
+    msg = r.choices[0].message
+    assert (msg.tool_calls and r.choices[0].finish_reason == "tool_calls") or (msg.content and not msg.tool_calls)
+    # A conversation that already called the tool (arguments as JSON text, as clients send them).
+    history = PARIS + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature_c": 21, "sky": "sunny"}'},
+    ]
+    r = client.chat.completions.create(model=m, messages=history, tools=[WEATHER_TOOL], tool_choice="none",
+                                       temperature=0, max_tokens=20)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+# ---- bad input: 400s naming the problem, and the server keeps serving -----------------------------
+
+
+def post(smol, path: str, body: dict | bytes) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(f"{smol.url}{path}", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    return httpx.post(f"{smol.url}{path}", json=body, timeout=60)
+
+
+BAD = [
+    ("/v1/chat/completions", {"messages": PARIS, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "invalid JSON schema"),
+    ("/v1/chat/completions", {"messages": PARIS, "guided_regex": "a(b"}, "invalid regex"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "[z-a]"}}, "invalid regex"),
+    ("/v1/chat/completions", {"messages": PARIS, "guided_grammar": "root ::= missing"}, "invalid grammar"),
+    ("/v1/chat/completions", {"messages": PARIS, "guided_json": "{not json"}, "not valid JSON"),
+    ("/v1/chat/completions", {"messages": PARIS, "guided_regex": "a", "guided_choice": ["a"]}, "one output constraint"),
+    ("/v1/chat/completions", {"messages": PARIS, "response_format": {"type": "xml"}}, "'xml' is not supported"),
+    ("/v1/chat/completions", {"messages": PARIS, "tools": [WEATHER_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "'get_time', which is not among the tools"),
+    ("/v1/chat/completions", {"messages": PARIS, "tool_choice": "required"}, "needs tools"),
+    ("/v1/chat/completions", {"messages": PARIS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "no tools were given"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "'wizard' is not a chat role"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "bad \\ud800 text"}]}',
+     "messages[0].content is not valid Unicode"),
+    ("/v1/completions", b'{"prompt": "bad \\udfff", "max_tokens": 2}', "prompt is not valid Unicode"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt is not valid Unicode"),
+]
+
+
+@pytest.mark.parametrize("path,body,message", BAD, ids=[b[2] for b in BAD])
+def test_bad_input_is_a_400_naming_it(smol, path, body, message):
+    r = post(smol, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["type"] == "invalid_request_error"
+    ok = post(smol, "/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+# ---- LangChain ------------------------------------------------------------------------------------
+
+
+def test_langchain_bind_tools_and_with_structured_output(smol):
+    lc = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    llm = lc.ChatOpenAI(base_url=smol.base_url, api_key="unused", model=model_of(
+        OpenAI(base_url=smol.base_url, api_key="unused")), temperature=0, max_tokens=80, max_retries=0)
+
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        return "sunny"
+
+    msg = llm.bind_tools([get_weather], tool_choice="required").invoke("What's the weather in Paris?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert isinstance(msg.tool_calls[0]["args"].get("city"), str)
+
+    class Person(BaseModel):
+        """A person."""
+
+        name: str = Field(max_length=16)
+        age: int = Field(ge=0, le=120)
+
+    for method in ("json_schema", "function_calling"):
+        p = llm.with_structured_output(Person, method=method).invoke("Describe a person called Ada, aged 36.")
+        assert isinstance(p, Person) and 0 <= p.age <= 120
