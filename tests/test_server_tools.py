@@ -239,3 +239,51 @@ def test_langchain_bind_tools_and_with_structured_output(smol):
     for method in ("json_schema", "function_calling"):
         p = llm.with_structured_output(Person, method=method).invoke("Describe a person called Ada, aged 36.")
         assert isinstance(p, Person) and 0 <= p.age <= 120
+
+
+# ---- Qwen2.5-Coder-0.5B-Instruct: a real tool-calling model (hermes template) ----------------------
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_coder_gguf, tmp_path_factory):
+    srv = ServerProcess(qwen_coder_gguf, ["--kv-cache-space", "0.2", "--max-model-len", "2048",
+                                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        str(tmp_path_factory.mktemp("qwen") / "server.log"), startup_timeout=400)
+    yield srv
+    srv.stop()
+
+
+def test_qwen_weather_tool_call_streamed_and_follow_up(qwen):
+    client = OpenAI(base_url=qwen.base_url, api_key="unused", max_retries=0, timeout=300)
+    kw = dict(model=model_of(client), messages=PARIS, tools=[WEATHER_TOOL], temperature=0, max_tokens=40)
+    r = client.chat.completions.create(tool_choice="required", **kw)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert "paris" in json.loads(call.function.arguments)["city"].lower()
+    # Streamed: the deltas put together are the same call.
+    name, args = None, ""
+    for c in client.chat.completions.create(tool_choice="required", stream=True, **kw):
+        for d in (c.choices[0].delta.tool_calls or []) if c.choices else []:
+            name = name or d.function.name
+            args += d.function.arguments or ""
+    assert (name, json.loads(args)) == (call.function.name, json.loads(call.function.arguments))
+    # "auto": the model decides to call the tool itself (hermes <tool_call> text, parsed).
+    auto = client.chat.completions.create(**kw)
+    assert [c.function.name for c in auto.choices[0].message.tool_calls or []] == ["get_weather"]
+    assert auto.choices[0].finish_reason == "tool_calls"
+    # The tool's result goes back; the model answers in text.
+    history = PARIS + [r.choices[0].message.model_dump(exclude_none=True),
+                       {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    follow = client.chat.completions.create(**dict(kw, messages=history, max_tokens=40))
+    text = follow.choices[0].message.content
+    assert not follow.choices[0].message.tool_calls and text and re.search(r"21|sunny", text), text
+
+
+def test_qwen_json_schemas(qwen):
+    client = OpenAI(base_url=qwen.base_url, api_key="unused", max_retries=0, timeout=300)
+    for question, schema in [SCHEMAS[0], SCHEMAS[4], SCHEMAS[13]]:
+        r = client.chat.completions.create(
+            model=model_of(client), messages=[{"role": "user", "content": question}], temperature=0, max_tokens=80,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)

@@ -29,6 +29,10 @@ CASES = {
         ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [PARIS]),
         ('<tool_call>{"name": "get_weather", "arguments": {"city": "Par', "MALFORMED", []),
         ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+        # the tags left out (Qwen2.5-Coder-0.5B): only a reply that is exactly such an object
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [PARIS]),
+        ('{"name": "Ada", "age": 36}', "MALFORMED", []),
+        ('Call {"name": "get_weather", "arguments": {}} now', "MALFORMED", []),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
@@ -89,6 +93,8 @@ def reassemble(deltas: list[tuple[str, list[dict]]]) -> tuple[str, list[dict]]:
 @pytest.mark.parametrize("parser,text", [
     ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'),
     ("hermes", "No call here, just <tool text."),
+    ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}'),
+    ("hermes", '{"name": "Ada"}'),
     ("pythonic", '[get_weather(city="Paris"), add(a=1, b=2.5)]'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("mistral", 'Ok [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2.5}}]'),

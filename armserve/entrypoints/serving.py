@@ -202,6 +202,10 @@ class OpenAIServing:
         model = self.model_name(body.model)
         params = body.to_sampling_params()
         mode = self.tool_mode(body.effective_tool_choice, bool(body.tools))
+        if mode == "auto":
+            # NOTE: the parser needs the call markers, which some tokenizers (Qwen's from GGUF) count
+            # as special tokens and would drop from the text (vLLM's parsers do the same).
+            params.skip_special_tokens = False
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         ids = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
                                body.chat_template, body.chat_template_kwargs, tools)

@@ -3,6 +3,7 @@
 Each parser knows one family's output format:
 
     hermes       Qwen2.5 / Qwen3, Hermes:  text <tool_call>{"name": .., "arguments": {..}}</tool_call> ...
+                                          (or a reply that is only that JSON object, tags left out)
     llama3_json  Llama 3.x:               {"name": .., "parameters": {..}}  (several joined by ";")
     mistral      Mistral:                 text [TOOL_CALLS][{"name": .., "arguments": {..}}, ...]
     pythonic     Llama 3.2/4, ToolACE:    [get_weather(city="Paris"), add(a=1, b=2)]
@@ -83,12 +84,33 @@ class HermesToolParser(ToolParser):
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
         i = text.find(self.marker)
         if i < 0:
-            return text, []
+            call = self._bare_call(text)
+            return (None, [call]) if call is not None else (text, [])
         try:
             calls = [_call_from_dict(json.loads(body.strip())) for body in self._CALL.findall(text[i:])]
         except ValueError:
             return text, []
         return _content(text[:i]), calls
+
+    @staticmethod
+    def _bare_call(text: str) -> ToolCall | None:
+        """A reply that is nothing but `{"name": .., "arguments": {..}}`, without the tags: small
+        Qwen models (Qwen2.5-Coder-0.5B) answer so; no other reply has that exact shape."""
+        body = text.strip()
+        if not (body.startswith("{") and body.endswith("}")):
+            return None
+        try:
+            d = json.loads(body)
+            return _call_from_dict(d, ("arguments",)) if isinstance(d, dict) and set(d) == {"name", "arguments"} \
+                else None
+        except ValueError:
+            return None
+
+    def call_start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if stripped.startswith("{"):  # maybe a bare call: hold it back until the end decides
+            return len(text) - len(stripped)
+        return super().call_start(text)
 
 
 class Llama3JsonToolParser(ToolParser):
