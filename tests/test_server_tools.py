@@ -241,6 +241,77 @@ def test_langchain_bind_tools_and_with_structured_output(smol):
         assert isinstance(p, Person) and 0 <= p.age <= 120
 
 
+# ---- /v1/responses ---------------------------------------------------------------------------------
+
+
+FLAT_WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
+
+
+def test_responses_text_format_tools_and_items(client):
+    m = model_of(client)
+    r = client.responses.create(model=m, input="Say hello.", instructions="Answer in one short sentence.",
+                                max_output_tokens=8, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text
+    assert r.status in ("completed", "incomplete") and r.usage.output_tokens <= 8
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    schema = SCHEMAS[0][1]
+    r = client.responses.create(model=m, input=[{"role": "user", "content": [{"type": "input_text",
+                                                                                "text": "Describe a person."}]}],
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                                                 "strict": True}},
+                                max_output_tokens=80, temperature=0)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+    r = client.responses.create(model=m, input="What's the weather in Paris?", tools=[FLAT_WEATHER],
+                                tool_choice="required", max_output_tokens=60, temperature=0)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["function"]["parameters"])
+    # The call and its output go back as input items; the model answers in text.
+    follow = client.responses.create(
+        model=m, tools=[FLAT_WEATHER], tool_choice="none", max_output_tokens=20, temperature=0,
+        input=[{"role": "user", "content": "What's the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": '{"sky": "sunny"}'}])
+    assert follow.output_text and not [o for o in follow.output if o.type == "function_call"]
+
+
+def test_responses_streaming_events(client):
+    m = model_of(client)
+    kw = dict(model=m, input="Tell me about the sea.", max_output_tokens=16, temperature=0)
+    whole = client.responses.create(**kw)
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text and events[-1].response.output_text == text
+    # A forced function call streams as a function_call item.
+    events = list(client.responses.create(model=m, input="What's the weather in Paris?", tools=[FLAT_WEATHER],
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=40, temperature=0, stream=True))
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert [a.name for a in added] == ["get_weather"] and "city" in json.loads(args)
+    assert events[-1].type == "response.completed"
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "function tools only"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "'wizard' is not a chat role"),
+    ({"input": "x", "tools": [FLAT_WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+     "'nope', which is not among the tools"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+     "invalid JSON schema"),
+])
+def test_responses_bad_input(smol, body, message):
+    r = post(smol, "/v1/responses", body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 # ---- Qwen2.5-Coder-0.5B-Instruct: a real tool-calling model (hermes template) ----------------------
 
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (`armserve serve`): FastAPI app, middleware, routes, runner.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /version, /tokenize,
+Routes: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /version, /tokenize,
 /detokenize, /metrics. The chat and completion logic lives in `serving.py`.
 """
 
@@ -30,6 +30,7 @@ from armserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from armserve.entrypoints.serving import OpenAIServing
@@ -41,7 +42,7 @@ access_logger = logging.getLogger("armserve.access")
 # Routes that need the API key when one is set. /health, /version and /metrics stay open so
 # load balancers and Prometheus need no secret (as in vLLM).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version",
+_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/version",
                 "/tokenize", "/detokenize", "/metrics"}
 
 
@@ -220,6 +221,10 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completion(body, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await serving.responses(body, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

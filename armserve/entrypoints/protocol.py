@@ -7,6 +7,7 @@ line), as in vLLM, so newer clients keep working.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -308,6 +309,91 @@ class CompletionRequest(_SamplingFields):
         # echo with logprobs also returns the prompt's logprobs, as OpenAI's legacy API does.
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (stateless: no store, no previous_response_id).
+
+    Served by turning it into the equivalent chat request (`to_chat_request`): input items become
+    messages, flat function tools become chat tools, `text.format` becomes response_format.
+    """
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_responses(self) -> "ResponsesRequest":
+        if self.previous_response_id:
+            raise ValueError("previous_response_id is not supported: this server keeps no responses; "
+                             "send the whole conversation as input")
+        for i, t in enumerate(self.tools or []):
+            if t.get("type") != "function":
+                raise ValueError(f"tools[{i}]: type {t.get('type')!r} is not supported (function tools only)")
+        return self
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages; function_call / function_call_output items become an
+        assistant turn with tool_calls / a tool message."""
+        msgs: list[dict[str, Any]] = []
+        if self.instructions:
+            msgs.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return msgs + [{"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                msgs.append({"role": item.get("role"), "content": item.get("content")})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls") is not None:
+                    msgs[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out = item.get("output")
+                msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": out if isinstance(out, str) else json.dumps(out)})
+            elif kind == "reasoning":
+                continue
+            else:
+                raise ValueError(f"input[{i}]: item type {kind!r} is not supported")
+        return msgs
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The equivalent chat request (its validation then applies: tools, tool_choice, formats)."""
+        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                   if k in t}} for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        fmt = (self.text or {}).get("format")
+        return ChatCompletionRequest(
+            model=self.model, messages=self.messages(), tools=tools or None, tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p,
+            response_format=structured_response_format(fmt))
+
+
+def structured_response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Responses API's flat text.format as chat's response_format."""
+    if not fmt or fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),
+                                                   "strict": fmt.get("strict")}}
 
 
 class TokenizeRequest(OpenAIBaseModel):
