@@ -9,7 +9,6 @@ import re
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from openai import OpenAI
 

@@ -197,3 +197,6 @@ def test_preempted_constrained_requests_stay_valid(smollm2_gguf):
         jsonschema.validate(json.loads(c.text), dict(SCHEMAS)[q])
         assert c.token_ids == small.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
     assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    # Every decode graph of this fresh engine was captured while a bitmask was being filled beside it.
+    graphs = engine.runner.graphs
+    assert not graphs.enabled or (graphs.graphs and all(g.replayable for g in graphs.graphs.values()))

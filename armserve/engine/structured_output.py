@@ -28,14 +28,6 @@ GRAMMAR_CACHE_SIZE = 256
 _XGR_LOG_PREFIX = re.compile(r"^\s*(\[[\d:]+\]\s*)?\S+\.(cc|h):\d+:\s*")
 
 
-def xgrammar_available() -> bool:
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _clean(e: Exception) -> str:
     """xgrammar's message without its C++ log prefix (timestamp, source file and line)."""
     return _XGR_LOG_PREFIX.sub("", str(e)).strip()
