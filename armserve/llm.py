@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
-from armserve.chat import render_chat
+from armserve.prompts import render_chat
 from armserve.config import EngineConfig
 from armserve.engine.llm_engine import LLMEngine, PromptType
 from armserve.outputs import RequestOutput
@@ -98,7 +98,7 @@ class LLM:
         self, messages: ChatMessages, add_generation_prompt: bool = True, chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered with the chat template (armserve/chat.py)."""
+        """Token ids of a conversation rendered with the chat template (armserve/prompts.py)."""
         return render_chat(self.llm_engine.tokenizer, messages, tools=tools,
                            add_generation_prompt=add_generation_prompt, chat_template=chat_template)
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from armserve.chat import check_text
+from armserve.prompts import encode_text
 from armserve.config import ConfigError, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from armserve.engine.detokenizer import IncrementalDetokenizer
 from armserve.engine.kv_cache_manager import KVCacheManager
@@ -167,12 +167,12 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(check_text(prompt, "prompt"))
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(check_text(prompt["prompt"], "prompt"))
+                return prompt["prompt"], encode_text(self.tokenizer, prompt["prompt"])
             raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)

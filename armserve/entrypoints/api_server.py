@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import armserve
-from armserve.chat import ChatError, check_text
+from armserve.prompts import PromptError, encode_text
 from armserve.engine.async_llm import AsyncLLM, EngineDeadError
 from armserve.entrypoints.metrics import CONTENT_TYPE_LATEST, PrometheusMetrics
 from armserve.entrypoints.protocol import (
@@ -236,8 +236,8 @@ def build_app(
                                       body.chat_template_kwargs)
         else:
             try:
-                ids = tok.encode(check_text(body.prompt, "prompt"), add_special_tokens=body.add_special_tokens)
-            except ChatError as e:
+                ids = encode_text(tok, body.prompt, "prompt", body.add_special_tokens)
+            except PromptError as e:
                 raise APIError(str(e), 400, "prompt") from None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}

@@ -54,7 +54,7 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """A message; roles and text are checked where it is rendered (armserve/chat.py)."""
+    """A message; roles and text are checked where it is rendered (armserve/prompts.py)."""
 
     role: str
     content: str | list[dict[str, Any]] | None = None

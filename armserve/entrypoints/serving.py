@@ -20,7 +20,7 @@ from fastapi import Request
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from armserve.chat import ChatError, check_text, render_chat
+from armserve.prompts import PromptError, encode_text, render_chat
 from armserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from armserve.entrypoints.protocol import (
     APIError,
@@ -164,7 +164,7 @@ class OpenAIServing:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered with the chat template (armserve/chat.py); a 400
+        """Token ids of a conversation rendered with the chat template (armserve/prompts.py); a 400
         naming the message on bad input."""
         if not (chat_template or self.tokenizer.chat_template):
             raise APIError("this model has no chat template; start the server with --chat-template "
@@ -174,7 +174,7 @@ class OpenAIServing:
             return render_chat(self.tokenizer, convo, tools=tools, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
                                chat_template_kwargs=chat_template_kwargs)
-        except ChatError as e:
+        except PromptError as e:
             raise APIError(str(e), 400, "messages") from None
 
     def tool_mode(self, tool_choice: str | dict[str, Any], has_tools: bool, param: str = "tool_choice") -> str:
@@ -496,8 +496,8 @@ class OpenAIServing:
         for p in body.prompts():
             if isinstance(p, str):
                 try:
-                    ids = self.tokenizer.encode(check_text(p, "prompt"))
-                except ChatError as e:
+                    ids = encode_text(self.tokenizer, p)
+                except PromptError as e:
                     raise APIError(str(e), 400, "prompt") from None
                 prompts.append((p, ids))
             else:

@@ -1,9 +1,9 @@
-"""A conversation -> prompt token ids: the one place messages are checked and rendered through
-the chat template (used by `LLM.chat`, the server's chat and responses routes and /tokenize).
+"""A prompt -> token ids: the one place text prompts and conversations are checked and tokenized
+(used by the engine, `LLM.chat`, the server's chat, completions, responses and /tokenize routes).
 
-Messages arrive in OpenAI's shape. Before the template sees them: roles are checked, text
-content parts are joined, text is checked to be encodable Unicode (JSON can carry a lone
-surrogate such as "\\ud800", which the tokenizer cannot encode), and the JSON-text arguments of
+Text must be encodable Unicode: JSON can carry a lone surrogate such as "\\ud800", which the
+tokenizer cannot encode. Conversations arrive as OpenAI-style messages; before the chat template
+sees them roles are checked, text content parts are joined, and the JSON-text arguments of
 assistant `tool_calls` become dicts, as templates expect (vLLM does the same).
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-class ChatError(ValueError):
-    """A message cannot be rendered; the message names it (e.g. `messages[2].role`)."""
+class PromptError(ValueError):
+    """A prompt or message cannot be tokenized; the message names it (e.g. `messages[2].role`)."""
 
 
 def check_text(text: str, where: str) -> str:
@@ -24,9 +24,14 @@ def check_text(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ChatError(f"{where} is not valid Unicode: it holds the lone surrogate "
+        raise PromptError(f"{where} is not valid Unicode: it holds the lone surrogate "
                         f"{text[e.start]!r} at character {e.start}") from None
     return text
+
+
+def encode_text(tokenizer, text: str, where: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text prompt; a PromptError naming `where` if it is not valid Unicode."""
+    return tokenizer.encode(check_text(text, where), add_special_tokens=add_special_tokens)
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -40,10 +45,10 @@ def _content_text(content: Any, where: str) -> str:
             kind = part.get("type") if isinstance(part, dict) else None
             # "input_text"/"output_text": the Responses API's names for the same thing.
             if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
-                raise ChatError(f"{where}[{j}]: content part type {kind!r} is not supported (text only)")
+                raise PromptError(f"{where}[{j}]: content part type {kind!r} is not supported (text only)")
             parts.append(check_text(part["text"], f"{where}[{j}].text"))
         return "\n".join(parts)
-    raise ChatError(f"{where} must be a string or a list of text parts")
+    raise PromptError(f"{where} must be a string or a list of text parts")
 
 
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -52,19 +57,19 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise ChatError(f"{where} must be an object")
+            raise PromptError(f"{where} must be an object")
         role = m.get("role")
         if role not in ROLES:
-            raise ChatError(f"{where}.role {role!r} is not a chat role; use one of {', '.join(ROLES)}")
+            raise PromptError(f"{where}.role {role!r} is not a chat role; use one of {', '.join(ROLES)}")
         d = {k: v for k, v in m.items() if v is not None}
         d["content"] = _content_text(m.get("content"), f"{where}.content")
         if isinstance(d.get("name"), str):
             check_text(d["name"], f"{where}.name")
         if role == "tool" and not isinstance(m.get("tool_call_id", ""), str):
-            raise ChatError(f"{where}.tool_call_id must be a string")
+            raise PromptError(f"{where}.tool_call_id must be a string")
         if m.get("tool_calls"):
             if role != "assistant":
-                raise ChatError(f"{where}: only assistant messages carry tool_calls")
+                raise PromptError(f"{where}: only assistant messages carry tool_calls")
             d["tool_calls"] = [_tool_call_for_template(c, f"{where}.tool_calls[{j}]")
                                for j, c in enumerate(m["tool_calls"])]
         out.append(d)
@@ -74,14 +79,14 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _tool_call_for_template(call: Any, where: str) -> dict[str, Any]:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ChatError(f"{where} needs function.name")
+        raise PromptError(f"{where} needs function.name")
     args = fn.get("arguments", {})
     if isinstance(args, str):
         check_text(args, f"{where}.function.arguments")
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise ChatError(f"{where}.function.arguments is not valid JSON") from None
+            raise PromptError(f"{where}.function.arguments is not valid JSON") from None
     return {**call, "function": {**fn, "arguments": args}}
 
 
@@ -98,11 +103,11 @@ def render_chat(
     """Token ids of a conversation rendered with the chat template (which adds BOS itself).
 
     `tools` are OpenAI function tools (`{"type": "function", "function": {...}}`), passed to the
-    template as transformers' `tools=`. Raises `ChatError` (a ValueError) naming the problem.
+    template as transformers' `tools=`. Raises `PromptError` (a ValueError) naming the problem.
     """
     template = chat_template or tokenizer.chat_template
     if not template:
-        raise ChatError("this model has no chat template; pass a chat template or send a plain prompt")
+        raise PromptError("this model has no chat template; pass a chat template or send a plain prompt")
     convo = normalize_messages(messages)
     try:
         text = tokenizer.apply_chat_template(
@@ -110,5 +115,5 @@ def render_chat(
             continue_final_message=continue_final_message, chat_template=template, **(chat_template_kwargs or {}),
         )
     except Exception as e:  # jinja raises for e.g. non-alternating roles
-        raise ChatError(f"the chat template could not render these messages: {e}") from None
+        raise PromptError(f"the chat template could not render these messages: {e}") from None
     return tokenizer.encode(text, add_special_tokens=False)
