@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -51,9 +52,16 @@ class StructuredOutputManager:
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        # The server compiles on worker threads (AsyncLLM.add_request) while the engine thread looks
+        # grammars up: the lock guards the cache and the compiler's creation, not the compiles.
+        self._lock = threading.Lock()
         self._worker: ThreadPoolExecutor | None = None
 
     def _get_compiler(self):
+        with self._lock:
+            return self._make_compiler()
+
+    def _make_compiler(self):
         if self._compiler is None:
             try:
                 import xgrammar as xgr
@@ -69,10 +77,11 @@ class StructuredOutputManager:
         """The compiled grammar of `so`, from the LRU cache when seen before. Raises ValueError
         naming the field and the problem for an invalid schema, regex or grammar."""
         key = so.cache_key()
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
         compiler = self._get_compiler()
         kind = key[0]
         try:
@@ -92,9 +101,10 @@ class StructuredOutputManager:
             what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar (EBNF)", "choice": "choice",
                     "json_object": "JSON grammar"}[kind]
             raise ValueError(f"structured_outputs.{kind}: invalid {what}: {_clean(e)}") from None
-        self._cache[key] = compiled
-        if len(self._cache) > GRAMMAR_CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                self._cache.popitem(last=False)
         return compiled
 
     def new_matcher(self, compiled):
