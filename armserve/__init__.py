@@ -8,11 +8,11 @@ import os as _os
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from armserve.outputs import CompletionOutput, Logprob, RequestOutput
-from armserve.sampling_params import SamplingParams
+from armserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

@@ -113,6 +113,11 @@ def _add_serving_commands(sub) -> None:
                    help="name(s) clients use for the model (default: the MODEL argument)")
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="put <think>...</think> text in reasoning_content")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser')
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how to find tool calls in the model's text: hermes (Qwen2.5/Qwen3), llama3_json, "
+                        "mistral, pythonic")
     s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins (default: *)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
     s.add_argument("--disable-access-log", action="store_true", help="no per-request log line")

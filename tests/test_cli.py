@@ -34,3 +34,10 @@ def test_generate_reports_bad_input(tiny_llama, tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = run_cli("generate", "--model", tiny_llama, "--top-p", "0", "--prompt", "x")
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_serve_refuses_an_unknown_tool_parser_before_loading(tiny_llama):
+    r = run_cli("serve", tiny_llama, "--port", "0", "--tool-call-parser", "nope")
+    assert r.returncode == 2 and "unknown tool call parser 'nope'; choose from hermes" in r.stderr
+    r = run_cli("serve", tiny_llama, "--port", "0", "--enable-auto-tool-choice")
+    assert r.returncode == 2 and "--enable-auto-tool-choice needs --tool-call-parser" in r.stderr

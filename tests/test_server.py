@@ -609,3 +609,14 @@ def test_smollm2_answers_sensibly(smollm2_gguf, tmp_path):
         assert streamed == answer
     finally:
         srv.stop()
+
+
+def test_tools_with_auto_choice_need_the_server_flag(server):
+    """As vLLM: tools with tool_choice "auto" (the default) on a server started without
+    --enable-auto-tool-choice are a 400; "none" still works."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    body = {"messages": HELLO, "tools": [tool], "max_tokens": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=dict(body, tool_choice="none"), timeout=60)
+    assert r.status_code == 200 and not r.json()["choices"][0]["message"]["tool_calls"]

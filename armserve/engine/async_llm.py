@@ -325,6 +325,10 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
         loop = asyncio.get_running_loop()
+        if params.structured_outputs is not None:
+            # NOTE: compiled here, on a worker thread, so a large schema (0.1-1 s) never stalls the
+            # engine's steps; the engine then finds it in the grammar cache.
+            await loop.run_in_executor(None, self.engine.structured.compile, params.structured_outputs)
         request_id = request_id or uuid.uuid4().hex
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()

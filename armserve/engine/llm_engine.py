@@ -10,12 +10,14 @@ from typing import Any, Sequence
 
 import torch
 
+from armserve.prompts import encode_text
 from armserve.config import ConfigError, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from armserve.engine.detokenizer import IncrementalDetokenizer
 from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.model_runner import ModelRunner, kv_cache_num_blocks
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
+from armserve.engine.structured_output import StructuredOutputManager
 from armserve import model_loader
 from armserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from armserve.sampling_params import SamplingParams
@@ -104,6 +106,9 @@ class LLMEngine:
                                   self.max_model_len, config.enforce_eager)
         self.eos_token_ids = self._eos_token_ids(src)
         self.vocab_size = hf.vocab_size
+        # xgrammar's tokenizer info and compiler are built on the first structured request.
+        self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids)
+        self.runner.structured = self.structured
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[_ParentRequest, _Completion]] = {}
         self._ids = itertools.count()
@@ -162,12 +167,12 @@ class LLMEngine:
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, encode_text(self.tokenizer, prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], encode_text(self.tokenizer, prompt["prompt"])
             raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -193,6 +198,9 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids, params)
+        compiled = None
+        if params.structured_outputs is not None:
+            compiled = self.structured.compile(params.structured_outputs)  # ValueError naming the problem
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -208,6 +216,8 @@ class LLMEngine:
             child_params.update_from_generation_config(self.eos_token_ids)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, ids, child_params, max_tokens, now)
+            if compiled is not None:
+                req.grammar = self.structured.new_matcher(compiled)
             comp = _Completion(
                 index=i,
                 request=req,

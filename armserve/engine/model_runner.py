@@ -138,6 +138,7 @@ class ModelRunner:
             attn.v_scale = None if self.kv_scales is None else self.kv_scales[1, i]
             attn.enable_key_smoothing(self.cache_dtype == torch.int8)
         self.sampler = Sampler()
+        self.structured = None  # the engine's StructuredOutputManager, once a request needs one
         # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
         # switches to the PyTorch path (the reference the kernels are tested against).
         self.use_kernels = ops.use_kernel("attention", dtype, head_dim=a0.head_dim)
@@ -251,6 +252,14 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         sched = out.scheduled
+        sample_idx = [i for i, s in enumerate(sched) if s.samples]
+        # Structured outputs: the constrained rows' bitmask is filled while the model runs.
+        grammar_rows = [j for j, i in enumerate(sample_idx) if sched[i].request.grammar is not None]
+        bitmask_job = None
+        if grammar_rows:
+            assert self.structured is not None, "a constrained request reached a runner without a manager"
+            bitmask_job = self.structured.fill_bitmask_async(
+                [sched[sample_idx[j]].request.grammar for j in grammar_rows])
         graph_logits = self._graph_logits(out)
         if graph_logits is None:
             input_ids, positions, md, row_end, order = self._prepare(out)
@@ -260,7 +269,6 @@ class ModelRunner:
             finally:
                 set_attention_metadata(None)
 
-        sample_idx = [i for i, s in enumerate(sched) if s.samples]
         sampled: list[int | None] = [None] * len(sched)
         logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(sched)
         if sample_idx:
@@ -277,6 +285,9 @@ class ModelRunner:
                 [r.generator for r in reqs],
                 self.vocab_size,
             )
+            if bitmask_job is not None:
+                batch.grammar_bitmask = bitmask_job.result()
+                batch.grammar_rows = torch.tensor(grammar_rows, dtype=torch.long)
             so = self.sampler(logits, batch)
             tokens = so.sampled_token_ids.tolist()
             lp = so.logprobs

@@ -39,6 +39,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "max_tokens", "status", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "arrival_time", "generator", "block_hashes", "num_preemptions", "prompt_logprobs_done",
+        "grammar",
     )
 
     def __init__(
@@ -69,6 +70,9 @@ class Request:
         self.block_hashes: list[int] = []  # chained hash of each full block of all_token_ids
         self.num_preemptions = 0
         self.prompt_logprobs_done = 0  # prompt positions whose logprobs were already returned
+        # xgrammar GrammarMatcher of a structured-output request (set by the engine), else None.
+        # It has accepted exactly output_token_ids.
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

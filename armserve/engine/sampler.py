@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from armserve import ops
-
+from armserve.engine.structured_output import apply_grammar_bitmask
 from armserve.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy (same threshold as SamplingParams.greedy).
@@ -43,6 +43,10 @@ class SamplingBatch:
     all_greedy: bool = False
     all_random: bool = False
     max_num_logprobs: int | None = None  # max of params.logprobs over rows, None if no row asks
+    # Structured outputs: allowed-token bitmask [R, ceil(V / 32)] int32 of the constrained rows
+    # `grammar_rows` [R] (structured_output.py); None when no row is constrained.
+    grammar_bitmask: torch.Tensor | None = None
+    grammar_rows: torch.Tensor | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -118,7 +122,8 @@ def build_sampling_batch(
 
     min_tokens_mask: list[tuple[int, list[int]]] = []
     for i, (p, out) in enumerate(zip(params, output_token_ids)):
-        if p.min_tokens and len(out) < p.min_tokens:
+        # NOTE: a structured-output row's end is the grammar's call (it may allow only EOS).
+        if p.min_tokens and len(out) < p.min_tokens and p.structured_outputs is None:
             stop_ids = sorted(t for t in p.all_stop_token_ids if 0 <= t < vocab_size)
             if stop_ids:
                 min_tokens_mask.append((i, stop_ids))
@@ -322,9 +327,13 @@ class Sampler:
         raw_logits = logits
         # Work on a float32 copy: the caller's logits stay untouched (a plain greedy batch only
         # reads them).
-        plain_greedy = batch.all_greedy and batch.no_penalties and not batch.min_tokens_mask
+        plain_greedy = (batch.all_greedy and batch.no_penalties and not batch.min_tokens_mask
+                        and batch.grammar_bitmask is None)
         logits = logits.to(torch.float32, copy=not plain_greedy)
 
+        if batch.grammar_bitmask is not None:
+            assert batch.grammar_rows is not None
+            apply_grammar_bitmask(logits, batch.grammar_bitmask, batch.grammar_rows)
         apply_min_tokens_mask(logits, batch.min_tokens_mask)
         if not batch.no_penalties:
             assert batch.prompt_token_ids is not None and batch.output_token_ids is not None

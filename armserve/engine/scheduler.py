@@ -163,7 +163,13 @@ class Scheduler:
             got_token.append(req)
             params = req.params
             status = None
-            if token in params.all_stop_token_ids and req.num_output_tokens >= params.min_tokens:
+            if req.grammar is not None and not req.grammar.accept_token(token):
+                # Cannot happen with the mask applied, short of every allowed token being -inf/NaN.
+                status = RequestStatus.FINISHED_STOPPED
+            elif req.grammar is not None and req.grammar.is_terminated():
+                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (it took a stop token)
+                req.stop_reason = None
+            elif token in params.all_stop_token_ids and req.num_output_tokens >= params.min_tokens:
                 status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = token if token in params.stop_token_ids else None
             elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:

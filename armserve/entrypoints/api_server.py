@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server (`armserve serve`): FastAPI app, middleware, routes, runner.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/models, /health, /version, /tokenize,
+Routes: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /version, /tokenize,
 /detokenize, /metrics. The chat and completion logic lives in `serving.py`.
 """
 
@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import armserve
+from armserve.prompts import PromptError, encode_text
 from armserve.engine.async_llm import AsyncLLM, EngineDeadError
 from armserve.entrypoints.metrics import CONTENT_TYPE_LATEST, PrometheusMetrics
 from armserve.entrypoints.protocol import (
@@ -29,6 +30,7 @@ from armserve.entrypoints.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TokenizeRequest,
 )
 from armserve.entrypoints.serving import OpenAIServing
@@ -40,7 +42,7 @@ access_logger = logging.getLogger("armserve.access")
 # Routes that need the API key when one is set. /health, /version and /metrics stay open so
 # load balancers and Prometheus need no secret (as in vLLM).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/version",
+_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/version",
                 "/tokenize", "/detokenize", "/metrics"}
 
 
@@ -146,6 +148,8 @@ def build_app(
     reasoning_parser: str | None = None,
     access_log: bool = True,
     allowed_origins: list[str] | None = None,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; the engine is shut down with the app."""
 
@@ -156,7 +160,7 @@ def build_app(
 
     app = FastAPI(title="armserve", version=armserve.__version__, lifespan=lifespan,
                   docs_url="/docs", redoc_url=None)
-    serving = OpenAIServing(engine, served_model_names, reasoning_parser)
+    serving = OpenAIServing(engine, served_model_names, reasoning_parser, tool_call_parser, enable_auto_tool_choice)
     app.state.serving = serving
 
     @app.exception_handler(APIError)
@@ -218,6 +222,10 @@ def build_app(
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completion(body, raw)
 
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        return await serving.responses(body, raw)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving.model_name(body.model)
@@ -227,7 +235,10 @@ def build_app(
             ids = serving.render_chat(body.messages, add_gen, body.continue_final_message, None,
                                       body.chat_template_kwargs)
         else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            try:
+                ids = encode_text(tok, body.prompt, "prompt", body.add_special_tokens)
+            except PromptError as e:
+                raise APIError(str(e), 400, "prompt") from None
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                 "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
@@ -280,10 +291,15 @@ def run_server(args: argparse.Namespace) -> int:
     from armserve.cli import engine_kwargs
     from armserve.config import EngineConfig
     from armserve.entrypoints.reasoning import ReasoningParser
+    from armserve.entrypoints.tool_parsers import get_tool_parser
     from armserve.model_loader import bundled_model_path
 
     if args.reasoning_parser:
         ReasoningParser(args.reasoning_parser)  # unknown name: fail before loading anything
+    if args.tool_call_parser:
+        get_tool_parser(args.tool_call_parser)  # likewise
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     api_key = args.api_key or os.environ.get("ARMSERVE_API_KEY") or None
     sock = _bind(args.host, args.port)
     model = args.model or bundled_model_path()
@@ -292,7 +308,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine = AsyncLLM(EngineConfig(model=model, served_model_name=names[0], **engine_kwargs(args)),
                       log_stats=not args.disable_log_stats, stat_loggers=[metrics])
     app = build_app(engine, names, metrics, api_key, args.reasoning_parser,
-                    access_log=not args.disable_access_log, allowed_origins=args.allowed_origins)
+                    access_log=not args.disable_access_log, allowed_origins=args.allowed_origins,
+                    tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
     config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.uvicorn_log_level,
                             timeout_keep_alive=5, timeout_graceful_shutdown=5)
     shown_host = f"[{args.host}]" if ":" in args.host else args.host

@@ -7,12 +7,13 @@ line), as in vLLM, so newer clients keep working.
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from armserve.sampling_params import SamplingParams
+from armserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("armserve")
 
@@ -53,9 +54,50 @@ class StreamOptions(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
+    """A message; roles and text are checked where it is rendered (armserve/prompts.py)."""
+
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": which call this answers
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+def tool_parameters(fn: FunctionDefinition) -> dict[str, Any]:
+    """A function's parameter schema (an empty object when it declares none)."""
+    return fn.parameters or {"type": "object", "properties": {}}
+
+
+def structured_from_response_format(rf: dict[str, Any] | None, field: str = "response_format") -> \
+        StructuredOutputsParams | None:
+    """OpenAI's response_format (chat) / text.format (responses) as StructuredOutputsParams."""
+    if not rf:
+        return None
+    kind = rf.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        # Chat nests the schema under json_schema; the Responses API's text.format is flat.
+        spec = rf.get("json_schema", rf)
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError(f"{field}: json_schema needs a 'schema' object")
+        return StructuredOutputsParams(json=schema)
+    raise ValueError(f"{field}: type {kind!r} is not supported; use text, json_object or json_schema")
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -84,6 +126,13 @@ class _SamplingFields(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_common(self) -> "_SamplingFields":
@@ -91,7 +140,28 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported by this server")
+        self.structured()  # a malformed constraint is a 400 naming its field
         return self
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one output constraint the body asks for, if any (ValueError if it asks for two)."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = structured_from_response_format(self.response_format)
+        if rf is not None:
+            found.append(("response_format", rf))
+        if self.structured_outputs:
+            try:
+                found.append(("structured_outputs", StructuredOutputsParams(**self.structured_outputs)))
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, StructuredOutputsParams(**{key: value})))
+        if len(found) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(n for n, _ in found)}")
+        return found[0][1] if found else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
@@ -117,6 +187,7 @@ class _SamplingFields(OpenAIBaseModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self.structured(),
         )
 
 
@@ -127,9 +198,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
     # vLLM's chat-template controls.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -140,20 +211,70 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_chat(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
-        if self.tools and self.tool_choice not in (None, "none"):
-            raise ValueError("tool calling is not supported by this server (tools need tool_choice 'none')")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError(f"response_format type {self.response_format.get('type')!r} is not supported; "
-                             "only 'text'")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise ValueError('tool_choice must be "none", "auto", "required" or '
+                                 '{"type": "function", "function": {"name": ...}}')
+            if not self.tools:
+                raise ValueError(f"tool_choice names the function {name!r} but no tools were given")
+            if name not in [t.function.name for t in self.tools]:
+                raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools "
+                                 f"({', '.join(t.function.name for t in self.tools)})")
+        elif choice == "required" and not self.tools:
+            raise ValueError('tool_choice "required" needs tools')
+        if self.forced_tool_schema() is not None and self.structured() is not None:
+            raise ValueError("a forced tool call (tool_choice required or a named function) cannot be combined "
+                             "with another output constraint")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         return self
+
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function a named tool_choice forces, else None."""
+        choice = self.tool_choice
+        return choice["function"]["name"] if isinstance(choice, dict) else None
+
+    def forced_tool_schema(self) -> dict[str, Any] | None:
+        """The JSON schema that forces a call, as vLLM builds it: a named function's output is its
+        arguments object; "required" writes `[{"name": ..., "parameters": {...}}, ...]`, one
+        item at most unless parallel_tool_calls. None when nothing is forced."""
+        if not self.tools:
+            return None
+        if self.forced_function is not None:
+            fn = next(t.function for t in self.tools if t.function.name == self.forced_function)
+            return tool_parameters(fn)
+        if self.tool_choice != "required":
+            return None
+        items = [{"type": "object",
+                  "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                 "parameters": tool_parameters(t.function)},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for t in self.tools]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
 
     def to_sampling_params(self) -> SamplingParams:
         # max_completion_tokens replaces the deprecated max_tokens (OpenAI); it wins if both are set.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs)
+        forced = self.forced_tool_schema()
+        if forced is not None:
+            params.structured_outputs = StructuredOutputsParams(json=forced)
+        return params
 
 
 class CompletionRequest(_SamplingFields):
@@ -188,6 +309,91 @@ class CompletionRequest(_SamplingFields):
         # echo with logprobs also returns the prompt's logprobs, as OpenAI's legacy API does.
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
         return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """POST /v1/responses (stateless: no store, no previous_response_id).
+
+    Served by turning it into the equivalent chat request (`to_chat_request`): input items become
+    messages, flat function tools become chat tools, `text.format` becomes response_format.
+    """
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = True
+    text: dict[str, Any] | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    previous_response_id: str | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_responses(self) -> "ResponsesRequest":
+        if self.previous_response_id:
+            raise ValueError("previous_response_id is not supported: this server keeps no responses; "
+                             "send the whole conversation as input")
+        for i, t in enumerate(self.tools or []):
+            if t.get("type") != "function":
+                raise ValueError(f"tools[{i}]: type {t.get('type')!r} is not supported (function tools only)")
+        return self
+
+    def messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages; function_call / function_call_output items become an
+        assistant turn with tool_calls / a tool message."""
+        msgs: list[dict[str, Any]] = []
+        if self.instructions:
+            msgs.append({"role": "system", "content": self.instructions})
+        if isinstance(self.input, str):
+            return msgs + [{"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind == "message":
+                msgs.append({"role": item.get("role"), "content": item.get("content")})
+            elif kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
+                if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls") is not None:
+                    msgs[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+                else:
+                    msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out = item.get("output")
+                msgs.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": out if isinstance(out, str) else json.dumps(out)})
+            elif kind == "reasoning":
+                continue
+            else:
+                raise ValueError(f"input[{i}]: item type {kind!r} is not supported")
+        return msgs
+
+    def to_chat_request(self) -> ChatCompletionRequest:
+        """The equivalent chat request (its validation then applies: tools, tool_choice, formats)."""
+        tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
+                                                   if k in t}} for t in self.tools or []]
+        choice = self.tool_choice
+        if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+            choice = {"type": "function", "function": {"name": choice["name"]}}
+        fmt = (self.text or {}).get("format")
+        return ChatCompletionRequest(
+            model=self.model, messages=self.messages(), tools=tools or None, tool_choice=choice,
+            parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p,
+            response_format=structured_response_format(fmt))
+
+
+def structured_response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The Responses API's flat text.format as chat's response_format."""
+    if not fmt or fmt.get("type") != "json_schema":
+        return fmt
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),
+                                                   "strict": fmt.get("strict")}}
 
 
 class TokenizeRequest(OpenAIBaseModel):

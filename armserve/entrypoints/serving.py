@@ -17,16 +17,20 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Sequence
 
 from fastapi import Request
+from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from armserve.prompts import PromptError, encode_text, render_chat
 from armserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
 from armserve.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ResponsesRequest,
 )
 from armserve.entrypoints.reasoning import ReasoningParser
+from armserve.entrypoints.tool_parsers import ToolCall, ToolParser, get_tool_parser
 from armserve.outputs import Logprob, PositionLogprobs, RequestOutput
 from armserve.sampling_params import SamplingParams
 
@@ -106,13 +110,20 @@ class _Choice:
 class OpenAIServing:
     """Turns validated API requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], reasoning_parser: str | None = None) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
         self.reasoning_parser = reasoning_parser
         if reasoning_parser is not None:
             ReasoningParser(reasoning_parser)  # fail at startup on an unknown name
+        self.tool_call_parser = tool_call_parser
+        if tool_call_parser is not None:
+            get_tool_parser(tool_call_parser)  # likewise
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        self.enable_auto_tool_choice = enable_auto_tool_choice
 
     # ---- shared checks -------------------------------------------------------------------
 
@@ -146,30 +157,45 @@ class OpenAIServing:
 
     def render_chat(
         self,
-        messages: list[ChatMessage],
+        messages: list[ChatMessage] | list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation rendered with the chat template (which adds BOS itself)."""
-        tok = self.tokenizer
-        template = chat_template or tok.chat_template
-        if not template:
+        """Token ids of a conversation rendered with the chat template (armserve/prompts.py); a 400
+        naming the message on bad input."""
+        if not (chat_template or self.tokenizer.chat_template):
             raise APIError("this model has no chat template; start the server with --chat-template "
                            "or use /v1/completions", 400, "messages")
-        convo = [_message_dict(m, i) for i, m in enumerate(messages)]
+        convo = [m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m for m in messages]
         try:
-            text = tok.apply_chat_template(
-                convo, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=template,
-                **(chat_template_kwargs or {}),
-            )
-        except APIError:
-            raise
-        except Exception as e:  # jinja raises for e.g. non-alternating roles
-            raise APIError(f"the chat template could not render these messages: {e}", 400, "messages")
-        return tok.encode(text, add_special_tokens=False)
+            return render_chat(self.tokenizer, convo, tools=tools, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, chat_template=chat_template,
+                               chat_template_kwargs=chat_template_kwargs)
+        except PromptError as e:
+            raise APIError(str(e), 400, "messages") from None
+
+    def tool_mode(self, tool_choice: str | dict[str, Any], has_tools: bool, param: str = "tool_choice") -> str:
+        """How tool calls come out: "named" / "required" (forced by the grammar), "auto" (parsed
+        from free text), or "none"."""
+        if not has_tools or tool_choice == "none":
+            return "none"
+        if isinstance(tool_choice, dict):
+            return "named"
+        if tool_choice == "required":
+            return "required"
+        if not self.enable_auto_tool_choice or self.tool_call_parser is None:
+            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                           400, param)
+        return "auto"
+
+    def tool_stream(self, mode: str, forced_name: str | None) -> "ToolCallStream | None":
+        if mode == "none":
+            return None
+        parser = get_tool_parser(self.tool_call_parser) if mode == "auto" else None  # type: ignore[arg-type]
+        return ToolCallStream(mode, parser, forced_name)
 
     # ---- chat ------------------------------------------------------------------------------
 
@@ -177,36 +203,50 @@ class OpenAIServing:
         body.warn_ignored_fields()
         model = self.model_name(body.model)
         params = body.to_sampling_params()
+        mode = self.tool_mode(body.effective_tool_choice, bool(body.tools))
+        if mode == "auto":
+            # NOTE: the parser needs the call markers, which some tokenizers (Qwen's from GGUF) count
+            # as special tokens and would drop from the text (vLLM's parsers do the same).
+            params.skip_special_tokens = False
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         ids = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                               body.chat_template, body.chat_template_kwargs)
+                               body.chat_template, body.chat_template_kwargs, tools)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self.check_length(len(ids), params.max_tokens, "messages", max_param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self.engine.add_request(rid, ids, params)
         created = int(time.time())
+        tool = (mode, body.forced_function)
         if body.stream:
             opts = body.stream_options
             return EngineStreamingResponse(
                 self._chat_stream(stream, rid, model, created, params, len(ids),
-                                  bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
+                                  bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
+                                  tool),
                 [stream],
             )
-        return await run_unless_disconnected(raw, self._chat_full(stream, rid, model, created, params, len(ids)))
+        return await run_unless_disconnected(raw, self._chat_full(stream, rid, model, created, params, len(ids),
+                                                                  tool))
 
     async def _chat_full(self, stream: RequestStream, rid: str, model: str, created: int,
-                         params: SamplingParams, num_prompt: int) -> Response:
+                         params: SamplingParams, num_prompt: int, tool: tuple[str, str | None]) -> Response:
         choices, last = await _collect(stream, params.n)
         out_choices = []
         for i, c in enumerate(choices):
             reasoning, content = None, c.text
             if self.reasoning_parser:
                 reasoning, content = ReasoningParser(self.reasoning_parser).parse(c.text)
+            calls: list[ToolCall] = []
+            ts = self.tool_stream(*tool)
+            if ts is not None:
+                content, calls = ts.extract(content or "")
+            finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
             out_choices.append({
                 "index": i,
                 "message": {"role": "assistant", "content": content, "reasoning_content": reasoning,
-                            "tool_calls": []},
+                            "tool_calls": [call.to_openai() for call in calls]},
                 "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": c.stop_reason,
             })
         return JSONResponse({
@@ -218,9 +258,10 @@ class OpenAIServing:
 
     async def _chat_stream(self, stream: RequestStream, rid: str, model: str, created: int,
                            params: SamplingParams, num_prompt: int, include_usage: bool,
-                           continuous_usage: bool) -> AsyncIterator[str]:
+                           continuous_usage: bool, tool: tuple[str, str | None]) -> AsyncIterator[str]:
         n = params.n
         parsers = [ReasoningParser(self.reasoning_parser) for _ in range(n)] if self.reasoning_parser else None
+        tool_streams = [self.tool_stream(*tool) for _ in range(n)]
         num_tokens = [0] * n
         cached = 0
 
@@ -251,11 +292,26 @@ class OpenAIServing:
                             delta["content"] = content
                     elif c.text:
                         delta["content"] = c.text
+                    finish = c.finish_reason
+                    ts = tool_streams[c.index]
+                    if ts is not None:
+                        # Tool calls: content only up to where a call may start; then one chunk per
+                        # tool-call delta (id and name first, then argument fragments), as OpenAI sends.
+                        content, calls = ts.feed(delta.pop("content", ""), c.finish_reason is not None)
+                        if content:
+                            delta["content"] = content
+                        if ts.called and finish == "stop":
+                            finish = "tool_calls"
+                        for call in calls:
+                            if delta:
+                                yield chunk({"index": c.index, "delta": delta, "logprobs": None,
+                                             "finish_reason": None})
+                            delta = {"tool_calls": [call]}
                     logprobs = self._chat_logprobs(c.token_ids, c.logprobs, params.logprobs)
                     if not delta and c.finish_reason is None and not (logprobs and logprobs["content"]):
                         continue  # text held back (stop-string prefix, partial UTF-8)
                     yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                 "finish_reason": finish, "stop_reason": c.stop_reason})
             if include_usage:
                 final = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": [], "usage": _usage(num_prompt, sum(num_tokens), cached)}
@@ -289,6 +345,147 @@ class OpenAIServing:
             return lp.decoded_token
         return self.tokenizer.decode([token_id])
 
+    # ---- responses (stateless) --------------------------------------------------------------
+
+    async def responses(self, body: ResponsesRequest, raw: Request) -> Response:
+        """POST /v1/responses, served as the equivalent chat request."""
+        body.warn_ignored_fields()
+        model = self.model_name(body.model)
+        try:
+            chat = body.to_chat_request()
+        except ValidationError as e:
+            raise APIError("Invalid request: " + "; ".join(
+                str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()), 400) from None
+        params = chat.to_sampling_params()
+        mode = self.tool_mode(chat.effective_tool_choice, bool(chat.tools))
+        if mode == "auto":
+            params.skip_special_tokens = False  # as in chat(): the parser needs the call markers
+        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+        ids = self.render_chat(chat.messages, tools=tools)
+        self.check_length(len(ids), params.max_tokens, "input", "max_output_tokens")
+        rid = f"resp_{uuid.uuid4().hex}"
+        stream = await self.engine.add_request(rid, ids, params)
+        base = {
+            "id": rid, "object": "response", "created_at": int(time.time()), "model": model,
+            "instructions": body.instructions, "tools": body.tools or [],
+            "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
+            "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
+            "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "error": None,
+            "incomplete_details": None, "previous_response_id": None, "reasoning": None, "store": False,
+            "truncation": "disabled", "user": body.user,
+        }
+        tool = (mode, chat.forced_function)
+        if body.stream:
+            return EngineStreamingResponse(self._responses_stream(stream, base, len(ids), tool), [stream])
+
+        async def full() -> Response:
+            (c,), last = await _collect(stream, 1)
+            output = self._response_items(c.text, tool)
+            return JSONResponse(self._response_object(base, output, c.finish_reason, len(ids), len(c.token_ids),
+                                                      last.num_cached_tokens))
+
+        return await run_unless_disconnected(raw, full())
+
+    def _response_items(self, text: str, tool: tuple[str, str | None]) -> list[dict[str, Any]]:
+        """Output items of a whole completion: reasoning, a message, then function calls."""
+        items: list[dict[str, Any]] = []
+        reasoning, content = None, text
+        if self.reasoning_parser:
+            reasoning, content = ReasoningParser(self.reasoning_parser).parse(text)
+        if reasoning:
+            items.append({"type": "reasoning", "id": f"rs_{uuid.uuid4().hex}", "summary": [],
+                          "content": [{"type": "reasoning_text", "text": reasoning}]})
+        calls: list[ToolCall] = []
+        ts = self.tool_stream(*tool)
+        if ts is not None:
+            content, calls = ts.extract(content or "")
+        if content:
+            items.append(_message_item(f"msg_{uuid.uuid4().hex}", content, "completed"))
+        items.extend(_function_call_item(call, "completed") for call in calls)
+        return items
+
+    @staticmethod
+    def _response_object(base: dict[str, Any], output: list[dict[str, Any]], finish: str | None, num_prompt: int,
+                         num_output: int, cached: int) -> dict[str, Any]:
+        done = finish != "length"
+        return {**base, "status": "completed" if done else "incomplete",
+                "incomplete_details": None if done else {"reason": "max_output_tokens"}, "output": output,
+                "usage": {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": cached},
+                          "output_tokens": num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": num_prompt + num_output}}
+
+    async def _responses_stream(self, stream: RequestStream, base: dict[str, Any], num_prompt: int,
+                                tool: tuple[str, str | None]) -> AsyncIterator[str]:
+        """The Responses API's events: created, in_progress, the message's output_text deltas,
+        function-call items (arguments sent whole once the call is known), completed."""
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\ndata: {_dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
+
+        ts = self.tool_stream(*tool)
+        reasoning = ReasoningParser(self.reasoning_parser) if self.reasoning_parser else None
+        msg_id = f"msg_{uuid.uuid4().hex}"
+        text_sent = ""
+        opened = False
+        num_output = cached = 0
+        finish: str | None = None
+        yield event("response.created", response={**base, "status": "in_progress", "output": [], "usage": None})
+        yield event("response.in_progress", response={**base, "status": "in_progress", "output": [], "usage": None})
+        try:
+            async for out in stream:
+                cached = out.num_cached_tokens
+                for c in out.outputs:
+                    num_output += len(c.token_ids)
+                    final = c.finish_reason is not None
+                    finish = c.finish_reason or finish
+                    delta = c.text
+                    if reasoning is not None:
+                        _, delta = reasoning.feed(delta)
+                        if final:
+                            delta += reasoning.finish()[1]
+                    if ts is not None:
+                        delta, _ = ts.feed(delta, final)
+                    if delta:
+                        if not opened:
+                            opened = True
+                            yield event("response.output_item.added", output_index=0,
+                                        item=_message_item(msg_id, None, "in_progress"))
+                            yield event("response.content_part.added", item_id=msg_id, output_index=0,
+                                        content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                        text_sent += delta
+                        yield event("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                                    delta=delta, logprobs=[])
+            items: list[dict[str, Any]] = []
+            if opened:
+                part = {"type": "output_text", "text": text_sent, "annotations": []}
+                yield event("response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
+                            text=text_sent, logprobs=[])
+                yield event("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
+                items.append(_message_item(msg_id, text_sent, "completed"))
+                yield event("response.output_item.done", output_index=0, item=items[-1])
+            calls = ts.extract(ts.text)[1] if ts is not None else []
+            for call in calls:
+                idx = len(items)
+                item = _function_call_item(call, "in_progress")
+                yield event("response.output_item.added", output_index=idx, item={**item, "arguments": ""})
+                yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                            delta=call.arguments)
+                yield event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                            name=call.name, arguments=call.arguments)
+                items.append({**item, "status": "completed"})
+                yield event("response.output_item.done", output_index=idx, item=items[-1])
+            final_obj = self._response_object(base, items, finish, num_prompt, num_output, cached)
+            yield event("response.completed" if final_obj["status"] == "completed" else "response.incomplete",
+                        response=final_obj)
+        except EngineDeadError as e:
+            yield event("error", code="engine_dead", message=str(e), param=None)
+        finally:
+            stream.close()
+
     # ---- completions ---------------------------------------------------------------------
 
     async def completion(self, body: CompletionRequest, raw: Request) -> Response:
@@ -298,7 +495,10 @@ class OpenAIServing:
         prompts: list[tuple[str, list[int]]] = []
         for p in body.prompts():
             if isinstance(p, str):
-                ids = self.tokenizer.encode(p)
+                try:
+                    ids = encode_text(self.tokenizer, p)
+                except PromptError as e:
+                    raise APIError(str(e), 400, "prompt") from None
                 prompts.append((p, ids))
             else:
                 prompts.append((self._decode_prompt(p), list(p)))
@@ -449,20 +649,85 @@ class OpenAIServing:
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
-    d = m.model_dump(exclude_none=True)
-    content = m.content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            kind = part.get("type")
-            if kind != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{i}]: content part type {kind!r} is not supported (text only)", 400,
-                               "messages")
-            parts.append(part["text"])
-        content = "\n".join(parts)
-    d["content"] = content or ""  # templates concatenate content: None would break them
-    return d
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def _function_call_item(call: ToolCall, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": status}
+
+
+class ToolCallStream:
+    """One choice's tool calls, whole (`extract`) or as streamed deltas (`feed`).
+
+    "named": the text is the forced function's arguments (the grammar makes it that object), so
+    its deltas stream as argument fragments after a first delta with the call's id and name.
+    "required": the text is `[{"name": .., "parameters": {..}}, ...]`; held back to the end.
+    "auto": the parser's format; text before a possible call streams as content, the rest is
+    held back until the end and then parsed (text that is no call goes out as content).
+    """
+
+    def __init__(self, mode: str, parser: ToolParser | None, forced_name: str | None) -> None:
+        self.mode = mode
+        self.parser = parser
+        self.forced_name = forced_name
+        self.text = ""
+        self.sent = 0  # characters of `text` sent as content
+        self.called = False
+        self._named_call: ToolCall | None = None
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole completion's text."""
+        if self.mode == "named":
+            try:
+                args = json.loads(text)
+            except ValueError:
+                return text, []  # cut short (max_tokens): give the text back as it is
+            return None, [ToolCall(self.forced_name, json.dumps(args, ensure_ascii=False))]  # type: ignore[arg-type]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                return None, [ToolCall(d["name"], json.dumps(d["parameters"], ensure_ascii=False)) for d in items]
+            except (ValueError, KeyError, TypeError):
+                return text, []
+        assert self.parser is not None
+        return self.parser.extract(text)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, tool-call deltas) to send for this text delta."""
+        self.text += delta
+        if self.mode == "named":
+            out = []
+            if self._named_call is None and (delta or final):
+                self._named_call = ToolCall(self.forced_name, "")  # type: ignore[arg-type]
+                self.called = True
+                out.append({"index": 0, "id": self._named_call.id, "type": "function",
+                            "function": {"name": self.forced_name, "arguments": ""}})
+            if delta:
+                out.append({"index": 0, "function": {"arguments": delta}})
+            return "", out
+        if not final:
+            if self.mode == "required":
+                return "", []
+            assert self.parser is not None
+            start = max(self.parser.call_start(self.text), self.sent)
+            content, self.sent = self.text[self.sent:start], start
+            return content, []
+        content, calls = self.extract(self.text)
+        if not calls:
+            rest, self.sent = self.text[self.sent:], len(self.text)
+            return rest, []
+        self.called = True
+        start = self.parser.call_start(self.text) if self.parser is not None else self.sent
+        rest = self.text[self.sent:max(start, self.sent)].rstrip() if content else ""
+        out = []
+        for i, call in enumerate(calls):
+            out.append({"index": i, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}})
+            out.append({"index": i, "function": {"arguments": call.arguments}})
+        return rest, out
 
 
 def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:

@@ -1,0 +1,204 @@
+"""Tool-call parsers (`--tool-call-parser NAME`): find the function calls in a model's text.
+
+Each parser knows one family's output format:
+
+    hermes       Qwen2.5 / Qwen3, Hermes:  text <tool_call>{"name": .., "arguments": {..}}</tool_call> ...
+                                          (or a reply that is only that JSON object, tags left out)
+    llama3_json  Llama 3.x:               {"name": .., "parameters": {..}}  (several joined by ";")
+    mistral      Mistral:                 text [TOOL_CALLS][{"name": .., "arguments": {..}}, ...]
+    pythonic     Llama 3.2/4, ToolACE:    [get_weather(city="Paris"), add(a=1, b=2)]
+
+`extract(text)` -> (content, calls). Output that does not parse as that format is plain text
+(no calls), never an error. For streaming, `call_start(text)` says where a call may begin, so
+the text before it can be sent as content while the rest is held back.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolCall:
+    """One function call; `arguments` is JSON text, as OpenAI's API carries it."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _call_from_dict(d: object, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall:
+    """{"name": ..., "arguments"|"parameters": {...}} -> ToolCall; ValueError if it is not one."""
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not d["name"]:
+        raise ValueError("not a function call")
+    args = next((d[k] for k in args_keys if k in d), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        args = json.loads(args)
+    if not isinstance(args, dict):
+        raise ValueError("arguments are not an object")
+    return ToolCall(d["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ToolParser:
+    """Base: a format whose calls follow a marker somewhere in the text."""
+
+    name = ""
+    marker = ""
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        raise NotImplementedError
+
+    def call_start(self, text: str) -> int:
+        """Index from which `text` may be (the start of) a tool call; len(text) if none."""
+        i = text.find(self.marker)
+        if i >= 0:
+            return i
+        return len(text) - _partial_suffix(text, self.marker)
+
+
+def _content(text: str) -> str | None:
+    text = text.strip()
+    return text or None
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    marker = "<tool_call>"
+    _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        i = text.find(self.marker)
+        if i < 0:
+            call = self._bare_call(text)
+            return (None, [call]) if call is not None else (text, [])
+        try:
+            calls = [_call_from_dict(json.loads(body.strip())) for body in self._CALL.findall(text[i:])]
+        except ValueError:
+            return text, []
+        return _content(text[:i]), calls
+
+    @staticmethod
+    def _bare_call(text: str) -> ToolCall | None:
+        """A reply that is nothing but `{"name": .., "arguments": {..}}`, without the tags: small
+        Qwen models (Qwen2.5-Coder-0.5B) answer so; no other reply has that exact shape."""
+        body = text.strip()
+        if not (body.startswith("{") and body.endswith("}")):
+            return None
+        try:
+            d = json.loads(body)
+            return _call_from_dict(d, ("arguments",)) if isinstance(d, dict) and set(d) == {"name", "arguments"} \
+                else None
+        except ValueError:
+            return None
+
+    def call_start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if stripped.startswith("{"):  # maybe a bare call: hold it back until the end decides
+            return len(text) - len(stripped)
+        return super().call_start(text)
+
+
+class Llama3JsonToolParser(ToolParser):
+    name = "llama3_json"
+    marker = "<|python_tag|>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix(self.marker).strip()
+        if not body.startswith(("{", "[")):
+            return text, []
+        try:
+            try:
+                parsed = json.loads(body)
+                items = parsed if isinstance(parsed, list) else [parsed]
+            except ValueError:
+                items = [json.loads(part) for part in re.split(r"\s*;\s*(?=\{)", body)]
+            return None, [_call_from_dict(d) for d in items]
+        except ValueError:
+            return text, []
+
+    def call_start(self, text: str) -> int:
+        # A call is the whole reply: it starts at the first non-space character, if that is `{`.
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith(("{", "[")) or self.marker.startswith(stripped[: len(self.marker)]):
+            return len(text) - len(stripped)
+        return len(text)
+
+
+class MistralToolParser(ToolParser):
+    name = "mistral"
+    marker = "[TOOL_CALLS]"
+    # Newer Mistral templates: [TOOL_CALLS]name[ARGS]{...} per call.
+    _V11 = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.\-]+)\s*\[ARGS\]")
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        i = text.find(self.marker)
+        if i < 0:
+            return text, []
+        body = text[i:]
+        try:
+            if self._V11.match(body):
+                parts = self._V11.split(body)  # ["", name1, args1, name2, args2, ...]
+                calls = [ToolCall(n, json.dumps(json.loads(a), ensure_ascii=False))
+                         for n, a in zip(parts[1::2], parts[2::2])]
+            else:
+                arr = json.loads(body[len(self.marker):].strip())
+                calls = [_call_from_dict(d) for d in (arr if isinstance(arr, list) else [arr])]
+        except ValueError:
+            return text, []
+        return _content(text[:i]), calls
+
+
+class PythonicToolParser(ToolParser):
+    name = "pythonic"
+    marker = "["
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                raise ValueError("not a list of calls")
+            calls = []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+                    raise ValueError("not a call with keyword arguments")
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                calls.append(ToolCall(node.func.id, json.dumps(args, ensure_ascii=False)))
+        except (SyntaxError, ValueError):
+            return text, []
+        return None, calls
+
+    def call_start(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith("[") or "<|python_start|>".startswith(stripped[:16]):
+            return len(text) - len(stripped)
+        return len(text)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
+}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser registered as `name`; ValueError listing the choices otherwise."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}")
+    return TOOL_PARSERS[name]()

@@ -1,0 +1,119 @@
+"""A prompt -> token ids: the one place text prompts and conversations are checked and tokenized
+(used by the engine, `LLM.chat`, the server's chat, completions, responses and /tokenize routes).
+
+Text must be encodable Unicode: JSON can carry a lone surrogate such as "\\ud800", which the
+tokenizer cannot encode. Conversations arrive as OpenAI-style messages; before the chat template
+sees them roles are checked, text content parts are joined, and the JSON-text arguments of
+assistant `tool_calls` become dicts, as templates expect (vLLM does the same).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class PromptError(ValueError):
+    """A prompt or message cannot be tokenized; the message names it (e.g. `messages[2].role`)."""
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` if it is encodable Unicode, else a ValueError naming `where`."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"{where} is not valid Unicode: it holds the lone surrogate "
+                        f"{text[e.start]!r} at character {e.start}") from None
+    return text
+
+
+def encode_text(tokenizer, text: str, where: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text prompt; a PromptError naming `where` if it is not valid Unicode."""
+    return tokenizer.encode(check_text(text, where), add_special_tokens=add_special_tokens)
+
+
+def _content_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""  # templates concatenate content: None would break them
+    if isinstance(content, str):
+        return check_text(content, where)
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            # "input_text"/"output_text": the Responses API's names for the same thing.
+            if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
+                raise PromptError(f"{where}[{j}]: content part type {kind!r} is not supported (text only)")
+            parts.append(check_text(part["text"], f"{where}[{j}].text"))
+        return "\n".join(parts)
+    raise PromptError(f"{where} must be a string or a list of text parts")
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checked copies of OpenAI-style messages, ready for a chat template."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise PromptError(f"{where} must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise PromptError(f"{where}.role {role!r} is not a chat role; use one of {', '.join(ROLES)}")
+        d = {k: v for k, v in m.items() if v is not None}
+        d["content"] = _content_text(m.get("content"), f"{where}.content")
+        if isinstance(d.get("name"), str):
+            check_text(d["name"], f"{where}.name")
+        if role == "tool" and not isinstance(m.get("tool_call_id", ""), str):
+            raise PromptError(f"{where}.tool_call_id must be a string")
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise PromptError(f"{where}: only assistant messages carry tool_calls")
+            d["tool_calls"] = [_tool_call_for_template(c, f"{where}.tool_calls[{j}]")
+                               for j, c in enumerate(m["tool_calls"])]
+        out.append(d)
+    return out
+
+
+def _tool_call_for_template(call: Any, where: str) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise PromptError(f"{where} needs function.name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        check_text(args, f"{where}.function.arguments")
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise PromptError(f"{where}.function.arguments is not valid JSON") from None
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of a conversation rendered with the chat template (which adds BOS itself).
+
+    `tools` are OpenAI function tools (`{"type": "function", "function": {...}}`), passed to the
+    template as transformers' `tools=`. Raises `PromptError` (a ValueError) naming the problem.
+    """
+    template = chat_template or tokenizer.chat_template
+    if not template:
+        raise PromptError("this model has no chat template; pass a chat template or send a plain prompt")
+    convo = normalize_messages(messages)
+    try:
+        text = tokenizer.apply_chat_template(
+            convo, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template=template, **(chat_template_kwargs or {}),
+        )
+    except Exception as e:  # jinja raises for e.g. non-alternating roles
+        raise PromptError(f"the chat template could not render these messages: {e}") from None
+    return tokenizer.encode(text, add_special_tokens=False)
