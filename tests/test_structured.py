@@ -184,7 +184,7 @@ def test_preempted_constrained_requests_stay_valid(smollm2_gguf):
     """A cache too small for the batch: requests are preempted and recomputed mid-JSON; the grammar
     state (which keeps the accepted output tokens) carries on, and each output equals its solo run."""
     block = 2 * 30 * 16 * 3 * 64 * 4  # K+V, 30 layers, 16 tokens, 3 KV heads, head_dim 64, float32
-    small = LLM(smollm2_gguf, dtype="float32", kv_cache_space=10 * block / 2**30, max_model_len=256)
+    small = LLM(smollm2_gguf, dtype="float32", kv_cache_space=10 * block / 2**30, max_model_len=256, block_size=16)
     qs = [q for q, _ in SCHEMAS[:6]]
     prompts = [chat(small, f"{q} JSON please.") for q in qs]
     params = [greedy(48, SO(json=dict(SCHEMAS)[q])) for q in qs]
