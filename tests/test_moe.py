@@ -14,6 +14,7 @@ from armserve import LLM, SamplingParams
 from armserve.layers.fused_moe import fused_experts, fused_moe_ref, select_experts
 from armserve.layers.quantized_linear import QuantizedLinear, kernel_scales, quantize_weight
 from armserve.models.llama import LlamaMLP
+from conftest import CACHE, assert_next_token_logprobs_close, make_tiny_checkpoint
 
 H, I, E = 64, 96, 6
 
@@ -124,12 +125,7 @@ def test_quantize_moe_experts(tiny_checkpoints, tmp_path):
                for m in moe.experts)
     assert not isinstance(moe.gate, QuantizedLinear)
     deq = LLM(str(out), dtype="float32", kv_cache_space=0.02, quantization="none")
-    p = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    a = q.generate(["the cat sat on the mat"], p, use_tqdm=False)[0].outputs[0].logprobs[0]
-    b = deq.generate(["the cat sat on the mat"], p, use_tqdm=False)[0].outputs[0].logprobs[0]
-    common = set(a) & set(b)
-    assert len(common) >= 3
-    assert max(abs(a[t].logprob - b[t].logprob) for t in common) < 0.15  # int8 activations only
+    assert_next_token_logprobs_close(q, deq, "the cat sat on the mat", 0.15)  # int8 activations only
 
 
 def write_moe_gguf(hf_folder: str, path: str, expert_type: str = "F32") -> None:
@@ -214,7 +210,6 @@ def test_moe_gguf_stacked_experts(tiny_checkpoints, tokenizer_dir, tmp_path, nam
     with an expert count; Qwen2-MoE with its expert widths from the file) and gives
     transformers' greedy tokens; Q8_0 experts stay quantized (w8a8) and stay close."""
     from armserve.layers.quantized_linear import QuantizedLinear
-    from conftest import CACHE, make_tiny_checkpoint
 
     folder = tiny_checkpoints[name]
     if name == "mixtral":  # llama.cpp's Mixtral files carry no sliding window: one without
