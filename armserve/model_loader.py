@@ -174,6 +174,12 @@ def load_config(src: ModelSource):
     return config
 
 
+def _gguf_arch(reader) -> str:
+    """The file's `general.architecture` (llama.cpp's name: llama, qwen2moe, ...), or ""."""
+    f = reader.fields.get("general.architecture")
+    return bytes(f.parts[f.data[0]]).decode() if f else ""
+
+
 def _gguf_field(reader, key: str):
     """A scalar metadata value of the GGUF file, or None."""
     f = reader.fields.get(key)
@@ -188,8 +194,7 @@ def _gguf_moe_config(reader, config):
     Qwen2-MoE's shared expert's) widths under `expert_feed_forward_length` and
     `expert_shared_feed_forward_length`. llama.cpp renormalises Qwen3-MoE's top-k weights and
     not Qwen2-MoE's."""
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
+    arch = _gguf_arch(reader)
     experts = _gguf_field(reader, f"{arch}.expert_count")
     if not experts:
         return config
@@ -326,16 +331,11 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None 
     """The GGUF file's tensors under Hugging Face names (the model class's `gguf_block_names` on
     top of Llama's), q/k rows un-permuted where llama.cpp permuted them, norm weights back from
     llama.cpp's 1 + w where the family stores them so (`gguf_norm_offset`)."""
-    import numpy as np
-    from gguf.quants import dequantize
-
     try:
         reader = _gguf_reader(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
-    permute = arch in _GGUF_PERMUTED_ARCHS
+    permute = _gguf_arch(reader) in _GGUF_PERMUTED_ARCHS
     block_names = {**_GGUF_BLOCK_NAMES, **(getattr(cls, "gguf_block_names", None) or {})}
     norm_offset = float(getattr(cls, "gguf_norm_offset", 0.0))
     n_head = config.num_attention_heads
@@ -373,11 +373,7 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None 
             else:
                 yield name, qt
             continue
-        try:
-            arr = dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of {path}: {e}") from e
-        w = torch.from_numpy(np.array(arr, dtype=np.float32))  # a writable copy
+        w = _gguf_dequantize(t, t.data, path)
         if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
             w = _unpermute_gguf_qk(w, n_head if parts[2] == "attn_q" else n_kv)
         if norm_offset and name.endswith("norm.weight"):
@@ -391,9 +387,6 @@ def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None 
 def _gguf_experts(t, parts: list[str], keep_quantized: bool, path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """One stacked expert tensor (`blk.N.ffn_{gate,up,down}_exps`, [experts, rows, cols]) as each
     expert's projection under the Hugging Face name, quantized blocks kept as they are."""
-    import numpy as np
-    from gguf.quants import dequantize
-
     proj = _GGUF_EXPERTS[parts[2]]
     for e in range(t.data.shape[0]):
         name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
@@ -402,11 +395,19 @@ def _gguf_experts(t, parts: list[str], keep_quantized: bool, path: str) -> Itera
         if qt is not None:
             yield name, qt
             continue
-        try:
-            arr = dequantize(data, t.tensor_type)
-        except Exception as err:
-            raise ModelLoadError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of {path}: {err}") from err
-        yield name, torch.from_numpy(np.array(arr, dtype=np.float32))
+        yield name, _gguf_dequantize(t, data, path)
+
+
+def _gguf_dequantize(t, data, path: str) -> torch.Tensor:
+    """`data` (tensor `t`'s blocks, or a slice of them) as a writable float32 tensor."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    try:
+        arr = dequantize(data, t.tensor_type)
+    except Exception as e:
+        raise ModelLoadError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of {path}: {e}") from e
+    return torch.from_numpy(np.array(arr, dtype=np.float32))
 
 
 # ---- the model ---------------------------------------------------------------------------------

@@ -63,20 +63,21 @@ class PrometheusMetrics:
         labels = ["model_name"]
         self._labels = {"model_name": model_name}
 
-        # `twin`: also as vllm:<name> (a series vLLM exports under that name and meaning)
+        # armserve:<name>, and with `twin` also vllm:<name> (a series vLLM exports under that name
+        # and meaning), updated together
+        def series(kind, name: str, doc: str, twin: bool, **kw):
+            made = [kind(f"{p}:{name}", doc, labels, registry=r, **kw).labels(**self._labels)
+                    for p in (("armserve", "vllm") if twin else ("armserve",))]
+            return _Twin(*made) if twin else made[0]
+
         def gauge(name: str, doc: str, twin: bool = False):
-            g = [Gauge(f"{p}:{name}", doc, labels, registry=r).labels(**self._labels)
-                 for p in (("armserve", "vllm") if twin else ("armserve",))]
-            return _Twin(*g) if twin else g[0]
+            return series(Gauge, name, doc, twin)
 
         def counter(name: str, doc: str, twin: bool = False):
-            c = [Counter(f"{p}:{name}", doc, labels, registry=r).labels(**self._labels)
-                 for p in (("armserve", "vllm") if twin else ("armserve",))]
-            return _Twin(*c) if twin else c[0]
+            return series(Counter, name, doc, twin)
 
         def histogram(name: str, doc: str, buckets) -> _Twin:  # every histogram has its vLLM twin
-            return _Twin(*(Histogram(f"{p}:{name}", doc, labels, buckets=buckets, registry=r).labels(**self._labels)
-                           for p in ("armserve", "vllm")))
+            return series(Histogram, name, doc, True, buckets=buckets)
 
         self.num_running = gauge("num_requests_running", "Requests in the running batch.", twin=True)
         self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.", twin=True)

@@ -177,6 +177,15 @@ class OpenAIServing:
         except PromptError as e:
             raise APIError(str(e), 400, "messages") from None
 
+    def tool_setup(self, body: ChatCompletionRequest, params: SamplingParams) -> tuple[str, list[dict[str, Any]] | None]:
+        """A chat request's tool mode (tool_mode) and its tools as the template takes them."""
+        mode = self.tool_mode(body.effective_tool_choice, bool(body.tools))
+        if mode == "auto":
+            # NOTE: the parser needs the call markers, which some tokenizers (Qwen's from GGUF) count
+            # as special tokens and would drop from the text (vLLM's parsers do the same).
+            params.skip_special_tokens = False
+        return mode, [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
     def tool_mode(self, tool_choice: str | dict[str, Any], has_tools: bool, param: str = "tool_choice") -> str:
         """How tool calls come out: "named" / "required" (forced by the grammar), "auto" (parsed
         from free text), or "none"."""
@@ -203,12 +212,7 @@ class OpenAIServing:
         body.warn_ignored_fields()
         model = self.model_name(body.model)
         params = body.to_sampling_params()
-        mode = self.tool_mode(body.effective_tool_choice, bool(body.tools))
-        if mode == "auto":
-            # NOTE: the parser needs the call markers, which some tokenizers (Qwen's from GGUF) count
-            # as special tokens and would drop from the text (vLLM's parsers do the same).
-            params.skip_special_tokens = False
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        mode, tools = self.tool_setup(body, params)
         ids = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
                                body.chat_template, body.chat_template_kwargs, tools)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -357,10 +361,7 @@ class OpenAIServing:
             raise APIError("Invalid request: " + "; ".join(
                 str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()), 400) from None
         params = chat.to_sampling_params()
-        mode = self.tool_mode(chat.effective_tool_choice, bool(chat.tools))
-        if mode == "auto":
-            params.skip_special_tokens = False  # as in chat(): the parser needs the call markers
-        tools = [t.model_dump(exclude_none=True) for t in chat.tools] if chat.tools else None
+        mode, tools = self.tool_setup(chat, params)
         ids = self.render_chat(chat.messages, tools=tools)
         self.check_length(len(ids), params.max_tokens, "input", "max_output_tokens")
         rid = f"resp_{uuid.uuid4().hex}"
