@@ -123,6 +123,9 @@ def _add_serving_commands(sub) -> None:
     s.add_argument("--disable-access-log", action="store_true", help="no per-request log line")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engines behind this server, each in its own process with its own cores "
+                        "(split evenly, or one '|'-separated group each in ARMSERVE_THREADS_BIND) and KV cache")
     add_engine_args(s)
     s.set_defaults(func=_cmd_serve)
 

@@ -125,6 +125,9 @@ class EngineConfig:
     # True: every step runs module by module from Python, never replayed from a recorded step
     # graph (engine/step_graph.py); vLLM's flag for CUDA graphs.
     enforce_eager: bool = False
+    # Engines behind one server, each in its own process with its own cores and KV cache of
+    # `kv_cache_space` GiB (the server's AsyncLLM only; LLM runs one engine).
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_cache_space is None:
@@ -143,6 +146,8 @@ class EngineConfig:
         # multiples of 16: the attention kernel's key tile (layers/attention.py)
         if self.block_size not in (16, 32, 64, 128):
             raise ConfigError(f"block_size must be one of 16, 32, 64, 128, got {self.block_size}")
+        if self.data_parallel_size < 1:
+            raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:

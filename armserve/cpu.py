@@ -87,6 +87,49 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _bind_setting() -> tuple[str, str]:
+    """(variable, value) of the thread-binding setting: armserve's own name wins over vLLM's."""
+    var = next((v for v in ("ARMSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND") if os.environ.get(v, "").strip()),
+               "ARMSERVE_THREADS_BIND")
+    return var, os.environ.get(var, "").strip()
+
+
+def data_parallel_envs(data_parallel_size: int) -> list[dict[str, str]]:
+    """The environment overrides of each data-parallel engine's process: its own cores.
+
+    With a binding that lists one core group per engine, separated by `|` (vLLM's
+    VLLM_CPU_OMP_THREADS_BIND convention, e.g. `0-31|32-63`), engine i gets group i. Otherwise
+    the physical cores this process may use (those of the first NUMA node with `auto`) are split
+    into equal consecutive groups, so the engines never compete for a core."""
+    if data_parallel_size <= 1:
+        return [{}]
+    var, bind = _bind_setting()
+    if bind and bind != "auto":
+        groups = [g.strip() for g in bind.split("|")]
+        if len(groups) != data_parallel_size:
+            raise ValueError(f"{var}: {bind!r} lists {len(groups)} core group(s) separated by '|'; "
+                             f"data_parallel_size {data_parallel_size} needs one per engine")
+        for g in groups:
+            try:
+                parse_cpu_list(g)
+            except ValueError as e:
+                raise ValueError(f"{var}: {e}") from None
+    else:
+        allowed = allowed_cpus()
+        if bind == "auto":
+            first_node = numa_nodes()[min(numa_nodes())]
+            allowed = [c for c in first_node if c in set(allowed)]
+        cores = physical_cores(allowed)
+        if len(cores) < data_parallel_size:  # SMT siblings rather than nothing
+            cores = allowed
+        if len(cores) < data_parallel_size:
+            raise ValueError(f"data_parallel_size {data_parallel_size} needs at least one core per engine; "
+                             f"this process may use {len(cores)} ({cores})")
+        per = len(cores) // data_parallel_size
+        groups = [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(data_parallel_size)]
+    return [{"ARMSERVE_THREADS_BIND": g} for g in groups]
+
+
 _initialised = False
 
 
@@ -100,9 +143,7 @@ def init_threads() -> dict:
     info: dict = {"bind": None}
     # vLLM's CPU name too (armserve's own wins); its `|` separates tensor-parallel ranks, of which
     # one engine process has one
-    var = next((v for v in ("ARMSERVE_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND") if os.environ.get(v, "").strip()),
-               "ARMSERVE_THREADS_BIND")
-    bind = os.environ.get(var, "").strip()
+    var, bind = _bind_setting()
     if "|" in bind:
         raise ValueError(f"{var}: {bind!r} lists cores for several tensor-parallel ranks ('|'); "
                          "this engine runs one rank: give one core list")

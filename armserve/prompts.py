@@ -34,6 +34,22 @@ def encode_text(tokenizer, text: str, where: str = "prompt", add_special_tokens:
     return tokenizer.encode(check_text(text, where), add_special_tokens=add_special_tokens)
 
 
+def prompt_to_ids(tokenizer, prompt: Any) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of an engine prompt: a string, a token-id list, or a dict with
+    `prompt_token_ids` (used as given) or `prompt` (tokenized)."""
+    if isinstance(prompt, str):
+        return prompt, encode_text(tokenizer, prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"], encode_text(tokenizer, prompt["prompt"])
+        raise PromptError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise PromptError(f"unsupported prompt type {type(prompt).__name__}")
+
+
 def _content_text(content: Any, where: str) -> str:
     if content is None:
         return ""  # templates concatenate content: None would break them

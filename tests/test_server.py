@@ -59,8 +59,9 @@ class ServerProcess:
         with open(self.log_path) as f:
             return f.read()
 
-    def metrics(self) -> dict[str, float]:
-        """Prometheus samples of the `armserve:` and `vllm:` metrics, keyed by name plus sorted labels."""
+    def metrics(self, per_engine: bool = False) -> dict[str, float]:
+        """Prometheus samples of the `armserve:` and `vllm:` metrics, keyed by name plus sorted labels;
+        summed over data-parallel engines unless `per_engine` (then `engine` is a key label too)."""
         text = httpx.get(f"{self.url}/metrics", timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
@@ -69,9 +70,10 @@ class ServerProcess:
             m = re.match(r"^([^{ ]+)(\{.*\})? (\S+)$", line)
             assert m, line
             name, labels, value = m.groups()
-            extra = [kv for kv in re.findall(r'(\w+="[^"]*")', labels or "") if not kv.startswith("model_name=")]
+            extra = [kv for kv in re.findall(r'(\w+="[^"]*")', labels or "")
+                     if not kv.startswith("model_name=") and (per_engine or not kv.startswith("engine="))]
             key = name + (("{" + ",".join(sorted(extra)) + "}") if extra else "")
-            out[key] = float(value)
+            out[key] = out.get(key, 0.0) + float(value)
         return out
 
     def stop(self) -> None:
@@ -474,8 +476,10 @@ def test_eight_concurrent_chats_share_one_batch(server, model):
     assert max(int(r) for r, _ in lines) == 8, lines
 
 
-def test_64_streams_with_a_quarter_disconnecting(server, model):
-    before = server.metrics()
+def _64_streams_a_quarter_disconnecting(server, model) -> tuple[dict[str, float], dict[str, float]]:
+    """64 concurrent chat streams, every fourth dropped after 3 chunks; the metrics before and
+    after the engine(s) drained, per engine."""
+    before = server.metrics(per_engine=True)
 
     async def main():
         client = aclient(server)
@@ -508,6 +512,20 @@ def test_64_streams_with_a_quarter_disconnecting(server, model):
         if m["armserve:num_requests_running"] == 0 and m["armserve:num_requests_waiting"] == 0:
             break
         time.sleep(0.1)
+    return before, server.metrics(per_engine=True)
+
+
+def _summed(per_engine: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, v in per_engine.items():
+        k = re.sub(r',?engine="\d+"', "", key).replace("{,", "{").replace("{}", "")
+        out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def test_64_streams_with_a_quarter_disconnecting(server, model):
+    before, m = _64_streams_a_quarter_disconnecting(server, model)
+    before, m = _summed(before), _summed(m)
 
     def delta(key: str) -> float:
         return m[key] - before.get(key, 0.0)
@@ -620,3 +638,40 @@ def test_tools_with_auto_choice_need_the_server_flag(server):
     assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/v1/chat/completions", json=dict(body, tool_choice="none"), timeout=60)
     assert r.status_code == 200 and not r.json()["choices"][0]["message"]["tool_calls"]
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama, tmp_path_factory):
+    """Two data-parallel engines behind one server, one core each (on a 2-core machine)."""
+    srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.02", "--data-parallel-size", "2"],
+                        str(tmp_path_factory.mktemp("dp") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+def test_data_parallel_server_serves_64_streams_on_both_engines(dp_server):
+    client = OpenAI(base_url=dp_server.base_url, api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    before, m = _64_streams_a_quarter_disconnecting(dp_server, model)
+
+    def delta(key: str) -> float:
+        return m[key] - before.get(key, 0.0)
+
+    served = {}
+    for e in ("0", "1"):
+        done = sum(delta(f'armserve:request_success_total{{engine="{e}",finished_reason="{r}"}}')
+                   for r in ("length", "abort", "stop"))
+        served[e] = done
+        assert m[f'armserve:num_requests_running{{engine="{e}"}}'] == 0
+        assert m[f'armserve:kv_cache_used_blocks{{engine="{e}"}}'] == 0
+        assert m[f'vllm:num_requests_running{{engine="{e}"}}'] == 0
+    # Nothing lost: every stream is accounted for by exactly one engine, and both took a share.
+    assert served["0"] + served["1"] == 64 and min(served.values()) >= 16, served
+    total = _summed(m)
+    assert total['armserve:request_success_total{finished_reason="length"}'] - \
+        _summed(before).get('armserve:request_success_total{finished_reason="length"}', 0) == 48
+    assert total['vllm:request_success_total{finished_reason="abort"}'] - \
+        _summed(before).get('vllm:request_success_total{finished_reason="abort"}', 0) == 16
+    # Each engine process pinned its threads to cores of its own.
+    pinned = re.findall(r"loaded .* pinned to \[([\d, ]+)\]", dp_server.log())
+    assert len(pinned) == 2 and not set(pinned[0].split(", ")) & set(pinned[1].split(", ")), pinned

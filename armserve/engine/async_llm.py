@@ -1,88 +1,84 @@
-"""The async engine: `LLMEngine` driven by a background thread, each request an async stream.
+"""The async engine: an engine core (in its own process by default) serving many async callers,
+each request an async stream of deltas.
 
-    asyncio thread (HTTP)                         engine thread (owns LLMEngine)
-    ---------------------                         ------------------------------
-    await add_request() ──► inbox (SimpleQueue) ──► engine.add_request / abort_request
-    async for out in stream ◄── loop.call_soon_threadsafe ◄── engine.step() outputs (deltas)
+    event loop(s) (HTTP)                           engine core (armserve.engine.core)
+    --------------------                           ----------------------------------
+    await add_request()  ── tokenize here ──► AddCommand ──► engine.add_request, step, ...
+    async for out in stream ◄── call_soon_threadsafe ◄── ("outputs", deltas, stats) per step
 
-The engine is not thread-safe, so exactly one thread touches it; everything else talks to that
-thread through the inbox. Outputs cross back in one `call_soon_threadsafe` per step.
+The core runs in a child process (`engine_process=True`, the default, as vLLM v1): this process
+keeps the HTTP server, tokenizing and streaming, the core schedules, steps and detokenizes, and
+the two never wait for each other's GIL. With `engine_process=False` (or the environment
+variable ARMSERVE_ENGINE_PROCESS=0, or vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) the core runs in a
+thread of this process instead: less start-up, the same behaviour.
+
+With `data_parallel_size=N` there are N cores, each with its own KV cache and cores to compute
+on; each request goes to the core with the fewest requests in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
-import queue
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Callable, Protocol, Sequence
 
 from armserve.config import EngineConfig
-from armserve.engine.llm_engine import LLMEngine, PromptType
-from armserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from armserve.engine.core import (
+    DEFAULT_STATS_INTERVAL,
+    AbortCommand,
+    AddCommand,
+    EngineCore,
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    StopCommand,
+    core_process_main,
+)
+from armserve.outputs import CompletionOutput, RequestOutput
+from armserve.prompts import prompt_to_ids
 from armserve.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError", "FinishedRequestStats", "IterationStats", "LoggingStatLogger",
+           "RequestStream", "SchedulerStats", "StatLogger", "merge_delta_outputs"]
 
 logger = logging.getLogger("armserve")
 
-DEFAULT_STATS_INTERVAL = 5.0  # seconds between stats lines while busy
+PromptType = str | list[int] | dict[str, Any]
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shut down or crashed); no request can be served."""
+    """The engine stopped (shut down or crashed); no request can be served."""
 
 
-# ---- statistics handed to stat loggers -------------------------------------------------------
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """A snapshot of the engine's state after a step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_cache_queries: int = 0  # cumulative, in tokens
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0  # cumulative
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-@dataclass(slots=True)
-class FinishedRequestStats:
-    """One request's life, recorded when it finishes or is aborted."""
-
-    finish_reason: str  # "stop", "length" or "abort"
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    e2e_latency: float
-    queue_time: float | None
-    time_per_output_token: float | None  # mean over the request's decode, None with < 2 tokens
-
-
-@dataclass(slots=True)
-class IterationStats:
-    """What happened since the previous record: tokens, first tokens, finished requests."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    finished: list[FinishedRequestStats] = field(default_factory=list)
+def combine_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
+    """Several engines' snapshots as one (counts and blocks summed; usage over all blocks)."""
+    if len(snapshots) == 1:
+        return snapshots[0]
+    total = SchedulerStats()
+    for s in snapshots:
+        total.num_running += s.num_running
+        total.num_waiting += s.num_waiting
+        total.kv_blocks_used += s.kv_blocks_used
+        total.kv_blocks_total += s.kv_blocks_total
+        total.prefix_cache_queries += s.prefix_cache_queries
+        total.prefix_cache_hits += s.prefix_cache_hits
+        total.num_preemptions += s.num_preemptions
+    total.kv_cache_usage = total.kv_blocks_used / total.kv_blocks_total if total.kv_blocks_total else 0.0
+    return total
 
 
 class StatLogger(Protocol):
-    """Receives stats from the engine thread (implementations must be thread-safe to read)."""
+    """Receives stats after every step (from a thread that is not the event loop's; implementations
+    must be thread-safe to read). `engine` is the data-parallel engine's index."""
 
-    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None: ...
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats, engine: int = 0) -> None: ...
 
 
 class LoggingStatLogger:
@@ -93,20 +89,20 @@ class LoggingStatLogger:
         self._last_time = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
-        self._last: SchedulerStats = SchedulerStats()
+        self._last: dict[int, SchedulerStats] = {}
         self._last_line_busy = False
 
-    def record(self, scheduler: SchedulerStats, iteration: IterationStats) -> None:
+    def record(self, scheduler: SchedulerStats, iteration: IterationStats, engine: int = 0) -> None:
         self._prompt_tokens += iteration.num_prompt_tokens
         self._generation_tokens += iteration.num_generation_tokens
-        self._last = scheduler
+        self._last[engine] = scheduler
 
     def maybe_log(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         elapsed = now - self._last_time
         if elapsed < self.interval:
             return
-        s = self._last
+        s = combine_stats(list(self._last.values()))
         busy = bool(self._prompt_tokens or self._generation_tokens or s.num_running or s.num_waiting)
         # NOTE: one more line after going idle, so the log shows the engine drained to zero.
         if busy or self._last_line_busy:
@@ -208,46 +204,148 @@ class RequestStream:
                 self._owner.abort(self.request_id)
 
 
-# ---- commands sent to the engine thread ------------------------------------------------------
+# ---- where the engine cores run --------------------------------------------------------------
+
+
+def engine_process_default() -> bool:
+    """ARMSERVE_ENGINE_PROCESS, else vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, else on."""
+    for var in ("ARMSERVE_ENGINE_PROCESS", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        v = os.environ.get(var, "").strip().lower()
+        if v:
+            if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(f"{var} must be 0 or 1, got {v!r}")
+            return v in ("1", "true", "yes", "on")
+    return True
+
+
+class _ThreadCore:
+    """An engine core on a thread of this process (the model loads in the caller's thread)."""
+
+    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
+                 warm_up: bool) -> None:
+        self._ready = threading.Event()
+
+        def emit(msg: tuple) -> None:
+            on_message(msg)
+            if msg[0] in ("ready", "dead"):
+                self._ready.set()
+
+        self.core = EngineCore(config, emit, stats_interval)
+        self._thread = threading.Thread(target=self.core.run, args=(warm_up,), name="armserve-engine", daemon=True)
+
+    def start(self) -> None:
+        """Start the loop; returns once it has warmed up."""
+        self._thread.start()
+        self._ready.wait()
+
+    def send(self, cmd: Any) -> None:
+        self.core.put(cmd)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self.core.put(StopCommand())
+            self._thread.join(timeout)
+
+
+class _ProcessCore:
+    """An engine core in a child process (spawned: no fork of a threaded, OpenMP-initialised
+    parent). Commands go down one pipe, messages come back up another, read by a thread here."""
+
+    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
+                 warm_up: bool, env: dict[str, str], index: int = 0) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
+        self._msg_recv, msg_send = ctx.Pipe(duplex=False)
+        self._on_message = on_message
+        self._send_lock = threading.Lock()
+        self._dead_sent = False
+        level = logging.getLogger("armserve").getEffectiveLevel()
+        self.proc = ctx.Process(
+            target=core_process_main, name=f"armserve-engine-core-{index}",
+            args=(config, cmd_recv, msg_send, level, stats_interval, warm_up, env),
+        )
+        self.proc.start()
+        # Only the child holds these ends now: when it exits, this side sees EOF at once.
+        cmd_recv.close()
+        msg_send.close()
+
+    def start(self) -> None:
+        """Wait until the core has loaded and warmed up (raises its loading error), then read its
+        messages on a thread."""
+        def died() -> EngineDeadError:
+            self.proc.join(5)
+            return EngineDeadError(
+                f"the engine core process exited with code {self.proc.exitcode} while loading the model (see its "
+                "log above; a script that starts one must do so under `if __name__ == \"__main__\":`, as with "
+                "any spawned process)")
+
+        while not self._msg_recv.poll(0.5):
+            if not self.proc.is_alive():
+                raise died()
+        try:
+            msg = self._msg_recv.recv()
+        except (EOFError, OSError):
+            raise died() from None
+        if msg[0] == "failed":
+            self.proc.join(10)
+            raise msg[1]
+        self._on_message(msg)
+        threading.Thread(target=self._read, name="armserve-core-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self._msg_recv.recv()
+            except (EOFError, OSError):
+                self.proc.join(5)
+                if not self._dead_sent:
+                    self._on_message(("dead", f"the engine core process exited unexpectedly "
+                                              f"(exit code {self.proc.exitcode})"))
+                return
+            if msg[0] == "dead":
+                self._dead_sent = True
+            self._on_message(msg)
+
+    def send(self, cmd: Any) -> None:
+        with self._send_lock:
+            try:
+                self._cmd_send.send(cmd)
+            except (BrokenPipeError, OSError):
+                pass  # the core is gone; the reader reports it
+
+    def alive(self) -> bool:
+        return self.proc.is_alive() and not self._dead_sent
+
+    def stop(self, timeout: float) -> None:
+        if self.proc.is_alive():
+            self.send(StopCommand())
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                logger.warning("the engine core process did not stop in %.0f s; terminating it", timeout)
+                self.proc.terminate()
+                self.proc.join(5)
+        self._cmd_send.close()
+
+
+# ---- the frontend ----------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: PromptType
-    params: SamplingParams
-    arrival_time: float
+class _Live:
+    """A request this frontend has sent to a core and not yet seen finish."""
+
     stream: RequestStream
-    accepted: asyncio.Future
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_ids: list[str]
-
-
-class _Stop:
-    pass
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """Engine-thread bookkeeping of one live request, for streams and statistics."""
-
-    stream: RequestStream
-    n: int
-    num_prompt_tokens: int
-    metrics: RequestMetrics | None = None
-    tokens_per_completion: dict[int, int] = field(default_factory=dict)
-    finish_reasons: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def num_generation_tokens(self) -> int:
-        return sum(self.tokens_per_completion.values())
+    prompt: str | None
+    prompt_token_ids: list[int]
+    engine: int
+    accepted: asyncio.Future | None
 
 
 class AsyncLLM:
-    """An `LLMEngine` stepping in a background thread, serving many async callers at once.
+    """Engine cores serving many async callers at once.
 
     Usage::
 
@@ -256,7 +354,9 @@ class AsyncLLM:
             print(out.outputs[0].text, end="")   # deltas
         llm.shutdown()
 
-    The model loads in the constructor (in the caller's thread), then the engine thread starts.
+    The constructor returns once every core has loaded the model and run its warm-up step.
+    `engine_process` (default: on, see `engine_process_default`) runs each core in its own
+    process; `config.data_parallel_size` cores serve one request stream, balanced by load.
     """
 
     def __init__(
@@ -265,40 +365,64 @@ class AsyncLLM:
         log_stats: bool = True,
         stats_interval: float | None = None,
         stat_loggers: Sequence[StatLogger] = (),
+        engine_process: bool | None = None,
     ) -> None:
-        self.engine = LLMEngine(config)
+        from armserve import model_loader
+
         self.config = config
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.max_model_len
         if stats_interval is None:
             stats_interval = float(os.environ.get("ARMSERVE_LOG_STATS_INTERVAL", DEFAULT_STATS_INTERVAL))
         self._log_stats = LoggingStatLogger(stats_interval) if log_stats else None
         self._stat_loggers: list[StatLogger] = list(stat_loggers)
         if self._log_stats is not None:
             self._stat_loggers.append(self._log_stats)
-        self._stats_interval = stats_interval
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self.engine_process = engine_process_default() if engine_process is None else engine_process
+        dp = getattr(config, "data_parallel_size", 1) or 1
+        if dp > 1 and not self.engine_process:
+            raise ValueError("data_parallel_size > 1 runs each engine in its own process: "
+                             "engine_process cannot be off")
+        warm_up = os.environ.get("ARMSERVE_WARMUP", "1") != "0"
+        self._live: dict[str, _Live] = {}
+        self._load = [0] * dp  # requests in flight per engine
+        self._snapshots: list[SchedulerStats] = [SchedulerStats() for _ in range(dp)]
         self._dead: BaseException | None = None
-        self._scheduler_stats = self._snapshot()
-        # NOTE: a thread, not a process: torch releases the GIL inside its kernels, so while a
-        # step computes, the asyncio thread keeps parsing requests and streaming tokens. A
-        # process would add a serialization hop per step for no gain at CPU-sized batches.
-        self._warmed_up = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="armserve-engine", daemon=True)
-        self._thread.start()
-        self._warmed_up.wait()  # ready only once the engine thread has run its warm-up step
+        self._ready_info: dict[str, Any] = {}
+        self._cores: list[_ThreadCore | _ProcessCore] = []
+        try:
+            if self.engine_process:
+                from armserve.cpu import data_parallel_envs
+
+                src = model_loader.resolve_model_path(config.model)  # a wrong path fails before any spawn
+                for i, env in enumerate(data_parallel_envs(dp)):
+                    self._cores.append(_ProcessCore(config, self._handler(i), stats_interval, warm_up, env, i))
+                # The tokenizer loads here while the cores load the model.
+                self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
+                if config.chat_template:
+                    self.tokenizer.chat_template = config.chat_template
+            else:
+                core = _ThreadCore(config, self._handler(0), stats_interval, warm_up)
+                self._cores.append(core)
+                self.tokenizer = core.core.engine.tokenizer
+                self._snapshots[0] = core.core.snapshot()
+            for c in self._cores:
+                c.start()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.max_model_len: int = self._ready_info["max_model_len"]
+        self.config.max_model_len = self.max_model_len
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Attach a logger (e.g. Prometheus); call before submitting requests."""
         self._stat_loggers.insert(0, stat_logger)
-        stat_logger.record(self._scheduler_stats, IterationStats())
+        for i, snap in enumerate(self._snapshots):
+            stat_logger.record(snap, IterationStats(), i)
 
     # ---- public API (any thread / the event loop) ------------------------------------------
 
     @property
     def is_running(self) -> bool:
-        return self._dead is None and self._thread.is_alive()
+        return self._dead is None and all(c.alive() for c in self._cores)
 
     @property
     def dead_error(self) -> BaseException | None:
@@ -307,8 +431,13 @@ class AsyncLLM:
 
     @property
     def scheduler_stats(self) -> SchedulerStats:
-        """The engine state after its latest step (replaced atomically; safe to read)."""
-        return self._scheduler_stats
+        """The engines' state after their latest steps (summed over data-parallel engines)."""
+        return combine_stats(list(self._snapshots))
+
+    @property
+    def engine_stats(self) -> list[SchedulerStats]:
+        """Each data-parallel engine's state after its latest step."""
+        return list(self._snapshots)
 
     async def add_request(
         self,
@@ -324,19 +453,27 @@ class AsyncLLM:
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        text, ids = prompt_to_ids(self.tokenizer, prompt)
         loop = asyncio.get_running_loop()
-        if params.structured_outputs is not None:
-            # NOTE: compiled here, on a worker thread, so a large schema (0.1-1 s) never stalls the
-            # engine's steps; the engine then finds it in the grammar cache.
-            await loop.run_in_executor(None, self.engine.structured.compile, params.structured_outputs)
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        engine = min(range(len(self._cores)), key=self._load.__getitem__)
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()
-        self._inbox.put(_Add(request_id, prompt, params, arrival_time or time.time(), stream, accepted))
+        self._live[request_id] = _Live(stream, text, ids, engine, accepted)
+        self._load[engine] += 1
+        self._cores[engine].send(AddCommand(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
+                                            arrival_time or time.time()))
         try:
             await accepted
         except asyncio.CancelledError:
             self.abort(request_id)
+            raise
+        except BaseException:
+            self._forget(request_id)
             raise
         return stream
 
@@ -357,182 +494,104 @@ class AsyncLLM:
     def abort(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (thread-safe); their KV blocks are freed before the next step."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        if ids:
-            self._inbox.put(_Abort(ids))
+        by_engine: dict[int, list[str]] = {}
+        for rid in ids:
+            live = self._live.get(rid)
+            if live is not None:
+                by_engine.setdefault(live.engine, []).append(rid)
+        for engine, rids in by_engine.items():
+            self._cores[engine].send(AbortCommand(rids))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; unfinished requests end with `EngineDeadError`."""
-        if self._thread.is_alive():
-            self._inbox.put(_Stop())
-            self._thread.join(timeout)
-
-    # ---- engine thread ---------------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            # On this thread: the kernels' per-thread scratch buffers and the memory a large step
-            # touches are then in place before the first request (ARMSERVE_WARMUP=0 skips it).
-            try:
-                if os.environ.get("ARMSERVE_WARMUP", "1") != "0":
-                    engine.warm_up()
-            finally:
-                self._warmed_up.set()
-            while True:
-                if not self._drain_inbox(block=not engine.has_unfinished_requests()):
-                    break
-                if engine.has_unfinished_requests():
-                    self._step()
-                if self._log_stats is not None:
-                    self._log_stats.maybe_log()
+        """Stop the engine cores; unfinished requests end with `EngineDeadError`."""
+        for c in self._cores:
+            c.stop(timeout)
+        if self._dead is None:
             self._fail_all(EngineDeadError("the engine was shut down"))
-        except BaseException as e:  # a bug in the engine: fail every request, report unhealthy
-            logger.exception("engine loop crashed; failing all requests")
-            self._fail_all(EngineDeadError(f"the engine crashed: {type(e).__name__}: {e}"))
-        finally:
+
+    # ---- messages from the cores (their reader threads, or the core thread) ----------------
+
+    def _handler(self, engine: int) -> Callable[[tuple], None]:
+        return lambda msg: self._on_message(engine, msg)
+
+    def _on_message(self, engine: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            _, outputs, snap, it = msg
+            deliveries: list[tuple[RequestStream, Any]] = []
+            for out in outputs:
+                live = self._live.get(out.request_id)
+                if live is None:
+                    continue
+                out.prompt, out.prompt_token_ids = live.prompt, live.prompt_token_ids
+                if out.finished:
+                    self._forget(out.request_id)
+                deliveries.append((live.stream, out))
+            # Recorded first: a client that sees its request finish finds it in the metrics.
+            self._record(engine, snap, it)
+            _deliver(deliveries)
+        elif kind == "accepted":
+            _, rid, error = msg
+            live = self._live.get(rid)
+            if live is not None and live.accepted is not None:
+                fut, live.accepted = live.accepted, None
+                try:
+                    fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
+                except RuntimeError:
+                    pass  # that event loop is closed
+            if error is not None:
+                self._forget(rid)
+        elif kind == "stats":
+            self._record(engine, msg[1], msg[2])
+        elif kind == "ready":
+            self._ready_info = msg[1]
+        elif kind == "dead":
             if self._dead is None:
-                self._dead = EngineDeadError("the engine was shut down")
+                self._fail_all(EngineDeadError(msg[1] if len(self._cores) == 1 else f"engine {engine}: {msg[1]}"))
 
-    def _drain_inbox(self, block: bool) -> bool:
-        """Apply queued commands; waits for one if `block`. Returns False on shutdown."""
-        first = True
-        while True:
-            try:
-                if block and first:
-                    # Wake up at the stats interval even when idle, for the final stats line.
-                    cmd = self._inbox.get(timeout=self._stats_interval)
-                else:
-                    cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return True
-            first = False
-            if isinstance(cmd, _Stop):
-                return False
-            if isinstance(cmd, _Add):
-                self._handle_add(cmd)
-            else:
-                self._handle_abort(cmd.request_ids)
+    def _forget(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            self._load[live.engine] -= 1
 
-    def _handle_add(self, cmd: _Add) -> None:
-        loop = cmd.stream._loop
-        try:
-            text, ids = self.engine.tokenize_prompt(cmd.prompt)
-            prompt = {"prompt": text, "prompt_token_ids": ids}
-            self.engine.add_request(cmd.request_id, prompt, cmd.params, cmd.arrival_time, output_kind="delta")
-        except Exception as e:  # validation errors name the problem; the engine is untouched
-            loop.call_soon_threadsafe(_resolve, cmd.accepted, e)
-            return
-        self._tracked[cmd.request_id] = _Tracked(cmd.stream, cmd.params.n, len(ids))
-        loop.call_soon_threadsafe(_resolve, cmd.accepted, None)
-
-    def _handle_abort(self, request_ids: list[str]) -> None:
-        live = [rid for rid in request_ids if rid in self._tracked]
-        if not live:
-            return
-        self.engine.abort_request(live)
-        it = IterationStats()
-        deliveries: list[tuple[RequestStream, RequestOutput]] = []
-        for rid in live:
-            t = self._tracked.pop(rid)
-            it.finished.append(self._finished_stats(t, "abort"))
-            # Tell a reader that may still be waiting that the request is over.
-            outs = [CompletionOutput(i, "", [], None, None, "abort") for i in range(t.n) if i not in t.finish_reasons]
-            deliveries.append((t.stream, RequestOutput(rid, None, [], None, outs, True, t.metrics)))
-        self._deliver(deliveries)
-        self._record(it)
-
-    def _step(self) -> None:
-        engine = self.engine
-        prompt_before = engine.num_prompt_tokens_total
-        gen_before = engine.num_generation_tokens_total
-        outputs = engine.step()
-        it = IterationStats(
-            num_prompt_tokens=engine.num_prompt_tokens_total - prompt_before,
-            num_generation_tokens=engine.num_generation_tokens_total - gen_before,
-        )
-        deliveries: list[tuple[RequestStream, RequestOutput]] = []
-        for out in outputs:
-            t = self._tracked.get(out.request_id)
-            if t is None:
-                continue
-            t.metrics = out.metrics
-            had_tokens = t.num_generation_tokens > 0
-            for c in out.outputs:
-                t.tokens_per_completion[c.index] = t.tokens_per_completion.get(c.index, 0) + len(c.token_ids)
-                if c.finish_reason is not None:
-                    t.finish_reasons[c.index] = c.finish_reason
-            m = out.metrics
-            if not had_tokens and t.num_generation_tokens > 0 and m is not None and m.first_token_time:
-                it.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
-            if out.finished:
-                del self._tracked[out.request_id]
-                reason = "length" if "length" in t.finish_reasons.values() else "stop"
-                it.finished.append(self._finished_stats(t, reason))
-            deliveries.append((t.stream, out))
-        self._deliver(deliveries)
-        self._record(it)
-
-    def _finished_stats(self, t: _Tracked, reason: str) -> FinishedRequestStats:
-        m = t.metrics
-        now = time.time()
-        tpot = None
-        longest = max(t.tokens_per_completion.values(), default=0)
-        if m is not None and m.first_token_time and m.last_token_time and longest > 1:
-            tpot = (m.last_token_time - m.first_token_time) / (longest - 1)
-        queue_time = None
-        if m is not None and m.first_scheduled_time:
-            queue_time = m.first_scheduled_time - m.arrival_time
-        e2e = now - m.arrival_time if m is not None else 0.0
-        return FinishedRequestStats(reason, t.num_prompt_tokens, t.num_generation_tokens, e2e, queue_time, tpot)
-
-    def _snapshot(self) -> SchedulerStats:
-        e = self.engine
-        kv = e.kv
-        return SchedulerStats(
-            num_running=e.scheduler.num_running,
-            num_waiting=e.scheduler.num_waiting,
-            kv_cache_usage=kv.usage,
-            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
-            kv_blocks_total=kv.num_blocks,
-            prefix_cache_queries=kv.prefix_queries,
-            prefix_cache_hits=kv.prefix_hits,
-            num_preemptions=e.scheduler.num_preemptions,
-        )
-
-    def _record(self, it: IterationStats) -> None:
-        self._scheduler_stats = snap = self._snapshot()
+    def _record(self, engine: int, snap: SchedulerStats, it: IterationStats) -> None:
+        self._snapshots[engine] = snap
         for sl in self._stat_loggers:
             try:
-                sl.record(snap, it)
+                sl.record(snap, it, engine)
             except Exception:  # a metrics bug must never take the engine down
                 logger.exception("stat logger %r failed", sl)
-
-    def _deliver(self, deliveries: list[tuple[RequestStream, Any]]) -> None:
-        """Hand outputs to their event loops: one thread-safe callback per loop per step."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-        for stream, item in deliveries:
-            by_loop.setdefault(stream._loop, []).append((stream, item))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:
-                pass  # that event loop is closed: nobody is listening
+        if self._log_stats is not None:
+            self._log_stats.maybe_log()
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._dead = error
-        deliveries = [(t.stream, error) for t in self._tracked.values()]
-        self._tracked.clear()
-        while True:  # requests that never reached the engine
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(cmd, _Add):
+        deliveries: list[tuple[RequestStream, Any]] = []
+        for rid in list(self._live):
+            live = self._live.pop(rid, None)
+            if live is None:
+                continue
+            if live.accepted is not None:
                 try:
-                    cmd.stream._loop.call_soon_threadsafe(_resolve, cmd.accepted, error)
+                    live.accepted.get_loop().call_soon_threadsafe(_resolve, live.accepted, error)
                 except RuntimeError:
                     pass
-        self._deliver(deliveries)
+            else:
+                deliveries.append((live.stream, error))
+        self._load = [0] * len(self._load)
+        _deliver(deliveries)
+
+
+def _deliver(deliveries: list[tuple[RequestStream, Any]]) -> None:
+    """Hand outputs to their event loops: one thread-safe callback per loop per step."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+    for stream, item in deliveries:
+        by_loop.setdefault(stream._loop, []).append((stream, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:
+            pass  # that event loop is closed: nobody is listening
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from armserve.prompts import encode_text
+from armserve.prompts import prompt_to_ids
 from armserve.config import ConfigError, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from armserve.engine.detokenizer import IncrementalDetokenizer
 from armserve.engine.kv_cache_manager import KVCacheManager
@@ -166,17 +166,7 @@ class LLMEngine:
     # ---- admission --------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, encode_text(self.tokenizer, prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], encode_text(self.tokenizer, prompt["prompt"])
-            raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise RequestError(f"unsupported prompt type {type(prompt).__name__}")
+        return prompt_to_ids(self.tokenizer, prompt)
 
     def add_request(
         self,

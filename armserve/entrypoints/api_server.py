@@ -304,8 +304,9 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     model = args.model or bundled_model_path()
     names = args.served_model_name or [default_served_name(args.model, model)]
-    metrics = PrometheusMetrics(names[0])
-    engine = AsyncLLM(EngineConfig(model=model, served_model_name=names[0], **engine_kwargs(args)),
+    metrics = PrometheusMetrics(names[0], args.data_parallel_size)
+    engine = AsyncLLM(EngineConfig(model=model, served_model_name=names[0],
+                                   data_parallel_size=args.data_parallel_size, **engine_kwargs(args)),
                       log_stats=not args.disable_log_stats, stat_loggers=[metrics])
     app = build_app(engine, names, metrics, api_key, args.reasoning_parser,
                     access_log=not args.disable_access_log, allowed_origins=args.allowed_origins,

@@ -2,12 +2,16 @@
 and the engine's series also under vLLM's own `vllm:` prefix (same values), so dashboards and
 autoscalers built for vLLM (KServe, llm-d) read armserve unchanged.
 
-Engine metrics are recorded from the engine thread (a `StatLogger`); HTTP metrics from the
-access-log middleware. Each server owns its own registry, so several servers in one process
-(tests) never collide.
+Engine metrics are recorded after every engine step (a `StatLogger`), labelled with the engine's
+index as vLLM does (`engine="0"`; with `--data-parallel-size N`, one series per engine: a sum over
+`engine` gives the server's totals); HTTP metrics come from the access-log middleware. Each server
+owns its own registry, so several servers in one process (tests) never collide.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -52,95 +56,117 @@ class _Twin:
         return _Twin(*(c.labels(**kw) for c in self.children))
 
 
+@dataclass
+class _EngineSeries:
+    """One engine's children of every engine metric, and the cumulative totals last seen."""
+
+    gauges: dict[str, Any]
+    counters: dict[str, Any]
+    histograms: dict[str, Any]
+    request_success: Any
+    last_queries: int = 0
+    last_hits: int = 0
+    last_preemptions: int = 0
+
+
 class PrometheusMetrics:
     """All of one server's metrics; also a `StatLogger` for `AsyncLLM`."""
 
-    def __init__(self, model_name: str) -> None:
+    # name -> (help, vLLM twin)
+    GAUGES = {
+        "num_requests_running": ("Requests in the running batch.", True),
+        "num_requests_waiting": ("Requests waiting to be scheduled.", True),
+        "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0-1).", True),
+        "kv_cache_used_blocks": ("KV cache blocks held by requests.", False),
+        "kv_cache_total_blocks": ("KV cache blocks in the pool.", False),
+        "prefix_cache_hit_rate": ("Prefix-cache hit rate over all queried prompt tokens (0-1).", False),
+    }
+    COUNTERS = {
+        "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", True),
+        "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", True),
+        "num_preemptions": ("Requests preempted for lack of KV blocks.", True),
+        "prompt_tokens": ("Prompt tokens prefilled.", True),
+        "generation_tokens": ("Tokens generated.", True),
+    }
+    HISTOGRAMS = {  # every histogram has its vLLM twin
+        "time_to_first_token_seconds": ("Time to first token.", _LATENCY_BUCKETS),
+        "time_per_output_token_seconds": ("Mean time per output token of each request (after the first).",
+                                          _TPOT_BUCKETS),
+        "e2e_request_latency_seconds": ("End-to-end request latency.", _LATENCY_BUCKETS),
+        "request_queue_time_seconds": ("Time waiting before first scheduled.", _LATENCY_BUCKETS),
+        "request_prompt_tokens": ("Prompt length per request.", _TOKEN_BUCKETS),
+        "request_generation_tokens": ("Generated tokens per request.", _TOKEN_BUCKETS),
+    }
+
+    def __init__(self, model_name: str, num_engines: int = 1) -> None:
         disable_created_metrics()  # the *_created series only double the size of a scrape
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
-        labels = ["model_name"]
-        self._labels = {"model_name": model_name}
+        self.model_name = model_name
+        labels = ["model_name", "engine"]
 
         # armserve:<name>, and with `twin` also vllm:<name> (a series vLLM exports under that name
         # and meaning), updated together
-        def series(kind, name: str, doc: str, twin: bool, **kw):
-            made = [kind(f"{p}:{name}", doc, labels, registry=r, **kw).labels(**self._labels)
-                    for p in (("armserve", "vllm") if twin else ("armserve",))]
-            return _Twin(*made) if twin else made[0]
+        def family(kind, name: str, doc: str, twin: bool, extra: tuple[str, ...] = (), **kw) -> _Twin:
+            return _Twin(*(kind(f"{p}:{name}", doc, labels + list(extra), registry=r, **kw)
+                           for p in (("armserve", "vllm") if twin else ("armserve",))))
 
-        def gauge(name: str, doc: str, twin: bool = False):
-            return series(Gauge, name, doc, twin)
-
-        def counter(name: str, doc: str, twin: bool = False):
-            return series(Counter, name, doc, twin)
-
-        def histogram(name: str, doc: str, buckets) -> _Twin:  # every histogram has its vLLM twin
-            return series(Histogram, name, doc, True, buckets=buckets)
-
-        self.num_running = gauge("num_requests_running", "Requests in the running batch.", twin=True)
-        self.num_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.", twin=True)
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", twin=True)
-        self.kv_used = gauge("kv_cache_used_blocks", "KV cache blocks held by requests.")
-        self.kv_total = gauge("kv_cache_total_blocks", "KV cache blocks in the pool.")
-        self.prefix_hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hit rate over all queried prompt tokens (0-1).")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", twin=True)
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", twin=True)
-        self.preemptions = counter("num_preemptions", "Requests preempted for lack of KV blocks.", twin=True)
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled.", twin=True)
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.", twin=True)
-        self.request_success = _Twin(*(Counter(
-            f"{p}:request_success", "Requests finished, by finish reason (stop, length, abort).",
-            labels + ["finished_reason"], registry=r,
-        ) for p in ("armserve", "vllm")))
-        for reason in ("stop", "length", "abort"):  # export zeros, so a scrape sees every series
-            self.request_success.labels(finished_reason=reason, **self._labels)
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
-        self.tpot = histogram("time_per_output_token_seconds",
-                              "Mean time per output token of each request (after the first).", _TPOT_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency.",
-                             _LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Time waiting before first scheduled.",
-                                    _LATENCY_BUCKETS)
-        self.req_prompt_tokens = histogram("request_prompt_tokens", "Prompt length per request.",
-                                           _TOKEN_BUCKETS)
-        self.req_gen_tokens = histogram("request_generation_tokens", "Generated tokens per request.",
-                                        _TOKEN_BUCKETS)
+        self._gauges = {n: family(Gauge, n, doc, twin) for n, (doc, twin) in self.GAUGES.items()}
+        self._counters = {n: family(Counter, n, doc, twin) for n, (doc, twin) in self.COUNTERS.items()}
+        self._histograms = {n: family(Histogram, n, doc, True, buckets=b) for n, (doc, b) in self.HISTOGRAMS.items()}
+        self._request_success = family(Counter, "request_success",
+                                       "Requests finished, by finish reason (stop, length, abort).", True,
+                                       ("finished_reason",))
+        self._engines: dict[int, _EngineSeries] = {}
+        for i in range(num_engines):  # export zeros, so a scrape sees every series from the start
+            self._engine(i)
         self.http_requests = Counter("armserve:http_requests", "HTTP requests by method, path and status.",
                                      ["method", "handler", "status"], registry=r)
         self.http_latency = Histogram("armserve:http_request_duration_seconds",
                                       "HTTP request duration (whole stream for SSE).", ["method", "handler"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
-        self._last_queries = self._last_hits = self._last_preemptions = 0
 
-    # StatLogger protocol: called from the engine thread.
-    def record(self, s: SchedulerStats, it: IterationStats) -> None:
-        self.num_running.set(s.num_running)
-        self.num_waiting.set(s.num_waiting)
-        self.kv_usage.set(s.kv_cache_usage)
-        self.kv_used.set(s.kv_blocks_used)
-        self.kv_total.set(s.kv_blocks_total)
-        self.prefix_hit_rate.set(s.prefix_cache_hit_rate)
+    def _engine(self, engine: int) -> _EngineSeries:
+        e = self._engines.get(engine)
+        if e is None:
+            lab = {"model_name": self.model_name, "engine": str(engine)}
+            e = _EngineSeries({n: f.labels(**lab) for n, f in self._gauges.items()},
+                              {n: f.labels(**lab) for n, f in self._counters.items()},
+                              {n: f.labels(**lab) for n, f in self._histograms.items()},
+                              {reason: self._request_success.labels(finished_reason=reason, **lab)
+                               for reason in ("stop", "length", "abort")})
+            self._engines[engine] = e
+        return e
+
+    # StatLogger protocol: called after every step, from the thread that receives the engine's outputs.
+    def record(self, s: SchedulerStats, it: IterationStats, engine: int = 0) -> None:
+        e = self._engine(engine)
+        g, c, h = e.gauges, e.counters, e.histograms
+        g["num_requests_running"].set(s.num_running)
+        g["num_requests_waiting"].set(s.num_waiting)
+        g["kv_cache_usage_perc"].set(s.kv_cache_usage)
+        g["kv_cache_used_blocks"].set(s.kv_blocks_used)
+        g["kv_cache_total_blocks"].set(s.kv_blocks_total)
+        g["prefix_cache_hit_rate"].set(s.prefix_cache_hit_rate)
         # The engine keeps cumulative totals; counters only take increments.
-        self.prefix_queries.inc(s.prefix_cache_queries - self._last_queries)
-        self.prefix_hits.inc(s.prefix_cache_hits - self._last_hits)
-        self.preemptions.inc(s.num_preemptions - self._last_preemptions)
-        self._last_queries, self._last_hits = s.prefix_cache_queries, s.prefix_cache_hits
-        self._last_preemptions = s.num_preemptions
-        self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
+        c["prefix_cache_queries"].inc(s.prefix_cache_queries - e.last_queries)
+        c["prefix_cache_hits"].inc(s.prefix_cache_hits - e.last_hits)
+        c["num_preemptions"].inc(s.num_preemptions - e.last_preemptions)
+        e.last_queries, e.last_hits, e.last_preemptions = s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions
+        c["prompt_tokens"].inc(it.num_prompt_tokens)
+        c["generation_tokens"].inc(it.num_generation_tokens)
         for t in it.time_to_first_tokens:
-            self.ttft.observe(t)
+            h["time_to_first_token_seconds"].observe(t)
         for f in it.finished:
-            self.request_success.labels(finished_reason=f.finish_reason, **self._labels).inc()
-            self.e2e.observe(f.e2e_latency)
-            self.req_prompt_tokens.observe(f.num_prompt_tokens)
-            self.req_gen_tokens.observe(f.num_generation_tokens)
+            e.request_success[f.finish_reason].inc()
+            h["e2e_request_latency_seconds"].observe(f.e2e_latency)
+            h["request_prompt_tokens"].observe(f.num_prompt_tokens)
+            h["request_generation_tokens"].observe(f.num_generation_tokens)
             if f.queue_time is not None:
-                self.queue_time.observe(f.queue_time)
+                h["request_queue_time_seconds"].observe(f.queue_time)
             if f.time_per_output_token is not None:
-                self.tpot.observe(f.time_per_output_token)
+                h["time_per_output_token_seconds"].observe(f.time_per_output_token)
 
     def record_http(self, method: str, handler: str, status: int, seconds: float) -> None:
         self.http_requests.labels(method=method, handler=handler, status=str(status)).inc()

@@ -1,0 +1,377 @@
+"""The engine core: one loop that owns an `LLMEngine`, applies add/abort commands, steps, and
+reports each step's outputs and statistics as one message (vLLM v1's EngineCore).
+
+    frontend (AsyncLLM)                               core (EngineCore.run)
+    -------------------                               ---------------------
+    add / abort / stop  ──► commands ──► inbox ──► engine.add_request / abort_request / step
+    streams, stat loggers ◄── messages ◄── emit(("outputs", deltas, SchedulerStats, IterationStats))
+
+It runs in its own process (`start_core_process`, the server's default) or in a thread of the
+caller's process (`AsyncLLM(..., engine_process=False)`). In its own process the core's Python
+(scheduling, sampling bookkeeping, detokenizing) never waits for the HTTP server's GIL: with
+the GIL shared, every time a kernel returns, the engine thread queues behind the asyncio thread
+for up to the interpreter's switch interval (5 ms), and at 8-64 streams the server's Python is
+busy most of the time.
+
+Messages, core -> frontend (tuples; the first item names the kind):
+    ("ready", {"max_model_len": int})           model loaded and warmed up
+    ("failed", exception)                       loading failed (process mode; the process exits)
+    ("accepted", request_id, exception | None)  an add was queued, or refused (ValueError naming why)
+    ("outputs", [RequestOutput], SchedulerStats, IterationStats)   one step's deltas; `prompt` and
+                                                `prompt_token_ids` are left out (the frontend has them)
+    ("stats", SchedulerStats, IterationStats)   an idle tick, once per stats interval
+    ("dead", message)                           the loop stopped (shutdown or a crash)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from armserve.config import EngineConfig
+from armserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from armserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("armserve")
+
+DEFAULT_STATS_INTERVAL = 5.0  # seconds between stats lines while busy
+
+
+# ---- statistics handed to stat loggers -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """A snapshot of the engine's state after a step."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_queries: int = 0  # cumulative, in tokens
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0  # cumulative
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    """One request's life, recorded when it finishes or is aborted."""
+
+    finish_reason: str  # "stop", "length" or "abort"
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    e2e_latency: float
+    queue_time: float | None
+    time_per_output_token: float | None  # mean over the request's decode, None with < 2 tokens
+
+
+@dataclass(slots=True)
+class IterationStats:
+    """What happened since the previous record: tokens, first tokens, finished requests."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+# ---- commands sent to the core ---------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class AddCommand:
+    request_id: str
+    prompt: dict[str, Any]  # {"prompt": text | None, "prompt_token_ids": [...]}, tokenized by the frontend
+    params: SamplingParams
+    arrival_time: float
+    compiled: bool = False  # the structured-output grammar is in the core's cache
+
+
+@dataclass(slots=True)
+class AbortCommand:
+    request_ids: list[str]
+
+
+class StopCommand:
+    pass
+
+
+@dataclass(slots=True)
+class _CompileDone:
+    command: AddCommand
+    error: BaseException | None
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """Core-side bookkeeping of one live request, for statistics."""
+
+    n: int
+    num_prompt_tokens: int
+    metrics: RequestMetrics | None = None
+    tokens_per_completion: dict[int, int] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return sum(self.tokens_per_completion.values())
+
+
+def portable_error(e: BaseException) -> BaseException:
+    """`e` if it survives pickling (to cross to the frontend process), else an equivalent
+    ValueError / RuntimeError with the same message."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return ValueError(str(e)) if isinstance(e, ValueError) else RuntimeError(f"{type(e).__name__}: {e}")
+
+
+class EngineCore:
+    """Owns the `LLMEngine`; `run()` is the loop. `emit` receives every message (see the module
+    docstring); commands arrive through `put`. Only the loop's thread touches the engine."""
+
+    def __init__(self, config: EngineConfig, emit: Callable[[tuple], None],
+                 stats_interval: float = DEFAULT_STATS_INTERVAL) -> None:
+        from armserve.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine(config)
+        self.emit = emit
+        self.stats_interval = stats_interval
+        self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._compiling: dict[str, bool] = {}  # request id -> aborted while its grammar compiles
+        self._compile_pool: ThreadPoolExecutor | None = None
+
+    def put(self, command: Any) -> None:
+        """Queue a command (any thread)."""
+        self.inbox.put(command)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run(self, warm_up: bool = True) -> None:
+        """Warm up, report ready, then step while there is work and apply commands between steps,
+        until a `StopCommand`. Ends with a ("dead", why) message either way."""
+        engine = self.engine
+        why = "the engine was shut down"
+        try:
+            # On the loop's own thread: the kernels' per-thread scratch buffers and the memory a
+            # large step touches are then in place before the first request.
+            if warm_up:
+                engine.warm_up()
+            self.emit(("ready", {"max_model_len": engine.max_model_len}))
+            while True:
+                if not self._drain(block=not engine.has_unfinished_requests()):
+                    break
+                if engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as e:  # a bug in the engine: fail every request, report unhealthy
+            logger.exception("engine loop crashed; failing all requests")
+            why = f"the engine crashed: {type(e).__name__}: {e}"
+        finally:
+            if self._compile_pool is not None:
+                self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            self._tracked.clear()
+            self.emit(("dead", why))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; waits for one if `block`. Returns False on stop."""
+        first = True
+        while True:
+            try:
+                if block and first:
+                    # Wake up at the stats interval even when idle, for the final stats line.
+                    cmd = self.inbox.get(timeout=self.stats_interval)
+                else:
+                    cmd = self.inbox.get_nowait()
+            except queue.Empty:
+                if block and first:
+                    self.emit(("stats", self._snapshot(), IterationStats()))
+                return True
+            first = False
+            if isinstance(cmd, StopCommand):
+                return False
+            if isinstance(cmd, AddCommand):
+                self._add(cmd)
+            elif isinstance(cmd, _CompileDone):
+                aborted = self._compiling.pop(cmd.command.request_id, False)
+                if cmd.error is not None or aborted:
+                    err = cmd.error or ValueError("the request was aborted while its grammar compiled")
+                    self.emit(("accepted", cmd.command.request_id, portable_error(err)))
+                else:
+                    self._add(cmd.command)
+            else:
+                self._abort(cmd.request_ids)
+
+    def _add(self, cmd: AddCommand) -> None:
+        so = cmd.params.structured_outputs
+        if so is not None and not cmd.compiled:
+            # NOTE: compiled off the loop, so a large schema (0.1-1 s) never stalls the steps; the
+            # engine then finds the grammar in its cache.
+            if self._compile_pool is None:
+                self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="armserve-grammar")
+            cmd.compiled = True
+            self._compiling[cmd.request_id] = False
+            self._compile_pool.submit(self._compile, cmd)
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, output_kind="delta")
+        except Exception as e:  # validation errors name the problem; the engine is untouched
+            self.emit(("accepted", cmd.request_id, portable_error(e)))
+            return
+        self._tracked[cmd.request_id] = _Tracked(cmd.params.n, len(cmd.prompt["prompt_token_ids"]))
+        self.emit(("accepted", cmd.request_id, None))
+
+    def _compile(self, cmd: AddCommand) -> None:
+        error = None
+        try:
+            self.engine.structured.compile(cmd.params.structured_outputs)
+        except Exception as e:
+            error = e
+        self.inbox.put(_CompileDone(cmd, error))
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if rid in self._compiling:
+                self._compiling[rid] = True
+        live = [rid for rid in request_ids if rid in self._tracked]
+        if not live:
+            return
+        self.engine.abort_request(live)
+        it = IterationStats()
+        outputs: list[RequestOutput] = []
+        for rid in live:
+            t = self._tracked.pop(rid)
+            it.finished.append(self._finished_stats(t, "abort"))
+            # Tell a reader that may still be waiting that the request is over.
+            outs = [CompletionOutput(i, "", [], None, None, "abort") for i in range(t.n) if i not in t.finish_reasons]
+            outputs.append(RequestOutput(rid, None, None, None, outs, True, t.metrics))  # type: ignore[arg-type]
+        self.emit(("outputs", outputs, self._snapshot(), it))
+
+    def _step(self) -> None:
+        engine = self.engine
+        prompt_before = engine.num_prompt_tokens_total
+        gen_before = engine.num_generation_tokens_total
+        outputs = engine.step()
+        it = IterationStats(
+            num_prompt_tokens=engine.num_prompt_tokens_total - prompt_before,
+            num_generation_tokens=engine.num_generation_tokens_total - gen_before,
+        )
+        sent: list[RequestOutput] = []
+        for out in outputs:
+            t = self._tracked.get(out.request_id)
+            if t is None:
+                continue
+            t.metrics = out.metrics
+            had_tokens = t.num_generation_tokens > 0
+            for c in out.outputs:
+                t.tokens_per_completion[c.index] = t.tokens_per_completion.get(c.index, 0) + len(c.token_ids)
+                if c.finish_reason is not None:
+                    t.finish_reasons[c.index] = c.finish_reason
+            m = out.metrics
+            if not had_tokens and t.num_generation_tokens > 0 and m is not None and m.first_token_time:
+                it.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
+            if out.finished:
+                del self._tracked[out.request_id]
+                reason = "length" if "length" in t.finish_reasons.values() else "stop"
+                it.finished.append(self._finished_stats(t, reason))
+            # The frontend holds the prompt: a 4k-token prompt is not re-sent with every token.
+            out.prompt = None
+            out.prompt_token_ids = None  # type: ignore[assignment]
+            sent.append(out)
+        self.emit(("outputs", sent, self._snapshot(), it))
+
+    def _finished_stats(self, t: _Tracked, reason: str) -> FinishedRequestStats:
+        m = t.metrics
+        now = time.time()
+        tpot = None
+        longest = max(t.tokens_per_completion.values(), default=0)
+        if m is not None and m.first_token_time and m.last_token_time and longest > 1:
+            tpot = (m.last_token_time - m.first_token_time) / (longest - 1)
+        queue_time = None
+        if m is not None and m.first_scheduled_time:
+            queue_time = m.first_scheduled_time - m.arrival_time
+        e2e = now - m.arrival_time if m is not None else 0.0
+        return FinishedRequestStats(reason, t.num_prompt_tokens, t.num_generation_tokens, e2e, queue_time, tpot)
+
+    def _snapshot(self) -> SchedulerStats:
+        e = self.engine
+        kv = e.kv
+        return SchedulerStats(
+            num_running=e.scheduler.num_running,
+            num_waiting=e.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=e.scheduler.num_preemptions,
+        )
+
+    def snapshot(self) -> SchedulerStats:
+        """The engine's state now (call from the loop's thread, or before `run`)."""
+        return self._snapshot()
+
+
+# ---- the core in its own process -------------------------------------------------------------
+
+
+def core_process_main(config: EngineConfig, commands, messages, log_level: int, stats_interval: float,
+                      warm_up: bool, env: dict[str, str]) -> None:
+    """Entry point of the engine-core process (spawned): load, then loop until told to stop or
+    until the frontend goes away (its end of the command pipe closes)."""
+    # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(env)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    send_lock = threading.Lock()
+
+    def emit(msg: tuple) -> None:
+        with send_lock:
+            try:
+                messages.send(msg)
+            except (BrokenPipeError, EOFError, OSError):
+                pass  # the frontend is gone; the command reader stops the loop
+
+    try:
+        core = EngineCore(config, emit, stats_interval)
+    except BaseException as e:
+        emit(("failed", portable_error(e)))
+        return
+
+    def read_commands() -> None:
+        while True:
+            try:
+                cmd = commands.recv()
+            except (EOFError, OSError):  # the frontend exited: stop
+                core.put(StopCommand())
+                return
+            core.put(cmd)
+            if isinstance(cmd, StopCommand):
+                return
+
+    threading.Thread(target=read_commands, name="armserve-core-commands", daemon=True).start()
+    core.run(warm_up)
+    # NOTE: no interpreter teardown: with the kernels' worker threads and the OpenMP runtime
+    # still up it can hang at exit, and there is nothing left to clean up.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)

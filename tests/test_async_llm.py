@@ -1,0 +1,192 @@
+"""The async engine: its engine core in a child process (the server's default) and on a thread,
+data-parallel engines, and what happens when a core process dies or cannot load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+
+import pytest
+
+from armserve import LLM, SamplingParams
+from armserve.config import EngineConfig
+from armserve.cpu import allowed_cpus, data_parallel_envs, physical_cores
+from armserve.engine.async_llm import AsyncLLM, EngineDeadError, engine_process_default
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
+           "The best way to learn", "Hello, my name is"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _config(model: str, **kw) -> EngineConfig:
+    return EngineConfig(model=model, kv_cache_space=0.02, max_model_len=512, **kw)
+
+
+async def _collect(llm: AsyncLLM, prompts: list, params: SamplingParams) -> list[tuple[list[int], str, list[int]]]:
+    """(output token ids, text, prompt token ids) per prompt, all submitted at once."""
+
+    async def one(p):
+        ids: list[int] = []
+        text = ""
+        prompt_ids = None
+        async for out in llm.generate(p, params):
+            ids += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            prompt_ids = out.prompt_token_ids
+        return ids, text, prompt_ids
+
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+class _PerEngine:
+    """A stat logger counting finished requests and generated tokens per engine."""
+
+    def __init__(self) -> None:
+        self.finished: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+
+    def record(self, scheduler, iteration, engine: int = 0) -> None:
+        self.finished[engine] = self.finished.get(engine, 0) + len(iteration.finished)
+        self.tokens[engine] = self.tokens.get(engine, 0) + iteration.num_generation_tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    llm = LLM(tiny_llama, kv_cache_space=0.02, max_model_len=512)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].text, list(o.prompt_token_ids)) for o in outs]
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "core-thread"])
+def test_async_engine_equals_offline_engine(tiny_llama, reference, engine_process):
+    llm = AsyncLLM(_config(tiny_llama), log_stats=False, engine_process=engine_process)
+    try:
+        assert llm.max_model_len == 512
+        got = asyncio.run(_collect(llm, PROMPTS, GREEDY))
+        # Same engine, same batch: the same greedy tokens and text, prompt ids restored by the frontend.
+        assert got == reference
+        # A request the engine refuses names the problem, and the engine keeps serving.
+        with pytest.raises(ValueError, match="max_model_len"):
+            asyncio.run(llm.add_request(None, "Hi", SamplingParams(max_tokens=5000)))
+        assert asyncio.run(_collect(llm, PROMPTS[:1], GREEDY)) == reference[:1]
+        assert llm.is_running
+    finally:
+        llm.shutdown()
+    assert not llm.is_running
+    with pytest.raises(EngineDeadError):
+        asyncio.run(llm.add_request(None, "Hi", GREEDY))
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("armserve-engine-core")]
+
+
+def test_abort_frees_the_request_in_the_core_process(tiny_llama):
+    llm = AsyncLLM(_config(tiny_llama), log_stats=False, engine_process=True)
+    try:
+        async def main():
+            long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            gen = llm.generate("Tell me a long story", long)
+            first = await gen.__anext__()
+            assert first.outputs[0].token_ids
+            await gen.aclose()  # the reader goes away: the core aborts the request
+            for _ in range(200):
+                if llm.scheduler_stats.num_running == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return llm.scheduler_stats
+
+        stats = asyncio.run(main())
+        assert stats.num_running == 0 and stats.kv_blocks_used == 0
+    finally:
+        llm.shutdown()
+
+
+def test_a_dead_core_process_fails_its_requests(tiny_llama):
+    llm = AsyncLLM(_config(tiny_llama), log_stats=False, engine_process=True)
+    try:
+        async def main():
+            long = SamplingParams(temperature=0.0, max_tokens=480, ignore_eos=True)
+            stream = await llm.add_request(None, "Tell me a long story", long)
+            await stream.get()  # the request is running
+            os.kill(llm._cores[0].proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exited unexpectedly"):
+                while True:
+                    out = await asyncio.wait_for(stream.get(), timeout=60)
+                    assert not out.finished, "the request cannot finish: its engine was killed"
+
+        asyncio.run(main())
+        assert not llm.is_running
+        assert "exited unexpectedly" in str(llm.dead_error)
+        with pytest.raises(EngineDeadError):
+            asyncio.run(llm.add_request(None, "Hi", GREEDY))
+    finally:
+        llm.shutdown()
+
+
+def test_core_process_loading_error_names_the_problem(tiny_llama, tmp_path):
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    for name in os.listdir(tiny_llama):
+        if name != "config.json":
+            os.symlink(os.path.join(tiny_llama, name), bad / name)
+    cfg = json.load(open(os.path.join(tiny_llama, "config.json")))
+    cfg["architectures"] = ["NoSuchForCausalLM"]
+    json.dump(cfg, open(bad / "config.json", "w"))
+    with pytest.raises(ValueError, match="NoSuchForCausalLM"):
+        AsyncLLM(_config(str(bad)), log_stats=False, engine_process=True)
+    with pytest.raises(ValueError, match="does not exist"):
+        AsyncLLM(_config(str(tmp_path / "missing")), log_stats=False, engine_process=True)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("armserve-engine-core")]
+
+
+def test_data_parallel_engines_share_the_load(tiny_llama, reference):
+    counts = _PerEngine()
+    llm = AsyncLLM(_config(tiny_llama, data_parallel_size=2), log_stats=False, stat_loggers=[counts])
+    try:
+        prompts = PROMPTS * 11  # 66 streams at once
+        got = asyncio.run(_collect(llm, prompts, GREEDY))
+        # Whichever engine served it, each request gets the single engine's greedy output.
+        assert got == reference * 11
+        assert sum(counts.finished.values()) == len(prompts)
+        assert sum(counts.tokens.values()) == len(prompts) * GREEDY.max_tokens
+        # Balanced by requests in flight: both engines took a large share.
+        assert min(counts.finished.get(0, 0), counts.finished.get(1, 0)) >= len(prompts) // 4, counts.finished
+        assert [s.num_running for s in llm.engine_stats] == [0, 0]
+    finally:
+        llm.shutdown()
+
+
+def test_data_parallel_engines_get_their_own_cores(monkeypatch):
+    monkeypatch.delenv("ARMSERVE_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert data_parallel_envs(1) == [{}]
+    cores = physical_cores()
+    envs = data_parallel_envs(2)  # every test machine has 2 cores or more
+    groups = [set(map(int, e["ARMSERVE_THREADS_BIND"].split(","))) for e in envs]
+    assert groups[0] and groups[1] and not groups[0] & groups[1]
+    assert groups[0] | groups[1] <= set(cores if len(cores) >= 2 else allowed_cpus())
+    with pytest.raises(ValueError, match="at least one core per engine"):
+        data_parallel_envs(len(allowed_cpus()) + 1)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    assert data_parallel_envs(2) == [{"ARMSERVE_THREADS_BIND": "0"}, {"ARMSERVE_THREADS_BIND": "1"}]
+    with pytest.raises(ValueError, match="needs one per engine"):
+        data_parallel_envs(3)
+    monkeypatch.setenv("ARMSERVE_THREADS_BIND", "0-x|1")
+    with pytest.raises(ValueError, match="ARMSERVE_THREADS_BIND"):
+        data_parallel_envs(2)
+
+
+def test_engine_process_setting(monkeypatch):
+    monkeypatch.delenv("ARMSERVE_ENGINE_PROCESS", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert engine_process_default() is True
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert engine_process_default() is False
+    monkeypatch.setenv("ARMSERVE_ENGINE_PROCESS", "1")  # armserve's own name wins
+    assert engine_process_default() is True
+    monkeypatch.setenv("ARMSERVE_ENGINE_PROCESS", "maybe")
+    with pytest.raises(ValueError, match="ARMSERVE_ENGINE_PROCESS"):
+        engine_process_default()
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        AsyncLLM(EngineConfig(model="unused", data_parallel_size=2), engine_process=False)
