@@ -928,6 +928,13 @@ struct Attention {
   // over partitions and the cross-item merge call this, in partition order: same bits either way.
   static void merge_row(float& M, float& L, float* T, float m, float l, const float* a, int hd) {
     if (m == -INFINITY) return;
+    if (m == M) {  // the same offset (AMX rows past their first partition): a plain sum
+      L += l;
+      int d = 0;
+      for (; d + 16 <= hd; d += 16) vstore(T + d, vload(T + d) + vload(a + d));
+      for (; d < hd; ++d) T[d] += a[d];
+      return;
+    }
     if (M == -INFINITY) {
       M = m;
       L = l;
@@ -1104,6 +1111,33 @@ struct Attention {
               vstore(sr + t * KT, sv);
             }
           }
+#ifdef ARMSERVE_ATTN_AMX
+          // Past a row's first partition, the running max M of the partitions before is the
+          // exponential's offset, not this partition's own max: no max pass over the scores, and
+          // the merge is a plain sum. Exact in exact arithmetic, and in floats too: bf16 has
+          // fp32's exponent range, so probabilities above 1 (a larger score here) keep their
+          // relative precision, and scores far below M underflow only where they would be
+          // negligible anyway (M is one of this row's scores). Sums past 2^100 (towards fp32
+          // overflow in the value accumulators) take the exact path below instead.
+          if (amx && M[r0 + r] > -INFINITY) {
+            for (int t = 0; t < nt; ++t) {
+              if (t >= ta && t < tb) continue;
+              const int j0 = t0 + t * KT;
+              vi16 keys;
+              for (int j = 0; j < KT; ++j) keys[j] = j0 + j;
+              const vf16 sv = vload(sr + t * KT);
+              vstore(sr + t * KT, (keys >= klo) & (keys < khi) ? sv : vsplat(-INFINITY));
+            }
+            constexpr float kLog2e = 1.44269504088896341f;
+            const float mref = M[r0 + r];
+            const float lr = softmax_row_bf16(sr, nt, nk, xs * kLog2e, mref * kLog2e, pb + int64_t(r) * P);
+            if (lr <= 0x1p100f) {
+              m[r0 + r] = mref;
+              l[r0 + r] = lr;
+              continue;
+            }
+          }
+#endif
           vf16 mv = vsplat(-INFINITY);
           for (int t = 0; t < nt; ++t) {
             vf16 sv = vload(sr + t * KT);

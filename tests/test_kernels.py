@@ -205,6 +205,37 @@ def test_paged_attention(isa, dtype, case, block_size):
                 ops.set_amx(before)
 
 
+@pytest.mark.parametrize("boost", [3.0, 40.0])
+def test_paged_attention_prefill_later_keys_dominate(isa, boost):
+    """A prefill row's later partitions hold far larger scores than its first: the exponentials
+    past the first partition are taken against the earlier max (AMX), so they exceed 1, by up
+    to 2^100 (boost 3) or overflow (boost 40: the row is redone against its own max)."""
+    torch.manual_seed(11)
+    hd, hq, hk, block_size = 64, 6, 2, 32
+    rng = random.Random(11)
+    specs = [(64, 600)] if not SMALL else [(20, 300)]
+    q_start, q_len, ctx, tables, T = random_batch(rng, block_size, 40, specs)
+    k_cache = torch.randn(40 * block_size, hk, hd)
+    v_cache = torch.randn(40 * block_size, hk, hd)
+    later = torch.tensor([t for blk in tables[0] for t in range(blk * block_size, (blk + 1) * block_size)])
+    later = later[300:]  # positions 300+ of the sequence: partitions past the first
+    k_cache[later] *= boost
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    kc, vc = cache_from_rows(k_cache, block_size, key=True), cache_from_rows(v_cache, block_size, key=False)
+    q = torch.randn(T, hq * hd).bfloat16()
+    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    keep = (torch.tensor(q_start, dtype=torch.int32), torch.tensor(q_len, dtype=torch.int32),
+            torch.tensor(ctx, dtype=torch.int32), bt)
+    batch = ops.make_attn_batch(*keep, block_size)
+    want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, hd**-0.5)
+    one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
+    assert torch.isfinite(one.float()).all()
+    close(one, want, torch.bfloat16)
+    close(two, want, torch.bfloat16)
+
+
 def test_paged_attention_prefill_same_on_two_threads(isa):
     """A prefill chunk over several partitions (AMX tiles where the CPU has them: each thread loads
     its own tile configuration) gives the same bits on two threads as on one, and the reference's
