@@ -162,6 +162,21 @@ static inline vf16 vexp(vf16 x) {
 #endif
 }
 
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+// 2^y to a relative 3e-6, for results rounded to bf16 next (the AMX and bf16-dot softmax, the bf16
+// SiLU): 2^y = 2^floor(y) 2^frac(y), vreduceps gives the fraction, a degree-4 polynomial 2^frac
+// and vscalefps applies 2^floor(y); 7 instructions where vexp takes 14. -inf gives an exact 0,
+// +inf and y >= 128 give inf.
+#define ARMSERVE_EXP2_FAST 1
+static inline __m512 exp2_fast(__m512 y) {
+  const __m512 f = _mm512_maskz_reduce_ps(0xffff, y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(0.013426724821329117f), f, _mm512_set1_ps(0.052242401987314224f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.24128024280071259f));
+  e = _mm512_fmadd_ps(e, f, _mm512_set1_ps(0.6930448412895203f));
+  return _mm512_scalef_ps(_mm512_fmadd_ps(e, f, _mm512_set1_ps(1.0f)), y);
+}
+#endif
+
 // Cache element types: the model dtypes (AS_F32, AS_BF16, AS_F16) and int8.
 enum CacheType : int { CT_F32 = AS_F32, CT_BF16 = AS_BF16, CT_F16 = AS_F16, CT_I8 = 3 };
 
@@ -447,17 +462,9 @@ __attribute__((target("avx512f,avx512dq,avx512bf16"))) static float softmax_row_
                                                                                       float c, float max_c,
                                                                                       uint16_t* p) {
   const __m512 vc = _mm512_set1_ps(c), vm = _mm512_set1_ps(-max_c);
-  const __m512 c4 = _mm512_set1_ps(0.013426724821329117f), c3 = _mm512_set1_ps(0.052242401987314224f);
-  const __m512 c2 = _mm512_set1_ps(0.24128024280071259f), c1 = _mm512_set1_ps(0.6930448412895203f);
-  const __m512 one = _mm512_set1_ps(1.0f);
   __m512 sum = _mm512_setzero_ps();
   for (int t = 0; t < nt; ++t) {
-    const __m512 y = _mm512_fmadd_ps(_mm512_loadu_ps(s + t * kKT), vc, vm);
-    const __m512 f = _mm512_maskz_reduce_ps(0xffff, y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 e = _mm512_fmadd_ps(c4, f, c3);
-    e = _mm512_fmadd_ps(e, f, c2);
-    e = _mm512_fmadd_ps(e, f, c1);
-    e = _mm512_scalef_ps(_mm512_fmadd_ps(e, f, one), y);
+    const __m512 e = exp2_fast(_mm512_fmadd_ps(_mm512_loadu_ps(s + t * kKT), vc, vm));
     sum = _mm512_add_ps(sum, e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + t * kKT), (__m256i)_mm512_cvtneps_pbh(e));
   }
@@ -651,13 +658,24 @@ __attribute__((target("avx512bf16"), always_inline)) static inline void unpack32
   *hi = (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16);
 }
 
+// silu(g) = g / (1 + 2^(-g log2 e)) to a few 1e-6, rounded to bf16 next: the fast 2^y (its input
+// capped at 126, so the denominator stays finite for one Newton step on vrcp14ps).
+static inline vf16 silu_bf16(vf16 g) {
+  const __m512 y = _mm512_min_ps(_mm512_mul_ps((__m512)g, _mm512_set1_ps(-1.44269504088896341f)),
+                                 _mm512_set1_ps(126.0f));
+  const __m512 d = _mm512_add_ps(exp2_fast(y), _mm512_set1_ps(1.0f));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.0f)), r);
+  return (vf16)_mm512_mul_ps((__m512)g, r);
+}
+
 // silu_and_mul_row<CT_BF16> for d a multiple of 32.
 __attribute__((target("avx512bf16"))) static void silu_and_mul_row_bf16_cvt(const void* x, void* out, int64_t d) {
   uint16_t* o = static_cast<uint16_t*>(out);
   for (int64_t i = 0; i < d; i += 32) {
     const vf16 g0 = load16<CT_BF16>(x, i), g1 = load16<CT_BF16>(x, i + 16);
     vf16 s0, s1;
-    unpack32_bf16(cvt32_bf16(g0 * vrecip(vexp(-g0) + 1.0f), g1 * vrecip(vexp(-g1) + 1.0f)), &s0, &s1);
+    unpack32_bf16(cvt32_bf16(silu_bf16(g0), silu_bf16(g1)), &s0, &s1);
     _mm512_storeu_si512(o + i, cvt32_bf16(s0 * load16<CT_BF16>(x, d + i), s1 * load16<CT_BF16>(x, d + i + 16)));
   }
 }
@@ -1169,10 +1187,22 @@ struct Attention {
 #endif
           vf16 lv = vf16{};
           const vf16 xsv = vsplat(xs), off = vsplat(-mr * xs), ninf = vsplat(-INFINITY);
+#ifdef ARMSERVE_EXP2_FAST
+          // Rounded to bf16 for the dot: the fast 2^y (its -inf is an exact 0).
+          const __m512 xs2 = _mm512_set1_ps(xs * 1.44269504088896341f), off2 = _mm512_set1_ps(-mr * xs * 1.44269504088896341f);
+#endif
           for (int t = 0; t < nt; ++t) {
             const vf16 sv = vload(sr + t * KT);
-            vf16 pv = vexp(vfma(sv, xsv, off));
-            pv = sv == ninf ? vf16{} : pv;
+            vf16 pv;
+#ifdef ARMSERVE_EXP2_FAST
+            if (dot) {
+              pv = (vf16)exp2_fast(_mm512_fmadd_ps((__m512)sv, xs2, off2));
+            } else
+#endif
+            {
+              pv = vexp(vfma(sv, xsv, off));
+              pv = sv == ninf ? vf16{} : pv;
+            }
             lv += pv;
             if (CT == CT_I8)  // V's scale, once per key rather than per element
               pv *= vload(a.vs + block_base(slots[t], bs, a.hk, w.head) + slots[t] % bs);
