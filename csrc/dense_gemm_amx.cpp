@@ -38,7 +38,18 @@ struct AmxBf16 : armserve_dense::TileBase {
   static constexpr int MR = 32, NB = 2, kAlign = 16, kStreamRows = 0, kRowPad = 16;
 
   static void begin() { armserve_amx::begin(); }  // every tile 16 rows x 64 bytes (amx.h)
-  static void end() { armserve_amx::end(); }
+  static void end() {
+    armserve_amx::end();
+    pf_lines = 0;
+  }
+
+  // Lines the next tile() prefetches, spread over its K steps (prefetch_during_next_tile).
+  static inline thread_local const char* pf_next = nullptr;
+  static inline thread_local int64_t pf_lines = 0;
+  static void prefetch_during_next_tile(const void* p, int64_t bytes) {
+    pf_next = static_cast<const char*>(p);
+    pf_lines = bytes / 64;
+  }
 
   // bf16 outputs through vcvtne2ps2bf16 (every AMX CPU has AVX512-BF16): round to nearest even,
   // one instruction per 32 outputs where the integer rounding of store_row takes ~12 per 16. NaN
@@ -96,7 +107,19 @@ struct AmxBf16 : armserve_dense::TileBase {
     if (B > 1) _tile_zero(1);
     if (RA > 1) _tile_zero(2);
     if (RA > 1 && B > 1) _tile_zero(3);
-    for (int64_t p = 0; p < kfull; p += 16) step<RA, B>(x + p * 4, xstride, wb + p * 64, bs);
+    if (pf_lines > 0) {
+      // (to L2: the next panel's first row tile reads it from there)
+      const int64_t steps = kfull / 16 > 0 ? kfull / 16 : 1, per = (pf_lines + steps - 1) / steps;
+      const char* pf = pf_next;
+      int64_t left = pf_lines;
+      pf_lines = 0;
+      for (int64_t p = 0; p < kfull; p += 16) {
+        for (int64_t i = 0; i < per && left > 0; ++i, --left, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        step<RA, B>(x + p * 4, xstride, wb + p * 64, bs);
+      }
+    } else {
+      for (int64_t p = 0; p < kfull; p += 16) step<RA, B>(x + p * 4, xstride, wb + p * 64, bs);
+    }
     if (kp > kfull) {
       // K tail: the weight blocks end after kp pair rows, so the B tiles come from a zero-padded
       // copy (the activations there are padding zeros already, but whatever the weights would

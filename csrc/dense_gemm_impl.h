@@ -146,6 +146,9 @@ struct TileBase {
   static constexpr int kRowPad = 1;
   static void begin() {}
   static void end() {}
+  // The next tile call may fetch [p, p + bytes) into the cache as it goes (AMX: the next panel's
+  // weights while this panel's row tiles compute from cache).
+  static void prefetch_during_next_tile(const void*, int64_t) {}
   // rows x cols of a tile's acc (rows `stride` floats apart) to `out` (rows `ldo` elements apart).
   static void store(int32_t out_dtype, const float* acc, int64_t stride, int rows, void* out, int64_t ldo,
                     int64_t cols) {
@@ -220,8 +223,14 @@ struct DenseGemm {
     alignas(64) float acc[P::MR * P::NB * 16];
     P::begin();
     int64_t r0 = 0;
+    // The next panel's weights (adjacent in the packed layout) come in while this panel's row
+    // tiles run: the first row tile reads this panel from memory, the others from cache, and
+    // without this the memory idles while they compute (the prefetchers do not run that far ahead).
+    const int64_t next_bytes = int64_t(bc) * kp * 64;
+    const char* next = reinterpret_cast<const char*>(wp) + next_bytes;
     for (int64_t t = 0; t < nrt; ++t) {
       const int rows = P::kRowPad > 1 ? int(m - r0 < P::MR ? m - r0 : P::MR) : int(rbase + (t < rextra ? 1 : 0));
+      P::prefetch_during_next_tile(next + next_bytes * t / nrt, next_bytes * (t + 1) / nrt - next_bytes * t / nrt);
       tiles.fn[rows][bc](static_cast<const char*>(xa) + r0 * xs * 4, xs, wp, kp, acc);  // 4-byte elements
       P::store(out_dtype, acc, bc * 16, rows, static_cast<char*>(out) + (r0 * ldo + c0) * es, ldo, cols);
       r0 += rows;
