@@ -216,7 +216,7 @@ struct DenseGemm {
   // columns [c0, c0 + cols); rows in tiles of at most MR, balanced (17 rows at MR = 8: 6 + 6 + 5,
   // not 8 + 8 + 1) unless the rows are padded (kRowPad: full tiles, then the rest).
   static void panel(int32_t out_dtype, void* out, const void* xa, int64_t xs, const uint16_t* wp, int64_t kp,
-                    int bc, int64_t c0, int64_t cols, int64_t m, int64_t ldo) {
+                    int bc, int64_t c0, int64_t cols, int64_t m, int64_t ldo, bool prefetch_next = true) {
     static const Tiles tiles;
     const int es = out_dtype == AS_F32 ? 4 : 2;
     const int64_t nrt = (m + P::MR - 1) / P::MR, rbase = m / nrt, rextra = m % nrt;
@@ -230,7 +230,8 @@ struct DenseGemm {
     const char* next = reinterpret_cast<const char*>(wp) + next_bytes;
     for (int64_t t = 0; t < nrt; ++t) {
       const int rows = P::kRowPad > 1 ? int(m - r0 < P::MR ? m - r0 : P::MR) : int(rbase + (t < rextra ? 1 : 0));
-      P::prefetch_during_next_tile(next + next_bytes * t / nrt, next_bytes * (t + 1) / nrt - next_bytes * t / nrt);
+      if (prefetch_next)
+        P::prefetch_during_next_tile(next + next_bytes * t / nrt, next_bytes * (t + 1) / nrt - next_bytes * t / nrt);
       tiles.fn[rows][bc](static_cast<const char*>(xa) + r0 * xs * 4, xs, wp, kp, acc);  // 4-byte elements
       P::store(out_dtype, acc, bc * 16, rows, static_cast<char*>(out) + (r0 * ldo + c0) * es, ldo, cols);
       r0 += rows;
@@ -356,7 +357,7 @@ struct DenseGemm {
       uint16_t* wp = static_cast<uint16_t*>(wbuf(int64_t(bc) * kp * 64));
       for (int b = 0; b < bc; ++b)
         dequant_block(fmt, static_cast<const uint8_t*>(wq), b0 + b, k, group, wp + b * kp * 32);
-      panel(out_dtype, out, xa, xs, wp, kp, bc, c0, cols, m, ldo);
+      panel(out_dtype, out, xa, xs, wp, kp, bc, c0, cols, m, ldo, false);  // (the next panel is not dequantized yet)
     });
   }
 
