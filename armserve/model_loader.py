@@ -30,6 +30,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # llama.cpp permutes q/k rows of these GGUF architectures for its rotary layout.
 _GGUF_PERMUTED_ARCHS = {"llama", "mistral"}

@@ -218,6 +218,8 @@ def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms
         "MixtralForCausalLM": transformers.MixtralConfig,
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
     }[arch]
     kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     kw.update(overrides)
