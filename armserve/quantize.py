@@ -26,10 +26,14 @@ from armserve import model_loader
 from armserve.layers.quantized_linear import quantize_weight, quantize_weight_int8
 
 # Decoder-layer projections that are quantized (MoE experts included: Mixtral names its experts'
-# gate/down/up w1/w2/w3); anything else is copied, routers (`mlp.gate`) too.
+# gate/down/up w1/w2/w3; DeepSeek's shared experts and MLA's q/kv down- and up-projections too);
+# anything else is copied, routers (`mlp.gate`) too. NOTE: MLA's kv_b_proj stays float: it is
+# absorbed into the query and the output as per-head matrices (layers/mla.py), not run as a GEMM,
+# and an int4 error there would enter every attention score; it is ~0.4% of DeepSeek-V2-Lite's weights.
 LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                    "gate_proj.weight", "up_proj.weight", "down_proj.weight",
-                   ".w1.weight", ".w2.weight", ".w3.weight")
+                   ".w1.weight", ".w2.weight", ".w3.weight",
+                   "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
 SHARD_BYTES = 2 * 2**30
 
 

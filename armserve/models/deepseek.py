@@ -23,7 +23,7 @@ files are joined back into kv_b_proj in `load_weights`.
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -210,3 +210,54 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     renormalised and scaled."""
 
     v3 = True
+
+
+def config_from_gguf(field: Callable[[str], Any], tensor_names: set[str]):
+    """The transformers config of a llama.cpp `deepseek2` GGUF file (transformers reads no such
+    header). `field(key)` is a metadata value or None.
+
+    Newer files describe MLA as llama.cpp runs it (key_length = kv_lora_rank + rope, value_length =
+    kv_lora_rank) and put the per-head sizes in key_length_mla / value_length_mla; older ones have
+    the per-head sizes in key_length / value_length. Sigmoid gating (expert_gating_func 2) is
+    V3's routing. YaRN: the file keeps 0.1 * mscale_all_dim as yarn_log_multiplier and no
+    mscale; DeepSeek's published configs have mscale == mscale_all_dim, assumed here.
+    """
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    def f(key: str, default: Any = None) -> Any:
+        v = field(f"deepseek2.{key}")
+        return default if v is None else v
+
+    heads, rope = int(f("attention.head_count")), int(f("rope.dimension_count"))
+    qk_head, v_dim = f("attention.key_length_mla"), f("attention.value_length_mla")
+    if not qk_head:
+        qk_head, v_dim = f("attention.key_length"), f("attention.value_length")
+    v3 = f("expert_gating_func", 1) == 2
+    groups, used_groups = int(f("expert_group_count", 1)), int(f("expert_group_used_count", 1))
+    rope_params: dict = {"rope_type": "default", "rope_theta": float(f("rope.freq_base", 10000.0))}
+    if f("rope.scaling.type") == "yarn":
+        m = float(f("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope_params.update(rope_type="yarn", factor=float(f("rope.scaling.factor")), beta_fast=32.0, beta_slow=1.0,
+                           original_max_position_embeddings=int(f("rope.scaling.original_context_length")),
+                           mscale=m or 1.0, mscale_all_dim=m or 1.0)
+    kw = dict(
+        vocab_size=int(f("vocab_size") or field("tokenizer.ggml.tokens_count") or 0),
+        hidden_size=int(f("embedding_length")), intermediate_size=int(f("feed_forward_length")),
+        num_hidden_layers=int(f("block_count")), num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=int(f("context_length")), rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
+        q_lora_rank=f("attention.q_lora_rank"), kv_lora_rank=int(f("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope, qk_nope_head_dim=int(qk_head) - rope, v_head_dim=int(v_dim),
+        n_routed_experts=f("expert_count"), num_experts_per_tok=f("expert_used_count"),
+        n_shared_experts=int(f("expert_shared_count", 0)), moe_intermediate_size=f("expert_feed_forward_length"),
+        first_k_dense_replace=int(f("leading_dense_block_count", 0)),
+        routed_scaling_factor=float(f("expert_weights_scale", 1.0)), norm_topk_prob=bool(f("expert_weights_norm", False)),
+        n_group=groups, topk_group=used_groups, rope_parameters=rope_params,
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"), eos_token_id=field("tokenizer.ggml.eos_token_id"),
+    )
+    if v3:
+        config = DeepseekV3Config(**kw, rope_interleave=True)
+    else:
+        config = DeepseekV2Config(**kw, topk_method="group_limited_greedy" if groups > 1 else "greedy")
+    config.architectures = ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"]
+    return config
