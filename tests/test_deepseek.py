@@ -191,6 +191,23 @@ def test_deepseek_matches_transformers_on_every_path(deepseek):
     assert small.llm_engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_bfloat16_tracks_transformers_bfloat16(tiny_checkpoints, name):
+    """In bfloat16 (packed dense kernels, MLA in bf16) the next-token log-probs stay within 0.1 of
+    transformers' own bfloat16 run (as test_models' bf16 check); both differ from float32 by more here."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_checkpoints[name]
+    llm = tiny(folder, dtype="bfloat16")
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    p = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    for out in llm.generate(PROMPTS, p, use_tqdm=False):
+        with torch.no_grad():
+            want = torch.log_softmax(hf(torch.tensor([out.prompt_token_ids])).logits[0, -1].float(), dim=-1)
+        got = out.outputs[0].logprobs[0]
+        assert max(abs(lp.logprob - want[t].item()) for t, lp in got.items()) < 0.1  # (measured <= 0.06)
+
+
 def test_latent_cache_holds_one_row_per_token_per_layer(tiny_checkpoints, caplog):
     """The cache is (kv_lora_rank + qk_rope_head_dim) values per token per layer, no per-head K/V;
     the block count, the start-up log's tokens-that-fit and `armserve info --model` agree."""
