@@ -187,10 +187,15 @@ def _gguf_own_config(src: ModelSource):
         return None
     from armserve.models.deepseek import config_from_gguf
 
+    from gguf import GGUFValueType
+
     def field(key: str):
         if key == "tokenizer.ggml.tokens_count":
             f = reader.fields.get("tokenizer.ggml.tokens")
             return len(f.data) if f else None
+        f = reader.fields.get(key)
+        if f is not None and f.types and f.types[0] == GGUFValueType.STRING:
+            return bytes(f.parts[f.data[0]]).decode()
         return _gguf_field(reader, key)
 
     return config_from_gguf(field, {t.name for t in reader.tensors})

@@ -282,7 +282,7 @@ def write_deepseek_gguf(hf_folder: str, path: str, split_kv_b: bool) -> None:
     attn_v_b [H, v, R], key/value lengths of the MQA view plus the _mla ones), else attn_kv_b.
     All F32; no tokenizer (the test passes the HF folder's)."""
     import numpy as np
-    from gguf import ExpertGatingFuncType, GGUFWriter
+    from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
     from safetensors.torch import load_file
 
     cfg = json.load(open(os.path.join(hf_folder, "config.json")))
@@ -313,6 +313,12 @@ def write_deepseek_gguf(hf_folder: str, path: str, split_kv_b: bool) -> None:
         w.add_key_length(nope + rope)
         w.add_value_length(v)
     w.add_rope_dimension_count(rope)
+    rp = cfg["rope_parameters"]
+    if rp["rope_type"] == "yarn":  # llama.cpp keeps 0.1 * mscale_all_dim, not mscale
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
     w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_expert_count(cfg["n_routed_experts"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -375,6 +381,30 @@ def test_deepseek_gguf_round_trip(tiny_checkpoints, tmp_path, split_kv_b):
     assert type(llm.llm_engine.model).__name__ == "DeepseekV3ForCausalLM"
     outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert tokens(outs) == [hf_greedy(folder, o.prompt_token_ids) for o in outs]
+
+
+def test_deepseek_v2_gguf_header_gives_its_config(tiny_checkpoints, tmp_path):
+    """The V2 checkpoint's header (softmax gating, group-limited greedy, full-rank q, YaRN) read
+    back into the config the HF folder has, but for YaRN's mscale: the file keeps only
+    mscale_all_dim, so mscale is taken equal to it (as DeepSeek's own configs have it)."""
+    from armserve.model_loader import load_config, resolve_model_path
+
+    folder = tiny_checkpoints["deepseek_v2"]
+    path = str(tmp_path / "v2.gguf")
+    write_deepseek_gguf(folder, path, split_kv_b=True)
+    got, want = load_config(resolve_model_path(path)), load_config(resolve_model_path(folder))
+    assert got.architectures == ["DeepseekV2ForCausalLM"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank",
+                "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_routed_experts",
+                "num_experts_per_tok", "n_shared_experts", "moe_intermediate_size", "first_k_dense_replace",
+                "topk_method", "n_group", "topk_group", "vocab_size"):
+        assert getattr(got, key) == getattr(want, key), key
+    for key in ("routed_scaling_factor", "rms_norm_eps"):  # (float32 in the file)
+        assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-6), key
+    rg, rw = got.rope_parameters, want.rope_parameters
+    assert rg["rope_type"] == "yarn" and rg["factor"] == rw["factor"]
+    assert rg["original_max_position_embeddings"] == rw["original_max_position_embeddings"]
+    assert rg["mscale_all_dim"] == pytest.approx(rw["mscale_all_dim"]) and rg["mscale"] == rg["mscale_all_dim"]
 
 
 def test_quantize_deepseek(tiny_checkpoints, tmp_path):
