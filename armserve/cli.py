@@ -210,7 +210,8 @@ def _kv_cache_info(args: argparse.Namespace) -> dict:
     cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_space=args.kv_cache_space,
                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
     hf = model_loader.load_config(model_loader.resolve_model_path(args.model))
-    cache_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, resolve_dtype(cfg.dtype, model_loader.checkpoint_dtype(hf)))
+    dtype = resolve_dtype(cfg.dtype, model_loader.checkpoint_dtype(hf))
+    cache_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
     rows, width = kv_cache_rows(hf)
     blocks = kv_cache_num_blocks(hf, cfg.kv_cache_space, cfg.block_size, cache_dtype)
     return {"model": args.model, "dtype": str(cache_dtype).replace("torch.", ""), "rows_per_token_per_layer": rows,

@@ -211,8 +211,6 @@ def test_deepseek_bfloat16_tracks_transformers_bfloat16(tiny_checkpoints, name):
 def test_latent_cache_holds_one_row_per_token_per_layer(tiny_checkpoints, caplog):
     """The cache is (kv_lora_rank + qk_rope_head_dim) values per token per layer, no per-head K/V;
     the block count, the start-up log's tokens-that-fit and `armserve info --model` agree."""
-    from armserve.cli import main
-
     folder = tiny_checkpoints["deepseek_v3"]
     with caplog.at_level(logging.INFO, logger="armserve"):
         llm = tiny(folder, kv_cache_space=0.01)

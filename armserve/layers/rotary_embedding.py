@@ -55,7 +55,8 @@ def _inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
     )
 
 
-def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -92,8 +93,8 @@ def rope_attention_factor(params: dict) -> float:
         return float(params["attention_factor"])
     factor, m, m_all = float(params["factor"]), params.get("mscale"), params.get("mscale_all_dim")
     if m and m_all:
-        return _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
-    return _yarn_mscale(factor)
+        return yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+    return yarn_mscale(factor)
 
 
 _COS_SIN: dict[tuple, torch.Tensor] = {}

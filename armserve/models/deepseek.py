@@ -31,8 +31,8 @@ from torch import nn
 from armserve.layers.fused_moe import fused_experts, select_experts
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.mla import MLAAttention
-from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
-from armserve.layers.rotary_embedding import RotaryEmbedding, _yarn_mscale, rope_parameters
+from armserve.layers.quantized_linear import QuantizedTensor
+from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters, yarn_mscale
 from armserve.models.llama import Linear, LlamaForCausalLM, LlamaMLP
 from armserve.models.moe import SparseMoeBlock
 
@@ -66,7 +66,7 @@ class DeepseekAttention(nn.Module):
                                           is_neox_style=not rope_interleave)
         scale = qk_dim**-0.5
         if rope["rope_type"] != "default" and rope.get("mscale_all_dim"):
-            scale *= _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+            scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
         self.attn = MLAAttention(H, self.kv_lora_rank, self.rope_dim, self.nope_dim, self.v_dim, scale)
 
     def absorb_kv_b(self) -> None:
@@ -146,7 +146,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
         "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
         "attn_k_b": "self_attn.k_b_proj", "attn_v_b": "self_attn.v_b_proj",
-        "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.gate.e_score_correction",
+        "ffn_gate_inp": "mlp.gate", "exp_probs_b": "mlp.exp_probs_b",
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
     }
@@ -163,9 +163,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def _checkpoint_name(self, name: str) -> str:
         name = super()._checkpoint_name(name)
-        # the router's bias lives beside its Linear, not inside it
-        return name.replace(".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias").replace(
-            ".mlp.gate.e_score_correction.bias", ".mlp.e_score_correction_bias")
+        # the router's bias (HF: mlp.gate.e_score_correction_bias, GGUF: exp_probs_b.bias) lives
+        # beside the router's Linear, not inside it
+        for old in (".mlp.gate.e_score_correction_bias", ".mlp.exp_probs_b.bias"):
+            name = name.replace(old, ".mlp.e_score_correction_bias")
+        return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> set[str]:
         return super().load_weights(self._joined_kv_b(weights))
@@ -198,10 +200,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def process_weights_after_loading(self) -> None:
         for layer in self.layers:
-            attn = layer.self_attn
-            if isinstance(attn.kv_b_proj, QuantizedLinear):  # (never: load_weights dequantizes it)
-                raise ValueError("kv_b_proj must be a float weight")
-            attn.absorb_kv_b()
+            layer.self_attn.absorb_kv_b()
         super().process_weights_after_loading()
 
 
@@ -250,7 +249,8 @@ def config_from_gguf(field: Callable[[str], Any], tensor_names: set[str]):
         n_routed_experts=f("expert_count"), num_experts_per_tok=f("expert_used_count"),
         n_shared_experts=int(f("expert_shared_count", 0)), moe_intermediate_size=f("expert_feed_forward_length"),
         first_k_dense_replace=int(f("leading_dense_block_count", 0)),
-        routed_scaling_factor=float(f("expert_weights_scale", 1.0)), norm_topk_prob=bool(f("expert_weights_norm", False)),
+        routed_scaling_factor=float(f("expert_weights_scale", 1.0)),
+        norm_topk_prob=bool(f("expert_weights_norm", False)),
         n_group=groups, topk_group=used_groups, rope_parameters=rope_params,
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=field("tokenizer.ggml.bos_token_id"), eos_token_id=field("tokenizer.ggml.eos_token_id"),
