@@ -273,14 +273,16 @@ def test_int8_latent_cache_close_to_float(tiny_checkpoints, name):
 # ---- GGUF (llama.cpp's deepseek2) and armserve quantize ----------------------------------------
 
 
-def write_deepseek_gguf(hf_folder: str, path: str, split_kv_b: bool) -> None:
+def write_deepseek_gguf(hf_folder: str, path: str, split_kv_b: bool, q8: bool = False) -> None:
     """A GGUF file of a tiny HF DeepSeek checkpoint as llama.cpp's converter lays it out: arch
     `deepseek2`, experts stacked in ffn_{gate,up,down}_exps, the router bias as exp_probs_b; with
     `split_kv_b` the newer MLA layout (kv_b split into attn_k_b [H, R, nope] (transposed) and
     attn_v_b [H, v, R], key/value lengths of the MQA view plus the _mla ones), else attn_kv_b.
-    All F32; no tokenizer (the test passes the HF folder's)."""
+    F32, or with `q8` every matrix but the embedding in Q8_0 blocks (k_b/v_b too, as 3-d tensors);
+    no tokenizer (the test passes the HF folder's)."""
     import numpy as np
-    from gguf import ExpertGatingFuncType, GGUFWriter, RopeScalingType
+    from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, RopeScalingType
+    from gguf.quants import quantize
     from safetensors.torch import load_file
 
     cfg = json.load(open(os.path.join(hf_folder, "config.json")))
@@ -330,7 +332,11 @@ def write_deepseek_gguf(hf_folder: str, path: str, split_kv_b: bool) -> None:
     w.add_expert_group_used_count(cfg["topk_group"] or 1)
 
     def add(name: str, t: torch.Tensor) -> None:
-        w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))
+        a = np.ascontiguousarray(t.float().numpy())
+        if q8 and a.ndim >= 2 and name != "token_embd.weight":
+            w.add_tensor(name, quantize(a, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, a)
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])
@@ -379,6 +385,24 @@ def test_deepseek_gguf_round_trip(tiny_checkpoints, tmp_path, split_kv_b):
     assert type(llm.llm_engine.model).__name__ == "DeepseekV3ForCausalLM"
     outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert tokens(outs) == [hf_greedy(folder, o.prompt_token_ids) for o in outs]
+
+
+def test_deepseek_gguf_q8_0_stays_quantized_and_close(tiny_checkpoints, tmp_path):
+    """Q8_0 blocks: MLA's q/kv-a/o projections and the experts run as int8 weights, kv_b (split,
+    3-d blocks) is dequantized for absorption; next-token log-probs stay close to the F32 file's."""
+    from armserve.layers.quantized_linear import QuantizedLinear
+
+    folder = tiny_checkpoints["deepseek_v3"]
+    f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
+    write_deepseek_gguf(folder, f32, split_kv_b=True)
+    write_deepseek_gguf(folder, q8, split_kv_b=True, q8=True)
+    a, b = tiny(f32, tokenizer=folder), tiny(q8, tokenizer=folder)
+    attn, mlp = b.llm_engine.model.layers[1].self_attn, b.llm_engine.model.layers[1].mlp
+    assert all(isinstance(m, QuantizedLinear) and [p.fmt for p in m.parts] == ["w8"] for m in (
+        attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.o_proj, mlp.experts[0].down_proj))
+    assert attn.attn.w_uk is not None
+    for p in PROMPTS[:2]:
+        assert_next_token_logprobs_close(a, b, p, 0.15)  # int8 weights and activations everywhere (measured 0.12)
 
 
 def test_deepseek_v2_gguf_header_gives_its_config(tiny_checkpoints, tmp_path):
