@@ -185,9 +185,9 @@ def _gguf_own_config(src: ModelSource):
     reader = _gguf_reader(os.path.join(src.folder, src.gguf_file))
     if _gguf_arch(reader) != "deepseek2":
         return None
-    from armserve.models.deepseek import config_from_gguf
-
     from gguf import GGUFValueType
+
+    from armserve.models.deepseek import config_from_gguf
 
     def field(key: str):
         if key == "tokenizer.ggml.tokens_count":

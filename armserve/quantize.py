@@ -27,10 +27,11 @@ from armserve.layers.quantized_linear import quantize_weight, quantize_weight_in
 from armserve.models import get_model_class
 
 # Decoder-layer projections that are quantized (MoE experts included: Mixtral names its experts'
-# gate/down/up w1/w2/w3; DeepSeek's shared experts and MLA's q/kv down- and up-projections too);
-# anything else is copied, routers (`mlp.gate`) too. NOTE: MLA's kv_b_proj stays float: it is
-# absorbed into the query and the output as per-head matrices (layers/mla.py), not run as a GEMM,
-# and an int4 error there would enter every attention score; it is ~0.4% of DeepSeek-V2-Lite's weights.
+# gate/down/up w1/w2/w3; DeepSeek's shared experts, MLA's q projections and kv down-projection
+# too); anything else is copied, routers (`mlp.gate`) too. NOTE: MLA's kv up-projection kv_b_proj
+# stays float: it is absorbed into the query and the output as per-head matrices (layers/mla.py),
+# not run as a GEMM, and an int4 error there would enter every attention score; it is ~0.4% of
+# DeepSeek-V2-Lite's weights.
 LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                    "gate_proj.weight", "up_proj.weight", "down_proj.weight",
                    ".w1.weight", ".w2.weight", ".w3.weight",

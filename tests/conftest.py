@@ -268,6 +268,11 @@ def tiny_checkpoints(tokenizer_dir) -> dict[str, str]:
             os.path.join(CACHE, "tiny-mistral"), "MistralForCausalLM", tokenizer_dir, sliding_window=8
         ),
         "qwen2": make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen2"), "Qwen2ForCausalLM", tokenizer_dir),
+        # YaRN: frequencies ramped between kept and divided by 4, cos/sin scaled by 1 + 0.1 ln 4
+        "qwen2-yarn": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-qwen2-yarn"), "Qwen2ForCausalLM", tokenizer_dir,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64}),
         # per-head q/k norms; 4 heads of 32 (q wider than the hidden size)
         "qwen3": make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen3"), "Qwen3ForCausalLM", tokenizer_dir,
                                       perturb_norms=True, head_dim=32),
