@@ -115,12 +115,14 @@ class MLAAttention(nn.Module):
         mask [B, 1, L] (True = visible) -> [B, H, v]. All heads share the latent rows (MQA)."""
         # per head: q_lat[b, h] = W_UK[h]^T q_nope[b, h]   ([H, B, nope] @ [H, nope, R])
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk.to(q_nope.dtype)).transpose(0, 1)
-        q = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(1)  # [B, 1, H, R + P]: the heads are the "queries"
-        k = kv.unsqueeze(1)  # [B, 1, L, R + P]
-        v = kv[..., : self.kv_lora_rank].unsqueeze(1)  # [B, 1, L, R]
-        o_lat = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=self.scale)
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [B, H, R + P]: the heads are the "queries" of one kv head
+        # NOTE: two bmm's and a float32 softmax, not scaled_dot_product_attention: with a value
+        # narrower than the key and a mask, SDPA takes its slow path on CPU (~3x slower in bf16).
+        scores = torch.bmm(q, kv.transpose(1, 2)).float().mul_(self.scale)  # [B, H, L]
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1).to(kv.dtype)
+        o_lat = torch.bmm(probs, kv[..., : self.kv_lora_rank])  # [B, H, R]
         # per head: out[b, h] = W_UV[h] o_lat[b, h]   ([H, B, R] @ [H, R, v])
-        return torch.bmm(o_lat.squeeze(1).transpose(0, 1), self.w_uv_t.to(q_nope.dtype)).transpose(0, 1)
+        return torch.bmm(o_lat.transpose(0, 1), self.w_uv_t.to(q_nope.dtype)).transpose(0, 1)
 
     def expanded(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None
                  ) -> torch.Tensor:
