@@ -172,6 +172,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     init_threads()
     info = describe()
     info["armserve"] = __version__
+    if args.model:
+        info["kv_cache"] = _kv_cache_info(args)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -190,7 +192,31 @@ def cmd_info(args: argparse.Namespace) -> int:
     for node, cpus in info["numa_nodes"].items():
         print(f"NUMA node {node}    CPUs {cpus}")
     print(f"OpenMP         kernels and torch share {info['openmp_runtime'] or 'none'}")
+    kv = info.get("kv_cache")
+    if kv:
+        print(f"KV cache       {kv['model']}: {kv['dtype']}, {kv['rows_per_token_per_layer']} x {kv['values_per_row']} "
+              f"values per token per layer ({kv['bytes_per_token']} bytes per token): {kv['tokens']} tokens fit in "
+              f"{kv['space_gib']:g} GiB")
     return 0
+
+
+def _kv_cache_info(args: argparse.Namespace) -> dict:
+    """The KV cache a model would get, from its config alone (no weights are read): values and bytes
+    per token (MLA models cache one latent row per layer) and the tokens that fit."""
+    from armserve import model_loader
+    from armserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
+    from armserve.engine.model_runner import kv_cache_bytes_per_token, kv_cache_num_blocks, kv_cache_rows
+
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_space=args.kv_cache_space,
+                       kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
+    hf = model_loader.load_config(model_loader.resolve_model_path(args.model))
+    dtype = resolve_dtype(cfg.dtype, model_loader.checkpoint_dtype(hf))
+    cache_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+    rows, width = kv_cache_rows(hf)
+    blocks = kv_cache_num_blocks(hf, cfg.kv_cache_space, cfg.block_size, cache_dtype)
+    return {"model": args.model, "dtype": str(cache_dtype).replace("torch.", ""), "rows_per_token_per_layer": rows,
+            "values_per_row": width, "bytes_per_token": kv_cache_bytes_per_token(hf, cache_dtype),
+            "space_gib": cfg.kv_cache_space, "tokens": blocks * cfg.block_size}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -221,6 +247,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="CPU features, kernel variants, threads and NUMA layout")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--model", default=None, help="also show this model's KV cache: bytes per token, tokens that fit")
+    i.add_argument("--dtype", default="auto")
+    i.add_argument("--kv-cache-dtype", default="auto")
+    i.add_argument("--kv-cache-space", type=float, default=None, help="GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
+    i.add_argument("--block-size", type=int, default=32)
     i.set_defaults(func=cmd_info)
 
     # ---- bench: latency / throughput / serve / plot (code in armserve.benchmarks) ----

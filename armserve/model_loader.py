@@ -30,6 +30,8 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # llama.cpp permutes q/k rows of these GGUF architectures for its rotary layout.
 _GGUF_PERMUTED_ARCHS = {"llama", "mistral"}
@@ -155,12 +157,15 @@ def load_config(src: ModelSource):
     from transformers import AutoConfig
 
     try:
+        own = _gguf_own_config(src) if src.is_gguf else None
+        if own is not None:
+            return own
         if src.is_gguf:
             with _transformers_reads_shared_gguf(src):
                 config = AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
         else:
             config = AutoConfig.from_pretrained(src.folder)
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         what = src.gguf_file or "config.json"
         raise ModelLoadError(f"cannot read the model config from {what} in {src.folder}: {e}") from e
     if src.is_gguf:
@@ -172,6 +177,28 @@ def load_config(src: ModelSource):
             get_model_class(f"<model_type {config.model_type}>")  # raises with the supported list
         config.architectures = [arch]
     return config
+
+
+def _gguf_own_config(src: ModelSource):
+    """The config of a GGUF architecture transformers cannot read (llama.cpp's `deepseek2`), built
+    by its model file from the header; None for the others."""
+    reader = _gguf_reader(os.path.join(src.folder, src.gguf_file))
+    if _gguf_arch(reader) != "deepseek2":
+        return None
+    from gguf import GGUFValueType
+
+    from armserve.models.deepseek import config_from_gguf
+
+    def field(key: str):
+        if key == "tokenizer.ggml.tokens_count":
+            f = reader.fields.get("tokenizer.ggml.tokens")
+            return len(f.data) if f else None
+        f = reader.fields.get(key)
+        if f is not None and f.types and f.types[0] == GGUFValueType.STRING:
+            return bytes(f.parts[f.data[0]]).decode()
+        return _gguf_field(reader, key)
+
+    return config_from_gguf(field, {t.name for t in reader.tensors})
 
 
 def _gguf_arch(reader) -> str:
@@ -231,7 +258,9 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
                 return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
         return AutoTokenizer.from_pretrained(src.folder)
     except Exception as e:  # transformers raises many kinds here
-        raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}") from e
+        # (transformers reads no tokenizer from some GGUF architectures, llama.cpp's deepseek2 among them)
+        hint = "; pass tokenizer= (--tokenizer) an HF folder or name with the model's tokenizer" if src.is_gguf else ""
+        raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}{hint}") from e
 
 
 def checkpoint_dtype(config) -> torch.dtype | None:
@@ -321,7 +350,7 @@ def _unpermute_gguf_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 # GGUF tensors that feed a linear layer (so may stay quantized); token_embd too, as a tied lm_head.
 _GGUF_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output",
-                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"}
+                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_q_a", "attn_q_b", "attn_kv_a_mqa"}
 # MoE experts stacked in one GGUF tensor [experts, rows, cols] -> one expert's projection
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 

@@ -24,18 +24,26 @@ import torch
 
 from armserve import model_loader
 from armserve.layers.quantized_linear import quantize_weight, quantize_weight_int8
+from armserve.models import get_model_class
 
 # Decoder-layer projections that are quantized (MoE experts included: Mixtral names its experts'
-# gate/down/up w1/w2/w3); anything else is copied, routers (`mlp.gate`) too.
+# gate/down/up w1/w2/w3; DeepSeek's shared experts, MLA's q projections and kv down-projection
+# too); anything else is copied, routers (`mlp.gate`) too. NOTE: MLA's kv up-projection kv_b_proj
+# stays float: it is absorbed into the query and the output as per-head matrices (layers/mla.py),
+# not run as a GEMM, and an int4 error there would enter every attention score; it is ~0.4% of
+# DeepSeek-V2-Lite's weights.
 LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
                    "gate_proj.weight", "up_proj.weight", "down_proj.weight",
-                   ".w1.weight", ".w2.weight", ".w3.weight")
+                   ".w1.weight", ".w2.weight", ".w3.weight",
+                   "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
 SHARD_BYTES = 2 * 2**30
 
 
 def _float_weights(src: model_loader.ModelSource, config):
     if src.is_gguf:
-        return model_loader._iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=False)
+        # the family's own GGUF names (Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA) come with its class
+        cls = get_model_class(config.architectures[0])
+        return model_loader._iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=False, cls=cls)
     if model_loader.armserve_quantization(config):
         raise ValueError(f"{src.path} is already quantized by armserve")
     return model_loader._iter_safetensors(src.folder)

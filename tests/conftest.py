@@ -198,7 +198,8 @@ TINY = dict(
 def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms: bool = False, **overrides) -> str:
     """Write a random-weight checkpoint of `arch` made by transformers, with a real tokenizer.
     `perturb_norms`: every norm weight made random too (transformers starts them all equal, which
-    would hide a misplaced or mis-offset norm)."""
+    would hide a misplaced or mis-offset norm), and so is DeepSeek-V3's router score-correction
+    bias (zeros at the start)."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -218,6 +219,8 @@ def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms
         "MixtralForCausalLM": transformers.MixtralConfig,
         "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
         "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+        "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
+        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
     }[arch]
     kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     kw.update(overrides)
@@ -229,6 +232,9 @@ def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight"):
                     p.copy_(p + 0.3 * torch.randn_like(p))
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -262,6 +268,11 @@ def tiny_checkpoints(tokenizer_dir) -> dict[str, str]:
             os.path.join(CACHE, "tiny-mistral"), "MistralForCausalLM", tokenizer_dir, sliding_window=8
         ),
         "qwen2": make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen2"), "Qwen2ForCausalLM", tokenizer_dir),
+        # YaRN: frequencies ramped between kept and divided by 4, cos/sin scaled by 1 + 0.1 ln 4
+        "qwen2-yarn": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-qwen2-yarn"), "Qwen2ForCausalLM", tokenizer_dir,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64}),
         # per-head q/k norms; 4 heads of 32 (q wider than the hidden size)
         "qwen3": make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen3"), "Qwen3ForCausalLM", tokenizer_dir,
                                       perturb_norms=True, head_dim=32),
@@ -275,6 +286,7 @@ def tiny_checkpoints(tokenizer_dir) -> dict[str, str]:
                              "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
         ),
         **tiny_moe_checkpoints(tokenizer_dir),
+        **tiny_deepseek_checkpoints(tokenizer_dir),
     }
 
 
@@ -296,4 +308,32 @@ def tiny_moe_checkpoints(tokenizer_dir: str) -> dict[str, str]:
             head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
             decoder_sparse_step=1, mlp_only_layers=[0],
         ),
+    }
+
+
+# Multi-head Latent Attention: latent 32 + rope 16 per token; q/k heads of 32 + 16, values of 24
+TINY_MLA = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16,
+                qk_nope_head_dim=32, v_head_dim=24, n_routed_experts=6, num_experts_per_tok=2, n_shared_experts=1,
+                moe_intermediate_size=64, first_k_dense_replace=1)
+
+
+def tiny_deepseek_checkpoints(tokenizer_dir: str) -> dict[str, str]:
+    """Tiny DeepSeek checkpoints: 3 layers (the first dense), 6 routed experts top-2 plus a shared
+    one, MLA with each q path."""
+    return {
+        # full-rank q_proj; softmax routing, group-limited greedy (2 groups, best 1), scaled 1.5;
+        # YaRN rope with mscale != mscale_all_dim (cos/sin and the softmax scale both change)
+        "deepseek_v2": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-deepseek-v2"), "DeepseekV2ForCausalLM", tokenizer_dir, perturb_norms=True,
+            q_lora_rank=None, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+            routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+                             "mscale": 1.0, "mscale_all_dim": 0.8},
+            **TINY_MLA),
+        # low-rank q (q_lora_rank 32); sigmoid routing with a random correction bias, 2 groups
+        # (best 1), renormalised, scaled 2.5; interleaved rope
+        "deepseek_v3": make_tiny_checkpoint(
+            os.path.join(CACHE, "tiny-deepseek-v3"), "DeepseekV3ForCausalLM", tokenizer_dir, perturb_norms=True,
+            q_lora_rank=32, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, **TINY_MLA),
     }

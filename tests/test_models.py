@@ -57,8 +57,8 @@ def assert_matches_hf(folder_for_hf: str, llm: LLM, prompt: str, atol: float) ->
     assert worst < atol, f"log-probs differ from transformers by {worst:.2e} (tolerance {atol})"
 
 
-@pytest.mark.parametrize("name", ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen3", "gemma3", "mixtral",
-                                  "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["llama", "llama3-rope-tied", "mistral", "qwen2", "qwen2-yarn", "qwen3", "gemma3",
+                                  "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_tiny_architectures_match_transformers(tiny_checkpoints, name):
     folder = tiny_checkpoints[name]
     llm = LLM(folder, dtype="float32", kv_cache_space=0.05, max_model_len=512, block_size=16)

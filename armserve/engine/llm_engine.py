@@ -14,7 +14,7 @@ from armserve.prompts import prompt_to_ids
 from armserve.config import ConfigError, EngineConfig, resolve_dtype, resolve_kv_cache_dtype
 from armserve.engine.detokenizer import IncrementalDetokenizer
 from armserve.engine.kv_cache_manager import KVCacheManager
-from armserve.engine.model_runner import ModelRunner, kv_cache_num_blocks
+from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, kv_cache_num_blocks
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.structured_output import StructuredOutputManager
@@ -119,11 +119,12 @@ class LLMEngine:
         from armserve import ops
 
         logger.info(
-            "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %s %d blocks x %d tokens (%.2f GiB), "
-            "kernels %s, %d threads%s",
+            "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %s %d blocks x %d tokens = %d tokens "
+            "(%.2f GiB, %d bytes per token), kernels %s, %d threads%s",
             config.model, hf.architectures[0], time.time() - t0, str(self.dtype).replace("torch.", ""),
             self.max_model_len, str(self.kv_cache_dtype).replace("torch.", ""), num_blocks, config.block_size,
-            config.kv_cache_space, ops.isa(),
+            num_blocks * config.block_size, config.kv_cache_space,
+            kv_cache_bytes_per_token(hf, self.kv_cache_dtype), ops.isa(),
             threads["threads"], f" pinned to {threads['bind']}" if threads["bind"] else "",
         )
 

@@ -26,6 +26,28 @@ from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_
 KV_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head) of an int8 cache
 
 
+def kv_cache_rows(config) -> tuple[int, int]:
+    """(rows cached per token per layer, values per row) for this model: K and V of every kv
+    head, or with Multi-head Latent Attention (DeepSeek: `kv_lora_rank` in the config) one row of
+    the latent plus the rotary key part (layers/mla.py)."""
+    if getattr(config, "kv_lora_rank", None):
+        return 1, config.kv_lora_rank + config.qk_rope_head_dim
+    n_heads = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return 2 * n_kv, head_dim
+
+
+def kv_cache_bytes_per_token(config, cache_dtype: torch.dtype) -> int:
+    """Bytes of cache one token takes over all layers. An int8 row also carries float32 scales
+    (one per K/V row; MLA's latent and rotary parts have one each)."""
+    rows, width = kv_cache_rows(config)
+    row_bytes = width * torch.tensor([], dtype=cache_dtype).element_size()
+    if cache_dtype == torch.int8:
+        row_bytes += KV_SCALE_DTYPE.itemsize * (2 if getattr(config, "kv_lora_rank", None) else 1)
+    return config.num_hidden_layers * rows * row_bytes
+
+
 def kv_cache_num_blocks(config, kv_cache_space_gib: float, block_size: int, cache_dtype: torch.dtype) -> int:
     """How many blocks of `block_size` tokens fit in `kv_cache_space_gib` for this model.
 
@@ -33,14 +55,7 @@ def kv_cache_num_blocks(config, kv_cache_space_gib: float, block_size: int, cach
     head_dim bytes also carries a float32 scale, so int8 holds 2 * hd / (hd + 4) times the tokens
     of a bfloat16 cache (1.88x at head_dim 64, 1.94x at 128).
     """
-    n_heads = config.num_attention_heads
-    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    row_bytes = head_dim * torch.tensor([], dtype=cache_dtype).element_size()
-    if cache_dtype == torch.int8:
-        row_bytes += KV_SCALE_DTYPE.itemsize
-    bytes_per_block = 2 * config.num_hidden_layers * block_size * n_kv * row_bytes
-    return int(kv_cache_space_gib * (1 << 30)) // bytes_per_block
+    return int(kv_cache_space_gib * (1 << 30)) // (block_size * kv_cache_bytes_per_token(config, cache_dtype))
 
 
 PROMPT_LOGPROBS_SLICE = 256
@@ -101,6 +116,12 @@ class ModelRunner:
         kv_cache  [2, layers, num_blocks + 1, kv_heads, block_size, head_dim]   cache_dtype
         kv_scales [2, layers, num_blocks + 1, kv_heads, block_size]             float32, int8 cache only
 
+    or, for a model with Multi-head Latent Attention (its attention layers have a `latent_dim`),
+    one latent row per token per layer (layers/mla.py):
+
+        kv_cache  [layers, num_blocks + 1, block_size, kv_lora_rank + rope_dim]  cache_dtype
+        kv_scales [layers, num_blocks + 1, block_size, 2]                        float32, int8 cache only
+
     (block `num_blocks` is no sequence's: step-graph padding rows write there). A scale lives in the same block as its row, so anything that keeps a block (prefix caching)
     keeps its scales with it.
     """
@@ -119,6 +140,17 @@ class ModelRunner:
         attn_layers = model.attention_layers()
         a0 = attn_layers[0]
         slots = num_blocks * block_size
+        self.sampler = Sampler()
+        self.structured = None  # the engine's StructuredOutputManager, once a request needs one
+        max_blocks = -(-(max_model_len or slots) // block_size)
+        if getattr(a0, "latent_dim", None):
+            self._allocate_latent(attn_layers, num_blocks)
+            # MLA attends in PyTorch (layers/mla.py): the step metadata is the PyTorch path's, and
+            # decode steps cannot be replayed from kernel recordings.
+            self.use_kernels = False
+            self.graphs = StepGraphs(model, min(max_blocks, num_blocks), block_size, enabled=False,
+                                     pad_block=num_blocks)
+            return
         # One block more than the scheduler hands out: the step graphs' padding rows write there.
         k_shape, v_shape, s_shape = kv_cache_shapes(num_blocks + 1, block_size, a0.num_kv_heads, a0.head_dim,
                                                    self.cache_dtype)
@@ -137,16 +169,25 @@ class ModelRunner:
             attn.k_scale = None if self.kv_scales is None else self.kv_scales[0, i]
             attn.v_scale = None if self.kv_scales is None else self.kv_scales[1, i]
             attn.enable_key_smoothing(self.cache_dtype == torch.int8)
-        self.sampler = Sampler()
-        self.structured = None  # the engine's StructuredOutputManager, once a request needs one
         # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
         # switches to the PyTorch path (the reference the kernels are tested against).
         self.use_kernels = ops.use_kernel("attention", dtype, head_dim=a0.head_dim)
         # Decode steps replayed from recorded kernel calls (step_graph.py); block tables wide
         # enough for the longest sequence.
-        max_blocks = -(-(max_model_len or slots) // block_size)
         self.graphs = StepGraphs(model, min(max_blocks, num_blocks), block_size,
                                  enabled=self.use_kernels and not enforce_eager, pad_block=num_blocks)
+
+    def _allocate_latent(self, attn_layers: list, num_blocks: int) -> None:
+        """MLA's cache: one row of latent + rotary key per token per layer (layers/mla.py)."""
+        width = attn_layers[0].latent_dim
+        self.kv_cache = torch.empty(len(attn_layers), num_blocks + 1, self.block_size, width, dtype=self.cache_dtype)
+        prefault_kv_cache(self.kv_cache)
+        self.kv_scales = None
+        if self.cache_dtype == torch.int8:  # zeros: see the NOTE in __init__
+            self.kv_scales = torch.zeros(len(attn_layers), num_blocks + 1, self.block_size, 2, dtype=KV_SCALE_DTYPE)
+        for i, attn in enumerate(attn_layers):
+            attn.kv_cache = self.kv_cache[i]
+            attn.kv_scale = None if self.kv_scales is None else self.kv_scales[i]
 
     # ---- input preparation ------------------------------------------------------------------
 

@@ -13,13 +13,46 @@ import torch
 from torch import nn
 
 
-def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, top_k] fp32, ids [T, top_k] int64): the top-k of the softmax over experts,
-    renormalised to sum 1 per token when `renormalize` (Mixtral, Qwen3-MoE's norm_topk_prob)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = probs.topk(top_k, dim=-1)
+def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool, *, scoring: str = "softmax",
+                   correction_bias: torch.Tensor | None = None, num_groups: int = 1, topk_groups: int = 1,
+                   routed_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] fp32, ids [T, top_k] int64) from router logits [T, experts].
+
+    - `scoring`: "softmax" over the experts (Mixtral, Qwen, DeepSeek-V2) or "sigmoid" per expert
+      (DeepSeek-V3);
+    - `correction_bias` (V3's e_score_correction_bias) is added to the scores for the choice only:
+      the weights are the unbiased scores of the chosen experts;
+    - `num_groups` > 1: experts split into equal groups and only the best `topk_groups` groups
+      compete (V2's group-limited greedy: a group's score is its best expert; V3 with sigmoid
+      scoring: the sum of its best two);
+    - `renormalize`: the chosen weights rescaled to sum 1 (norm_topk_prob);
+    - `routed_scale`: the weights multiplied by it last (routed_scaling_factor).
+    """
+    logits = logits.float()
+    if scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        raise ValueError(f"unknown expert scoring {scoring!r}; expected softmax or sigmoid")
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if num_groups > 1:
+        tokens, experts = choice.shape
+        grouped = choice.view(tokens, num_groups, experts // num_groups)
+        if scoring == "sigmoid":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_groups, dim=-1).indices, True)
+        # NOTE: -inf, not 0: a biased (V3) score may be negative and must still lose to a kept one.
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // num_groups, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
     if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routed_scale != 1.0:
+        weights = weights * routed_scale
     return weights, ids
 
 

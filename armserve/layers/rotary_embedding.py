@@ -1,4 +1,4 @@
-"""Rotary position embedding with a precomputed cos/sin table (default, linear and llama3 scaling)."""
+"""Rotary position embedding with a precomputed cos/sin table (default, linear, llama3 and yarn scaling)."""
 
 from __future__ import annotations
 
@@ -48,9 +48,53 @@ def _inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(mid, blended, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(rot_dim, params)
     raise ValueError(
-        f"rope_type {kind!r} is not supported; supported: default, linear, llama3"
+        f"rope_type {kind!r} is not supported; supported: default, linear, llama3, yarn"
     )
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
+    interpolated (divided by `factor`), those that turn more than `beta_fast` times kept, a linear
+    ramp between (transformers' _compute_yarn_parameters)."""
+    base = float(params["rope_theta"])
+    factor = float(params["factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    beta_fast = float(params.get("beta_fast") or 32)
+    beta_slow = float(params.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over old_len
+        return rot_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1.0 / (base ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    return extrapolation / factor * ramp + extrapolation * (1 - ramp)
+
+
+def rope_attention_factor(params: dict) -> float:
+    """What YaRN multiplies cos and sin by (1 for every other kind): `attention_factor`, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek), else mscale(factor)."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, m, m_all = float(params["factor"]), params.get("mscale"), params.get("mscale_all_dim")
+    if m and m_all:
+        return yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+    return yarn_mscale(factor)
 
 
 _COS_SIN: dict[tuple, torch.Tensor] = {}
@@ -64,7 +108,9 @@ def _cos_sin(rotary_dim: int, max_position: int, params: dict) -> torch.Tensor:
     if table is None:
         inv_freq = _inv_freq(rotary_dim, params)
         freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        table = _COS_SIN[key] = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        table = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        factor = rope_attention_factor(params)
+        _COS_SIN[key] = table = table * factor if factor != 1.0 else table
     return table
 
 
