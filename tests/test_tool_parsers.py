@@ -33,6 +33,11 @@ CASES = {
         ('{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [PARIS]),
         ('{"name": "Ada", "age": 36}', "MALFORMED", []),
         ('Call {"name": "get_weather", "arguments": {}} now', "MALFORMED", []),
+        # ... or alone in a json fence (the same model, at a near tie between `{"` and a fence)
+        ('```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', None, [PARIS]),
+        ('```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n', None, [PARIS]),
+        ('```json\n{"name": "Ada", "age": 36}\n```', "MALFORMED", []),
+        ('```python\nprint(1)\n```', "MALFORMED", []),
     ],
     "llama3_json": [
         ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
@@ -95,6 +100,8 @@ def reassemble(deltas: list[tuple[str, list[dict]]]) -> tuple[str, list[dict]]:
     ("hermes", "No call here, just <tool text."),
     ("hermes", '{"name": "get_weather", "arguments": {"city": "Paris"}}'),
     ("hermes", '{"name": "Ada"}'),
+    ("hermes", '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'),
+    ("hermes", '```python\nprint("a fence of code streams at once")\n```'),
     ("pythonic", '[get_weather(city="Paris"), add(a=1, b=2.5)]'),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}'),
     ("mistral", 'Ok [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2.5}}]'),
@@ -124,3 +131,11 @@ def test_named_and_required_streams():
     text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "add", "parameters": {"a": 1, "b": 2.5}}]'
     content, calls = reassemble([ts.feed(text[:10], False), ts.feed(text[10:], False), ts.feed("", True)])
     assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [PARIS, ADD]
+
+
+def test_hermes_holds_back_only_what_may_become_a_bare_call():
+    p = get_tool_parser("hermes")
+    for text in ("`", "``", "```", "```js", "```json", "```json\n", "```json\n{", "```\n{\"na", "  {\"name"):
+        assert p.call_start(text) == len(text) - len(text.lstrip()), text  # held: may still be a call
+    for text in ("```python\nprint(1)", "```py", "```json\nhello", "Sure, here", "`x`"):
+        assert p.call_start(text) == len(text), text  # streams: cannot become a call any more

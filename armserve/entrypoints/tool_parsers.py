@@ -92,11 +92,17 @@ class HermesToolParser(ToolParser):
             return text, []
         return _content(text[:i]), calls
 
-    @staticmethod
-    def _bare_call(text: str) -> ToolCall | None:
-        """A reply that is nothing but `{"name": .., "arguments": {..}}`, without the tags: small
-        Qwen models (Qwen2.5-Coder-0.5B) answer so; no other reply has that exact shape."""
+    _FENCED = re.compile(r"```(?:json)?[ \t]*\n(.*?)\n?[ \t]*```", re.DOTALL)
+
+    @classmethod
+    def _bare_call(cls, text: str) -> ToolCall | None:
+        """A reply that is nothing but `{"name": .., "arguments": {..}}`, without the tags, or that
+        object alone in a ```json fence: small Qwen models (Qwen2.5-Coder-0.5B) answer so; no
+        other reply has that exact shape."""
         body = text.strip()
+        fenced = cls._FENCED.fullmatch(body)
+        if fenced:
+            body = fenced.group(1).strip()
         if not (body.startswith("{") and body.endswith("}")):
             return None
         try:
@@ -108,9 +114,24 @@ class HermesToolParser(ToolParser):
 
     def call_start(self, text: str) -> int:
         stripped = text.lstrip()
-        if stripped.startswith("{"):  # maybe a bare call: hold it back until the end decides
-            return len(text) - len(stripped)
+        if stripped.startswith("{") or self._may_be_fenced_call(stripped):
+            return len(text) - len(stripped)  # maybe a bare call: hold it back until the end decides
         return super().call_start(text)
+
+    @staticmethod
+    def _may_be_fenced_call(s: str) -> bool:
+        """`s` (the reply so far) can still become a fenced bare call: a fence, then `json` or
+        nothing, then the object's `{`. A fence of any other language streams at once."""
+        if len(s) < 3:
+            return bool(s) and "```".startswith(s)
+        if not s.startswith("```"):
+            return False
+        rest = s[3:]
+        if len(rest) < 4 and "json".startswith(rest):
+            return True
+        rest = rest[4:] if rest.startswith("json") else rest
+        rest = rest.lstrip(" \t\n")
+        return rest == "" or rest.startswith("{")
 
 
 class Llama3JsonToolParser(ToolParser):
