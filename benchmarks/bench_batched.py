@@ -51,8 +51,8 @@ MODELS: dict[str, dict[str, Any]] = {
 }
 SYSTEMS = ["armserve", "vllm", "armserve-gguf", "llama.cpp"]
 # The same engine without the server (LLM.generate, `max_num_seqs` = the concurrency): what the
-# server costs at each concurrency (HTTP, tokenizing, detokenizing, streaming, all in one process
-# with the engine, sharing its GIL).
+# server costs at each concurrency (HTTP, tokenizing and streaming in the server process, the
+# messages to and from its engine-core process).
 OFFLINE = """import json, sys, time
 import torch
 torch.set_num_threads(1)
