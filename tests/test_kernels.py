@@ -182,13 +182,7 @@ def test_paged_attention(isa, dtype, case, block_size):
     scale = hd**-0.5
     want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, scale,
                                window, softcap)
-    max_blocks = max(len(t) for t in tables)
-    bt = torch.zeros(len(tables), max_blocks, dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
-    keep = (i32(q_start), i32(q_len), i32(ctx), bt)
-    batch = ops.make_attn_batch(*keep, block_size)
+    batch, keep = _attn_batch(q_start, q_len, ctx, tables, block_size)
     got = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap)
     close(got, want, dtype)
     if dtype == torch.bfloat16 and ops.bf16_dot():  # bf16 pairs also without the dot instruction
@@ -203,6 +197,17 @@ def test_paged_attention(isa, dtype, case, block_size):
                 close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
             finally:
                 ops.set_amx(before)
+
+
+def _attn_batch(q_start, q_len, ctx, tables, block_size: int):
+    """The kernel's batch description of a random_batch step, and the int32 tensors it points
+    into (keep them alive while the batch is used)."""
+    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    keep = (i32(q_start), i32(q_len), i32(ctx), bt)
+    return ops.make_attn_batch(*keep, block_size), keep
 
 
 @pytest.mark.parametrize("boost", [3.0, 40.0])
@@ -223,12 +228,7 @@ def test_paged_attention_prefill_later_keys_dominate(isa, boost):
     k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
     kc, vc = cache_from_rows(k_cache, block_size, key=True), cache_from_rows(v_cache, block_size, key=False)
     q = torch.randn(T, hq * hd).bfloat16()
-    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    keep = (torch.tensor(q_start, dtype=torch.int32), torch.tensor(q_len, dtype=torch.int32),
-            torch.tensor(ctx, dtype=torch.int32), bt)
-    batch = ops.make_attn_batch(*keep, block_size)
+    batch, keep = _attn_batch(q_start, q_len, ctx, tables, block_size)
     want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, hd**-0.5)
     one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
     assert torch.isfinite(one.float()).all()
@@ -249,12 +249,7 @@ def test_paged_attention_prefill_same_on_two_threads(isa):
     v_cache = torch.randn(60 * block_size, hk, hd).bfloat16()
     kc, vc = cache_from_rows(k_cache, block_size, key=True), cache_from_rows(v_cache, block_size, key=False)
     q = torch.randn(T, hq * hd).bfloat16()
-    bt = torch.zeros(len(tables), max(len(t) for t in tables), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    keep = (torch.tensor(q_start, dtype=torch.int32), torch.tensor(q_len, dtype=torch.int32),
-            torch.tensor(ctx, dtype=torch.int32), bt)
-    batch = ops.make_attn_batch(*keep, block_size)
+    batch, keep = _attn_batch(q_start, q_len, ctx, tables, block_size)
     one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
     assert torch.equal(one, two)
     want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, hd**-0.5)

@@ -33,7 +33,7 @@ from armserve.layers.layernorm import RMSNorm
 from armserve.layers.mla import MLAAttention
 from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters, yarn_mscale
-from armserve.models.llama import Linear, LlamaForCausalLM, LlamaMLP
+from armserve.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from armserve.models.moe import SparseMoeBlock
 
 
@@ -117,21 +117,15 @@ class DeepseekMoE(SparseMoeBlock):
         return out.to(x.dtype)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm residual block (its forward) around MLA and a dense or MoE MLP."""
+
     def __init__(self, config, mlp: nn.Module, rope_interleave: bool) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DeepseekAttention(config, rope_interleave)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm.start_or_add(x, residual)
-        x = self.self_attn(positions, x)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
