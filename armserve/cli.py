@@ -126,6 +126,13 @@ def _add_serving_commands(sub) -> None:
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engines behind this server, each in its own process with its own cores "
                         "(split evenly, or one '|'-separated group each in ARMSERVE_THREADS_BIND) and KV cache")
+    s.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="deploy on this running Ray cluster with Ray Serve (e.g. auto, or HOST:6379) instead of "
+                        "serving here; needs pip install 'armserve[ray]'")
+    s.add_argument("--num-replicas", default="1", metavar="N",
+                   help="with --ray-address: Serve replicas (one engine each), or 'auto' to scale on requests in flight")
+    s.add_argument("--num-cpus-per-replica", type=float, default=1.0,
+                   help="with --ray-address: CPUs each replica reserves (its engine's thread count)")
     add_engine_args(s)
     s.set_defaults(func=_cmd_serve)
 
@@ -141,9 +148,38 @@ def _add_serving_commands(sub) -> None:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray_address:
+        return _cmd_serve_ray(args)
     from armserve.entrypoints.api_server import run_server  # FastAPI only when serving
 
     return run_server(args)
+
+
+def _cmd_serve_ray(args: argparse.Namespace) -> int:
+    """`armserve serve MODEL --ray-address ADDR`: the same server as Ray Serve replicas."""
+    from armserve.model_loader import bundled_model_path
+
+    replicas: int | str = args.num_replicas
+    if replicas != "auto":
+        if not str(replicas).isdigit() or int(replicas) < 1:
+            raise ValueError(f"--num-replicas must be a positive integer or 'auto', got {replicas!r}")
+        replicas = int(replicas)
+    if args.data_parallel_size != 1:
+        raise ValueError("--data-parallel-size does not combine with --ray-address: use --num-replicas")
+    try:
+        from armserve.ray import run_on_cluster
+    except ImportError as e:
+        print(f"armserve: {e}", file=sys.stderr)
+        return 1
+    model = args.model or bundled_model_path()
+    import os
+
+    server = dict(api_key=args.api_key or os.environ.get("ARMSERVE_API_KEY") or None, reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                  enable_auto_tool_choice=args.enable_auto_tool_choice, access_log=not args.disable_access_log)
+    run_on_cluster(args.ray_address, model, replicas, args.host, args.port,
+                   served_model_name=(args.served_model_name or [None])[0],
+                   num_cpus_per_replica=args.num_cpus_per_replica, **server, **engine_kwargs(args))
+    return 0
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
