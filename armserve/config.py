@@ -128,6 +128,10 @@ class EngineConfig:
     # Engines behind one server, each in its own process with its own cores and KV cache of
     # `kv_cache_space` GiB (the server's AsyncLLM only; LLM runs one engine).
     data_parallel_size: int = 1
+    # Ranks one model is split over (armserve/distributed.py), each a process on its own cores
+    # (one '|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly);
+    # `kv_cache_space` is per rank, each caching its share of the KV heads.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.kv_cache_space is None:
@@ -148,6 +152,8 @@ class EngineConfig:
             raise ConfigError(f"block_size must be one of 16, 32, 64, 128, got {self.block_size}")
         if self.data_parallel_size < 1:
             raise ConfigError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -103,12 +103,18 @@ def data_parallel_envs(data_parallel_size: int) -> list[dict[str, str]]:
     into equal consecutive groups, so the engines never compete for a core."""
     if data_parallel_size <= 1:
         return [{}]
+    return [{"ARMSERVE_THREADS_BIND": g} for g in core_groups(data_parallel_size, "data_parallel_size", "engine")]
+
+
+def core_groups(n: int, what: str = "tensor_parallel_size", unit: str = "rank") -> list[str]:
+    """One core list per engine or tensor-parallel rank: the `|`-separated groups of the binding
+    (vLLM's VLLM_CPU_OMP_THREADS_BIND convention), else the allowed physical cores split evenly."""
     var, bind = _bind_setting()
     if bind and bind != "auto":
         groups = [g.strip() for g in bind.split("|")]
-        if len(groups) != data_parallel_size:
+        if len(groups) != n:
             raise ValueError(f"{var}: {bind!r} lists {len(groups)} core group(s) separated by '|'; "
-                             f"data_parallel_size {data_parallel_size} needs one per engine")
+                             f"{what} {n} needs one per {unit}")
         for g in groups:
             try:
                 parse_cpu_list(g)
@@ -120,33 +126,38 @@ def data_parallel_envs(data_parallel_size: int) -> list[dict[str, str]]:
             first_node = numa_nodes()[min(numa_nodes())]
             allowed = [c for c in first_node if c in set(allowed)]
         cores = physical_cores(allowed)
-        if len(cores) < data_parallel_size:  # SMT siblings rather than nothing
+        if len(cores) < n:  # SMT siblings rather than nothing
             cores = allowed
-        if len(cores) < data_parallel_size:
-            raise ValueError(f"data_parallel_size {data_parallel_size} needs at least one core per engine; "
+        if len(cores) < n:
+            raise ValueError(f"{what} {n} needs at least one core per {unit}; "
                              f"this process may use {len(cores)} ({cores})")
-        per = len(cores) // data_parallel_size
-        groups = [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(data_parallel_size)]
-    return [{"ARMSERVE_THREADS_BIND": g} for g in groups]
+        per = len(cores) // n
+        groups = [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n)]
+    return groups
 
 
 _initialised = False
 
 
-def init_threads() -> dict:
-    """Set the engine's thread count and pinning once per process; returns what was done."""
+def init_threads(bind: str | None = None) -> dict:
+    """Set the engine's thread count and pinning once per process; returns what was done.
+    `bind` (a tensor-parallel rank's core group) overrides the environment's binding."""
     global _initialised
     import torch
 
     from armserve import ops
 
     info: dict = {"bind": None}
-    # vLLM's CPU name too (armserve's own wins); its `|` separates tensor-parallel ranks, of which
-    # one engine process has one
-    var, bind = _bind_setting()
-    if "|" in bind:
-        raise ValueError(f"{var}: {bind!r} lists cores for several tensor-parallel ranks ('|'); "
-                         "this engine runs one rank: give one core list")
+    # vLLM's CPU name too (armserve's own wins); its `|` separates tensor-parallel ranks (or
+    # data-parallel engines), each of which gets its group from core_groups()
+    var, bind_env = _bind_setting()
+    if bind is None:
+        bind = bind_env
+        if "|" in bind:
+            raise ValueError(f"{var}: {bind!r} lists cores for several ranks or engines ('|'); give one core list, "
+                             "or one group per rank with tensor_parallel_size / data_parallel_size")
+    else:
+        var = "the tensor-parallel rank's core group"
     if _initialised:
         info["threads"] = torch.get_num_threads()
         return info

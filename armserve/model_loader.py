@@ -8,7 +8,7 @@ import glob
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -454,11 +454,13 @@ def armserve_quantization(config) -> dict | None:
     return None
 
 
-def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None) -> nn.Module:
+def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None,
+               prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """Build the model for `config` in `dtype` and fill it from the checkpoint.
 
     Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K, `armserve quantize` output) stay
-    quantized unless `quantization == "none"`.
+    quantized unless `quantization == "none"`. `prepare` sees the filled model before its
+    weights are packed for the kernels (tensor parallelism splits it there).
     """
     dequantize = quantization == "none"
     cls = get_model_class(config.architectures[0])
@@ -481,6 +483,8 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         raise ModelLoadError(
             f"checkpoint {src.path} is missing {len(missing)} weight(s), e.g. {shown}"
         )
+    if prepare is not None:
+        prepare(model)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.finalize()  # repack into the kernel layout once

@@ -116,6 +116,17 @@ int32_t armserve_bind_threads(const int32_t* cores, int32_t n);
 int32_t armserve_thread_cores(int32_t* out, int32_t max);
 int32_t armserve_openmp_library(char* buf, int32_t n);
 
+// ---- tensor-parallel collectives over a shared-memory region (shm_comm.cpp) ----------------------
+// Ops are numbered 1, 2, ... (`seq`), the same on every rank; each returns 0, or 1 when another rank
+// aborted the group (armserve_shm_abort), 2 when the data does not fit a slot.
+int64_t armserve_shm_header_bytes(int32_t world);  // the slots start this far into the region
+int32_t armserve_shm_barrier(void* shm, int32_t rank, int32_t world, int64_t seq);
+void armserve_shm_abort(void* shm, int32_t world);
+// In place: data <- the sum over ranks of every rank's data (n elements of ArmDType dtype; 16-bit
+// types summed in float32, rounded once).
+int32_t armserve_shm_allreduce(void* shm, int32_t rank, int32_t world, int64_t slot_bytes, int64_t seq, int32_t dtype,
+                               void* data, int64_t n);
+
 // ---- the ABI described at run time (api.cpp) -----------------------------------------------------
 const char* armserve_exports();  // comma-separated names of everything Python binds
 // "r:a1a2..." for an exported function: return and argument types, one letter each (v void,
@@ -163,4 +174,8 @@ const char* armserve_signature(const char* name);
   X(armserve_amx_wanted)                                                                                       \
   X(armserve_bind_threads)                                                                                     \
   X(armserve_thread_cores)                                                                                     \
-  X(armserve_openmp_library)
+  X(armserve_openmp_library)                                                                                    \
+  X(armserve_shm_header_bytes)                                                                                 \
+  X(armserve_shm_barrier)                                                                                      \
+  X(armserve_shm_abort)                                                                                        \
+  X(armserve_shm_allreduce)

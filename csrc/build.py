@@ -40,6 +40,7 @@ VARIANTS = {
         "dense_gemm_amx.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
         "dense_dispatch.cpp": [],
         "api.cpp": [],
+        "shm_comm.cpp": [],
     },
     "aarch64": {
         "kernels_scalar.cpp": ["-march=armv8-a"] + SCALAR,
@@ -58,6 +59,7 @@ VARIANTS = {
         "dense_gemm_sve.cpp": ["-march=armv8.2-a+sve"],
         "dense_dispatch.cpp": ["-march=armv8-a"],
         "api.cpp": ["-march=armv8-a"],
+        "shm_comm.cpp": ["-march=armv8-a"],
     },
 }
 # NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
@@ -78,7 +80,8 @@ def sources(arch: str) -> list[tuple[str, list[str]]]:
         return [(os.path.join(HERE, f), flags) for f, flags in
                 [("kernels_scalar.cpp", SCALAR), ("dispatch.cpp", []), ("threads.cpp", []),
                  ("qgemm_scalar.cpp", SCALAR), ("qdispatch.cpp", []), ("graph.cpp", []),
-                 ("dense_gemm_scalar.cpp", SCALAR), ("dense_dispatch.cpp", []), ("api.cpp", [])]]
+                 ("dense_gemm_scalar.cpp", SCALAR), ("dense_dispatch.cpp", []), ("api.cpp", []),
+                 ("shm_comm.cpp", [])]]
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 

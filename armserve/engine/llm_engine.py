@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -78,21 +79,44 @@ class LLMEngine:
         t0 = time.time()
         from armserve.cpu import init_threads
 
-        threads = init_threads()
         torch.manual_seed(config.seed)
         src = model_loader.resolve_model_path(config.model)
         self.model_config = model_loader.load_config(src)
         hf = self.model_config
+        config.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        tp = config.tensor_parallel_size
+        self.tp_workers = None
+        if tp > 1:
+            # Ranks 1..tp-1 start loading their shards now, while this process (rank 0) loads its own.
+            from armserve.cpu import core_groups
+            from armserve.distributed import TPWorkers, load_model_shard, make_comm_spec
+
+            binds = core_groups(tp)
+            threads = init_threads(bind=binds[0])
+            hidden = hf.hidden_size
+            slot = max(config.max_num_batched_tokens * hidden * 4, 8 * 4 * -(-hf.vocab_size // tp))
+            comm = make_comm_spec(tp, slot)
+            self.tp_workers = TPWorkers(config, comm, binds)
+            try:
+                group = comm.join(0)
+                self.model, self.dtype, _ = load_model_shard(config, group, 0, tp)
+            except BaseException:
+                self.tp_workers.close()
+                raise
+        else:
+            threads = init_threads()
         self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
         if config.chat_template:
             self.tokenizer.chat_template = config.chat_template
-        self.dtype = resolve_dtype(config.dtype, model_loader.checkpoint_dtype(hf))
-        self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
-        config.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
-        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        if tp == 1:
+            self.dtype = resolve_dtype(config.dtype, model_loader.checkpoint_dtype(hf))
+            self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
 
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype)
+        # (under tensor parallelism each rank caches only its share of the KV heads)
+        num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,
+                                         config.tensor_parallel_size)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_space {config.kv_cache_space} GiB holds no block of {config.block_size} tokens "
@@ -102,8 +126,16 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len  # type: ignore[arg-type]
         )
+        if self.tp_workers is not None:
+            try:
+                self.tp_workers.start(group, num_blocks)
+            except BaseException:
+                self.tp_workers.close()
+                raise
+        if self.tp_workers is not None:
+            weakref.finalize(self, self.tp_workers.close)  # LLM objects come and go (tests, notebooks)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype,
-                                  self.max_model_len, config.enforce_eager)
+                                  self.max_model_len, config.enforce_eager, tp_workers=self.tp_workers)
         self.eos_token_ids = self._eos_token_ids(src)
         self.vocab_size = hf.vocab_size
         # xgrammar's tokenizer info and compiler are built on the first structured request.

@@ -20,42 +20,47 @@ from armserve.engine.sampler import (
 from armserve import ops
 from armserve.engine.scheduler import SchedulerOutput
 from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs, graph_batch
+from armserve.distributed import StepInputs as TPStepInputs
+from armserve.distributed import step_inputs as tp_step_inputs
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
 
 
 KV_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head) of an int8 cache
 
 
-def kv_cache_rows(config) -> tuple[int, int]:
+def kv_cache_rows(config, tensor_parallel_size: int = 1) -> tuple[int, int]:
     """(rows cached per token per layer, values per row) for this model: K and V of every kv
-    head, or with Multi-head Latent Attention (DeepSeek: `kv_lora_rank` in the config) one row of
-    the latent plus the rotary key part (layers/mla.py)."""
+    head (of a tensor-parallel rank's share of them), or with Multi-head Latent Attention
+    (DeepSeek: `kv_lora_rank` in the config) one row of the latent plus the rotary key part
+    (layers/mla.py)."""
     if getattr(config, "kv_lora_rank", None):
         return 1, config.kv_lora_rank + config.qk_rope_head_dim
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    return 2 * n_kv, head_dim
+    return 2 * max(1, n_kv // tensor_parallel_size), head_dim
 
 
-def kv_cache_bytes_per_token(config, cache_dtype: torch.dtype) -> int:
-    """Bytes of cache one token takes over all layers. An int8 row also carries float32 scales
-    (one per K/V row; MLA's latent and rotary parts have one each)."""
-    rows, width = kv_cache_rows(config)
+def kv_cache_bytes_per_token(config, cache_dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes of cache one token takes over all layers (on one tensor-parallel rank). An int8 row
+    also carries float32 scales (one per K/V row; MLA's latent and rotary parts have one each)."""
+    rows, width = kv_cache_rows(config, tensor_parallel_size)
     row_bytes = width * torch.tensor([], dtype=cache_dtype).element_size()
     if cache_dtype == torch.int8:
         row_bytes += KV_SCALE_DTYPE.itemsize * (2 if getattr(config, "kv_lora_rank", None) else 1)
     return config.num_hidden_layers * rows * row_bytes
 
 
-def kv_cache_num_blocks(config, kv_cache_space_gib: float, block_size: int, cache_dtype: torch.dtype) -> int:
+def kv_cache_num_blocks(config, kv_cache_space_gib: float, block_size: int, cache_dtype: torch.dtype,
+                        tensor_parallel_size: int = 1) -> int:
     """How many blocks of `block_size` tokens fit in `kv_cache_space_gib` for this model.
 
     `cache_dtype` is what the cache stores (the model dtype, or torch.int8). An int8 row of
     head_dim bytes also carries a float32 scale, so int8 holds 2 * hd / (hd + 4) times the tokens
     of a bfloat16 cache (1.88x at head_dim 64, 1.94x at 128).
     """
-    return int(kv_cache_space_gib * (1 << 30)) // (block_size * kv_cache_bytes_per_token(config, cache_dtype))
+    return int(kv_cache_space_gib * (1 << 30)) // (
+        block_size * kv_cache_bytes_per_token(config, cache_dtype, tensor_parallel_size))
 
 
 PROMPT_LOGPROBS_SLICE = 256
@@ -128,8 +133,14 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  cache_dtype: torch.dtype | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool = False) -> None:
+                 enforce_eager: bool = False, tp_workers=None) -> None:
         self.model = model
+        # Tensor parallel rank 0: each step's inputs go to the other ranks (distributed.TPWorkers),
+        # which run the same forward. NOTE: no step graphs under tensor parallelism: a replay would
+        # need the all-reduce as a recordable kernel and every rank replaying in step; measured,
+        # graphs save ~X ms of a decode step, see docs/scaling.md.
+        self.tp_workers = tp_workers
+        enforce_eager = enforce_eager or tp_workers is not None
         self.block_size = block_size
         self.dtype = dtype
         self.cache_dtype = cache_dtype or dtype
@@ -290,8 +301,19 @@ class ModelRunner:
             blocks.append(s.block_ids)
         return self.graphs.run(ids, positions, blocks)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one scheduled step and sample its requests."""
+        if self.tp_workers is None:
+            return self._execute(out)
+        try:
+            return self._execute(out)
+        except BaseException:
+            # the other ranks may wait in a collective this rank will never reach
+            self.model.tp_group.abort()
+            raise
+
+    @torch.inference_mode()
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         sched = out.scheduled
         sample_idx = [i for i, s in enumerate(sched) if s.samples]
         # Structured outputs: the constrained rows' bitmask is filled while the model runs.
@@ -302,8 +324,15 @@ class ModelRunner:
             bitmask_job = self.structured.fill_bitmask_async(
                 [sched[sample_idx[j]].request.grammar for j in grammar_rows])
         graph_logits = self._graph_logits(out)
+        row_end: list[int] | None = None  # (a graph step has no prompt logprobs)
         if graph_logits is None:
             input_ids, positions, md, row_end, order = self._prepare(out)
+            if self.tp_workers is not None:
+                # the rows compute_logits will see, in the order it will see them (below)
+                logit_rows = [[row_end[i] for i in sample_idx]] + [
+                    list(range(lo, hi)) for *_, slices in self._prompt_logprob_chunks(sched, row_end)
+                    for lo, hi in slices]
+                self.tp_workers.send_step(tp_step_inputs(input_ids, positions, md, logit_rows))
             set_attention_metadata(md)
             try:
                 hidden = self.model(input_ids, positions)
@@ -341,27 +370,57 @@ class ModelRunner:
                     logprobs[i] = (lp_ids[j][: k + 1], lp_vals[j][: k + 1], lp_ranks[j])
 
         prompt_logprobs: dict[str, LogprobsTensors] = {}
-        for i, s in enumerate(sched):
-            req = s.request
-            k = req.params.prompt_logprobs
-            if k is None or req.num_computed_tokens >= req.num_prompt_tokens:
-                continue
-            # Rows of this chunk that predict a prompt token (the last prompt row predicts output).
-            start = req.num_computed_tokens
-            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
-            if end <= start:
-                continue
-            first_row = row_end[i] - (s.num_new_tokens - 1)
+        for req, start, end, slices in self._prompt_logprob_chunks(sched, row_end):
             targets = torch.tensor(req.prompt_token_ids[start + 1:end + 1], dtype=torch.long)
-            # NOTE: in slices, so a long chunk never holds [chunk, vocab] logits at once.
             parts = []
-            for a in range(0, end - start, PROMPT_LOGPROBS_SLICE):
-                b = min(a + PROMPT_LOGPROBS_SLICE, end - start)
-                logits = self.model.compute_logits(hidden[first_row + a:first_row + b])
-                parts.append(compute_logprobs_tensors(logits, targets[a:b], k))
+            for lo, hi in slices:
+                logits = self.model.compute_logits(hidden[lo:hi])
+                a = lo - slices[0][0]
+                parts.append(compute_logprobs_tensors(logits, targets[a:a + hi - lo], req.params.prompt_logprobs))
             prompt_logprobs[req.request_id] = LogprobsTensors(
                 torch.cat([x.token_ids for x in parts]),
                 torch.cat([x.logprobs for x in parts]),
                 torch.cat([x.ranks for x in parts]),
             )
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    @staticmethod
+    def _prompt_logprob_chunks(sched, row_end: list[int] | None):
+        """(request, first prompt position, end, hidden-row slices) of each request whose prompt
+        logprobs this step computes: the rows of its chunk that predict a prompt token (the last
+        prompt row predicts output)."""
+        for i, s in enumerate(sched):
+            req = s.request
+            if req.params.prompt_logprobs is None or req.num_computed_tokens >= req.num_prompt_tokens:
+                continue
+            start = req.num_computed_tokens
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            first_row = row_end[i] - (s.num_new_tokens - 1)
+            # NOTE: in slices, so a long chunk never holds [chunk, vocab] logits at once.
+            slices = [(first_row + a, first_row + min(a + PROMPT_LOGPROBS_SLICE, end - start))
+                      for a in range(0, end - start, PROMPT_LOGPROBS_SLICE)]
+            yield req, start, end, slices
+
+    @torch.inference_mode()
+    def execute_worker(self, step: TPStepInputs) -> None:
+        """A tensor-parallel rank > 0: run the step rank 0 sent (its forward and compute_logits
+        calls, whose collectives pair with rank 0's); rank 0 samples."""
+        input_ids, positions = torch.from_numpy(step.input_ids), torch.from_numpy(step.positions)
+        if step.kernel is not None:
+            slots, num_decodes, *tensors = step.kernel
+            md = AttentionMetadata(slot_mapping=torch.from_numpy(slots), num_decodes=num_decodes)
+            tensors = tuple(torch.from_numpy(t) for t in tensors)
+            md.kernel_batch = ops.make_attn_batch(*tensors, self.block_size)
+            md.kernel_batch._keepalive = tensors
+        else:
+            md = step.metadata
+        set_attention_metadata(md)
+        try:
+            hidden = self.model(input_ids, positions)
+        finally:
+            set_attention_metadata(None)
+        for rows in step.logit_rows:
+            if rows:
+                self.model.compute_logits(hidden[rows])
