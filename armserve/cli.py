@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step module by module (no replayed decode step graphs)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks, each a process on its own cores (one "
+                        "'|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -45,6 +48,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         seed=args.seed,
         enforce_eager=args.enforce_eager,
         chat_template=template,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
 

@@ -93,11 +93,11 @@ class LLMEngine:
             from armserve.distributed import TPWorkers, load_model_shard, make_comm_spec
 
             binds = core_groups(tp)
-            threads = init_threads(bind=binds[0])
             hidden = hf.hidden_size
             slot = max(config.max_num_batched_tokens * hidden * 4, 8 * 4 * -(-hf.vocab_size // tp))
             comm = make_comm_spec(tp, slot)
-            self.tp_workers = TPWorkers(config, comm, binds)
+            self.tp_workers = TPWorkers(config, comm, binds)  # before this process binds its own threads
+            threads = init_threads(bind=binds[0])
             try:
                 group = comm.join(0)
                 self.model, self.dtype, _ = load_model_shard(config, group, 0, tp)

@@ -137,8 +137,8 @@ class ModelRunner:
         self.model = model
         # Tensor parallel rank 0: each step's inputs go to the other ranks (distributed.TPWorkers),
         # which run the same forward. NOTE: no step graphs under tensor parallelism: a replay would
-        # need the all-reduce as a recordable kernel and every rank replaying in step; measured,
-        # graphs save ~X ms of a decode step, see docs/scaling.md.
+        # need the all-reduce as a recordable kernel and every rank replaying in step (what eager
+        # steps cost is in docs/scaling.md's tensor-parallel measurement).
         self.tp_workers = tp_workers
         enforce_eager = enforce_eager or tp_workers is not None
         self.block_size = block_size
