@@ -196,11 +196,13 @@ def make_comm_spec(world: int, slot_bytes: int, kind: str | None = None) -> Comm
 # ---- splitting a loaded model -----------------------------------------------------------------
 
 
-def _split(n: int, rank: int, world: int, what: str) -> tuple[int, int]:
-    if n % world:
-        raise ValueError(f"tensor_parallel_size {world} does not divide {what} ({n})")
-    per = n // world
-    return rank * per, per
+def _share(n: int, rank: int, world: int) -> tuple[int, int]:
+    """(first, count) of rank's part of n items split as evenly as possible (the first ranks get
+    the smaller parts): a model whose heads or width the rank count does not divide still splits."""
+    a, b = n * rank // world, n * (rank + 1) // world
+    if b <= a:
+        raise ValueError(f"tensor_parallel_size {world} leaves rank {rank} none of {n}")
+    return a, b - a
 
 
 def _keep_rows(linear: nn.Module, ranges: list[tuple[int, int]]) -> None:
@@ -225,13 +227,16 @@ def _keep_cols(linear: nn.Module, start: int, n: int, rank: int) -> None:
 def _shard_attention(attn: nn.Module, rank: int, world: int) -> None:
     """LlamaAttention: this rank's query heads and the KV heads they read."""
     h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q0, qn = _split(h, rank, world, "the attention heads")
-    if kv >= world:
-        k0, kn = _split(kv, rank, world, "the KV heads")
-    else:  # fewer KV heads than ranks: each rank keeps the one its query heads read (replicated)
-        if world % kv:
-            raise ValueError(f"tensor_parallel_size {world} is neither a divisor nor a multiple of the {kv} KV heads")
-        k0, kn = q0 // (h // kv), 1
+    group = h // kv
+    if kv >= world:  # whole KV groups per rank (SmolLM2's 3 over 2 ranks: 1 and 2)
+        k0, kn = _share(kv, rank, world)
+        q0, qn = k0 * group, kn * group
+    else:  # fewer KV heads than ranks: the query heads split, each rank keeps the KV head they read
+        if world % kv or h % world:
+            raise ValueError(f"tensor_parallel_size {world} exceeds the {kv} KV heads and does not split "
+                             f"them and the {h} attention heads evenly")
+        q0, qn = _share(h, rank, world)
+        k0, kn = q0 // group, 1
     q_size, kv_size = h * d, kv * d
     _keep_rows(attn.qkv_proj, [(q0 * d, qn * d), (q_size + k0 * d, kn * d), (q_size + kv_size + k0 * d, kn * d)])
     _keep_cols(attn.o_proj, q0 * d, qn * d, rank)
@@ -246,7 +251,7 @@ def _shard_attention(attn: nn.Module, rank: int, world: int) -> None:
 def _shard_mlp(mlp: nn.Module, rank: int, world: int) -> None:
     """LlamaMLP: this rank's slice of the intermediate width (of gate and of up alike)."""
     inter = mlp.gate_up_proj.weight.shape[0] // 2
-    i0, n = _split(inter, rank, world, "the MLP's intermediate size")
+    i0, n = _share(inter, rank, world)
     _keep_rows(mlp.gate_up_proj, [(i0, n), (inter + i0, n)])
     _keep_cols(mlp.down_proj, i0, n, rank)
 

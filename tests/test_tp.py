@@ -54,6 +54,24 @@ def test_tp2_equals_tp1(tiny_checkpoints, arch):
             assert all(abs(s1[t].logprob - s2[t].logprob) < 1e-4 for t in s1 if t in s2)
 
 
+def test_tp2_uneven_split(tokenizer_dir):
+    """SmolLM2's shape (9 query heads in 3 KV groups, which 2 ranks cannot halve) splits by whole
+    KV groups, 1 and 2, and an intermediate width of 200 as 100 + 100, odd vocabulary shards
+    padded: the same greedy tokens as TP=1."""
+    from conftest import CACHE, make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(os.path.join(CACHE, "tiny-llama-9h3kv"), "LlamaForCausalLM", tokenizer_dir,
+                                  hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+                                  intermediate_size=200)
+    one, two = tp_pair(folder)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(one.get_tokenizer())]
+    assert token_lists(two.generate(prompts, GREEDY, use_tqdm=False)) == \
+        token_lists(one.generate(prompts, GREEDY, use_tqdm=False))
+    attn = two.llm_engine.model.layers[0].self_attn
+    assert (attn.num_heads, attn.num_kv_heads) == (3, 1)  # rank 0's share; rank 1 holds 6 and 2
+    assert two.llm_engine.runner.kv_cache.shape[3] == 1
+
+
 def test_tp2_chunked_prefill_preemption_and_prefix_caching(tiny_llama):
     """Under TP=2: prompts chunked into 16-token steps through a 10-block cache (preempting)
     give the tokens each prompt gets alone at TP=1; prefix-cache hits change nothing either."""

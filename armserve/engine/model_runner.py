@@ -30,7 +30,7 @@ KV_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head) of an int8 cache
 
 def kv_cache_rows(config, tensor_parallel_size: int = 1) -> tuple[int, int]:
     """(rows cached per token per layer, values per row) for this model: K and V of every kv
-    head (of a tensor-parallel rank's share of them), or with Multi-head Latent Attention
+    head (of the largest tensor-parallel rank's share of them), or with Multi-head Latent Attention
     (DeepSeek: `kv_lora_rank` in the config) one row of the latent plus the rotary key part
     (layers/mla.py)."""
     if getattr(config, "kv_lora_rank", None):
@@ -38,7 +38,7 @@ def kv_cache_rows(config, tensor_parallel_size: int = 1) -> tuple[int, int]:
     n_heads = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-    return 2 * max(1, n_kv // tensor_parallel_size), head_dim
+    return 2 * -(-n_kv // tensor_parallel_size), head_dim
 
 
 def kv_cache_bytes_per_token(config, cache_dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
