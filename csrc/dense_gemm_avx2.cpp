@@ -27,6 +27,8 @@ struct Avx2 : armserve_dense::TileBase {
     const int64_t bs = kp * 32;
     for (int64_t p = 0; p < kp; ++p) {
       __m256 we[H], wo[H];
+      if (R <= armserve_dense::kStreamPrefetchMaxRows)
+        for (int b = 0; b < B; ++b) armserve_dense::prefetch_stream(w + b * bs + p * 32);
       for (int h = 0; h < H; ++h) {
         const uint16_t* src = w + (h / 2) * bs + p * 32 + (h % 2) * 16;
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));

@@ -141,6 +141,18 @@ static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* 
   });
 }
 
+// Decode reads each weight once, front to back, and is bound by how many of its lines are in
+// flight: on a Xeon (1 thread, m = 1) the hardware prefetchers alone held the stream to ~11 GB/s,
+// and a software prefetch into L2 16 KiB ahead of the loads raised it to ~13.5 (Qwen2.5-0.5B's
+// layers 65 -> 53 ms, its LM head 24 -> 19 ms; 8 to 64 KiB measured alike, into L1 worse).
+// x86 tiles of few rows call it once per 64-byte weight row they load (beyond the end of a block
+// it fetches the next block's start, which follows in the packed layout; a prefetch never faults).
+constexpr int64_t kStreamPrefetchBytes = 16384;
+constexpr int kStreamPrefetchMaxRows = 4;  // beyond this the tiles are no longer bound by the stream
+static inline void prefetch_stream(const uint16_t* w) {
+  __builtin_prefetch(reinterpret_cast<const char*>(w) + kStreamPrefetchBytes, 0, 2);  // prefetcht1: to L2
+}
+
 // Defaults for the optional members of a primitive.
 struct TileBase {
   static constexpr int kRowPad = 1;
