@@ -228,12 +228,13 @@ struct DenseGemm {
   // columns [c0, c0 + cols); rows in tiles of at most MR, balanced (17 rows at MR = 8: 6 + 6 + 5,
   // not 8 + 8 + 1) unless the rows are padded (kRowPad: full tiles, then the rest).
   static void panel(int32_t out_dtype, void* out, const void* xa, int64_t xs, const uint16_t* wp, int64_t kp,
-                    int bc, int64_t c0, int64_t cols, int64_t m, int64_t ldo, bool prefetch_next = true) {
+                    int bc, int64_t c0, int64_t cols, int64_t m, int64_t ldo, bool prefetch_next = true,
+                    bool configure = true) {
     static const Tiles tiles;
     const int es = out_dtype == AS_F32 ? 4 : 2;
     const int64_t nrt = (m + P::MR - 1) / P::MR, rbase = m / nrt, rextra = m % nrt;
     alignas(64) float acc[P::MR * P::NB * 16];
-    P::begin();
+    if (configure) P::begin();
     int64_t r0 = 0;
     // The next panel's weights (adjacent in the packed layout) come in while this panel's row
     // tiles run: the first row tile reads this panel from memory, the others from cache, and
@@ -248,7 +249,7 @@ struct DenseGemm {
       P::store(out_dtype, acc, bc * 16, rows, static_cast<char*>(out) + (r0 * ldo + c0) * es, ldo, cols);
       r0 += rows;
     }
-    P::end();
+    if (configure) P::end();
   }
 
   // Padded row tiles (AMX): every row tile across panels [p0, p1) of NB blocks (weights at `wg`,
@@ -331,11 +332,18 @@ struct DenseGemm {
       });
       return;
     }
-    armserve_par::for_static(panels, true, [&](int64_t pn) {
-      const int64_t b0 = pn * nbp;
-      const int bc = int(nb - b0 < nbp ? nb - b0 : nbp);
-      const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
-      panel(out_dtype, out, xa, xs, w + b0 * kp * 32, kp, bc, c0, cols, m, ldo);
+    // One contiguous range of panels per thread (as a static loop would give it), with the tile
+    // configuration loaded once for the range, not around every panel (AMX, Qwen2.5-0.5B's
+    // layers at 4-32 rows, 1 thread: 2-4% faster).
+    per_thread_ranges(panels, [&](int64_t p0, int64_t p1) {
+      P::begin();
+      for (int64_t pn = p0; pn < p1; ++pn) {
+        const int64_t b0 = pn * nbp;
+        const int bc = int(nb - b0 < nbp ? nb - b0 : nbp);
+        const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
+        panel(out_dtype, out, xa, xs, w + b0 * kp * 32, kp, bc, c0, cols, m, ldo, true, false);
+      }
+      P::end();
     });
   }
 
