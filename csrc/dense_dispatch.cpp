@@ -49,6 +49,7 @@ const DenseTable* dtable() {
 extern "C" {
 
 const char* armserve_dense_isa() { return dtable()->name; }
+const DenseTable* armserve_dense_active() { return dtable(); }
 
 int32_t armserve_set_amx(int32_t on) {
 #if defined(__x86_64__)

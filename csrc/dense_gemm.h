@@ -22,7 +22,15 @@ struct DenseTable {
   decltype(&armserve_gemm_bf16) gemm;
   // The same against quantized weights dequantized panel by panel (armserve_gemm_q_bf16, api.h).
   decltype(&armserve_gemm_q_bf16) gemm_q;
+  // The GEMM's output column blocks [b0, b1) only (16 columns each), on the calling thread: column
+  // 16 * (b0 + j) + c goes to out[r * ldo + 16 * j + c]. For callers that share the work out
+  // themselves (the MoE's (expert, columns) items, moe_impl.h).
+  void (*cols)(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n, int64_t k,
+               int64_t ldo, int64_t b0, int64_t b1);
 };
+
+// The table the dense GEMM uses now (the selected variant and switches; dense_dispatch.cpp).
+const DenseTable* armserve_dense_active();
 
 const DenseTable* armserve_dense_scalar();
 #if defined(__x86_64__) || defined(_M_X64)

@@ -33,22 +33,14 @@ namespace {
 #define ARMSERVE_AMX_MIN_ROWS 3
 #endif
 
-struct AmxBf16 : armserve_dense::TileBase {
-  static constexpr bool kDot = true;
+struct AmxBf16 : armserve_dense::PanelPrefetch {
+  static constexpr bool kDot = true, kSelfStream = false;
   static constexpr int MR = 32, NB = 2, kAlign = 16, kStreamRows = 0, kRowPad = 16;
 
   static void begin() { armserve_amx::begin(); }  // every tile 16 rows x 64 bytes (amx.h)
   static void end() {
     armserve_amx::end();
     pf_lines = 0;
-  }
-
-  // Lines the next tile() prefetches, spread over its K steps (prefetch_during_next_tile).
-  static inline thread_local const char* pf_next = nullptr;
-  static inline thread_local int64_t pf_lines = 0;
-  static void prefetch_during_next_tile(const void* p, int64_t bytes) {
-    pf_next = static_cast<const char*>(p);
-    pf_lines = bytes / 64;
   }
 
   // bf16 outputs through vcvtne2ps2bf16 (every AMX CPU has AVX512-BF16): round to nearest even,
@@ -107,14 +99,10 @@ struct AmxBf16 : armserve_dense::TileBase {
     if (B > 1) _tile_zero(1);
     if (RA > 1) _tile_zero(2);
     if (RA > 1 && B > 1) _tile_zero(3);
-    if (pf_lines > 0) {
-      // (to L2: the next panel's first row tile reads it from there)
-      const int64_t steps = kfull / 16 > 0 ? kfull / 16 : 1, per = (pf_lines + steps - 1) / steps;
-      const char* pf = pf_next;
-      int64_t left = pf_lines;
-      pf_lines = 0;
+    Share pf = take(kfull / 16 > 0 ? kfull / 16 : 1);  // the next panel, to L2 (PanelPrefetch)
+    if (pf.left > 0) {
       for (int64_t p = 0; p < kfull; p += 16) {
-        for (int64_t i = 0; i < per && left > 0; ++i, --left, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        pf.step();
         step<RA, B>(x + p * 4, xstride, wb + p * 64, bs);
       }
     } else {

@@ -8,13 +8,23 @@ namespace {
 #ifndef ARMSERVE_DENSE_AVX2_MR
 #define ARMSERVE_DENSE_AVX2_MR 5
 #endif
-struct Avx2 : armserve_dense::TileBase {
+struct Avx2 : armserve_dense::PanelPrefetch {
   static constexpr bool kDot = false;
   // 5 rows x 1 block: 10 accumulators + 4 widened weight halves + 2 broadcasts = 16 ymm; 10
   // chains of 2 FMAs hide the FMA latency (4 rows: 8 chains, 76 GFLOP/s; 5 rows: 109 on Zen 5).
   static constexpr int MR = ARMSERVE_DENSE_AVX2_MR, NB = 1, kAlign = 1, kStreamRows = 0;
   template <int R, int B>
   static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
+    // A panel of one row tile streams its own weights (prefetch_stream); with more row tiles, the
+    // next panel comes in during them (PanelPrefetch).
+    Share pf = take(kp);
+    if (R <= armserve_dense::kStreamPrefetchMaxRows && pf.left == 0)
+      run<R, B, true>(xa, xs, w, kp, acc, pf);
+    else
+      run<R, B, false>(xa, xs, w, kp, acc, pf);
+  }
+  template <int R, int B, bool kStream>
+  static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
     const float* x = static_cast<const float*>(xa);
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
     constexpr int H = 2 * B;
@@ -27,8 +37,10 @@ struct Avx2 : armserve_dense::TileBase {
     const int64_t bs = kp * 32;
     for (int64_t p = 0; p < kp; ++p) {
       __m256 we[H], wo[H];
-      if (R <= armserve_dense::kStreamPrefetchMaxRows)
+      if (kStream)
         for (int b = 0; b < B; ++b) armserve_dense::prefetch_stream(w + b * bs + p * 32);
+      else
+        pf.step();
       for (int h = 0; h < H; ++h) {
         const uint16_t* src = w + (h / 2) * bs + p * 32 + (h % 2) * 16;
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));

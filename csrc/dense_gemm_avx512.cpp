@@ -19,7 +19,7 @@ namespace {
 
 // AVX512-BF16. The attribute keeps vdpbf16ps out of every other function of this file; the table
 // is only picked when the CPU has the instruction (dense_dispatch.cpp).
-struct Avx512Bf16 : armserve_dense::TileBase {
+struct Avx512Bf16 : armserve_dense::PanelPrefetch {
   static constexpr bool kDot = true;
   // 6 x 4 accumulators (24 zmm) + 4 weight rows + a broadcast: 2 vdpbf16ps per cycle need ~12
   // independent chains in flight, and 10 loads per 24 vdpbf16ps stay well below the load ports
@@ -27,8 +27,18 @@ struct Avx512Bf16 : armserve_dense::TileBase {
   static constexpr int MR = ARMSERVE_DENSE_AVX512_MR, NB = ARMSERVE_DENSE_AVX512_NB, kAlign = 1;
   static constexpr int kStreamRows = ARMSERVE_DENSE_STREAM_ROWS;
   template <int R, int B>
-  __attribute__((target("avx512f,avx512bf16"))) static void tile(const void* xa, int64_t xs, const uint16_t* w,
-                                                                  int64_t kp, float* acc) {
+  static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
+    // A panel of one row tile streams its own weights (prefetch_stream); with more row tiles, the
+    // next panel comes in during them (PanelPrefetch).
+    Share pf = take(kp);
+    if (R <= armserve_dense::kStreamPrefetchMaxRows && pf.left == 0)
+      run<R, B, true>(xa, xs, w, kp, acc, pf);
+    else
+      run<R, B, false>(xa, xs, w, kp, acc, pf);
+  }
+  template <int R, int B, bool kStream>
+  __attribute__((target("avx512f,avx512bf16"))) static void run(const void* xa, int64_t xs, const uint16_t* w,
+                                                                 int64_t kp, float* acc, Share pf) {
     const uint32_t* x = static_cast<const uint32_t*>(xa);
     // One accumulator per (row, block), even at m = 1 where that is a single dependency chain:
     // its ~6-cycle latency still outpaces memory, and on a Xeon (1 thread, Qwen2.5-0.5B's layers)
@@ -39,9 +49,10 @@ struct Avx512Bf16 : armserve_dense::TileBase {
       for (int b = 0; b < B; ++b) c[r][b] = _mm512_setzero_ps();
     const int64_t bs = kp * 32;
     for (int64_t p = 0; p < kp; ++p) {
+      if (!kStream) pf.step();
       __m512bh wv[B];
       for (int b = 0; b < B; ++b) {
-        if (R <= armserve_dense::kStreamPrefetchMaxRows) armserve_dense::prefetch_stream(w + b * bs + p * 32);
+        if (kStream) armserve_dense::prefetch_stream(w + b * bs + p * 32);
         wv[b] = (__m512bh)_mm512_loadu_si512(w + b * bs + p * 32);
       }
       for (int r = 0; r < R; ++r) {
@@ -54,7 +65,7 @@ struct Avx512Bf16 : armserve_dense::TileBase {
   }
 };
 
-struct Avx512 : armserve_dense::TileBase {
+struct Avx512 : armserve_dense::PanelPrefetch {
   static constexpr bool kDot = false;
   // Widening: 2 FMAs and 2 integer ops per weight row, R * B + 2 B + 2 = 26 registers at 4 x 4
   // (FMA-bound: ~245 GFLOP/s on Zen 5, half of vdpbf16ps; 4 x 4 beat 6 x 3, 8 x 2 and 6 x 2).
@@ -62,6 +73,14 @@ struct Avx512 : armserve_dense::TileBase {
   static constexpr int kStreamRows = ARMSERVE_DENSE_STREAM_ROWS;
   template <int R, int B>
   static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
+    Share pf = take(kp);  // as Avx512Bf16::tile
+    if (R <= armserve_dense::kStreamPrefetchMaxRows && pf.left == 0)
+      run<R, B, true>(xa, xs, w, kp, acc, pf);
+    else
+      run<R, B, false>(xa, xs, w, kp, acc, pf);
+  }
+  template <int R, int B, bool kStream>
+  static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
     const float* x = static_cast<const float*>(xa);
     const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
     // Few accumulators (m = 1, 2): odd k into a second set, two dependency chains, not one.
@@ -71,9 +90,10 @@ struct Avx512 : armserve_dense::TileBase {
       for (int b = 0; b < B; ++b) c[r][b] = d[r][b] = _mm512_setzero_ps();
     const int64_t bs = kp * 32;
     for (int64_t p = 0; p < kp; ++p) {
+      if (!kStream) pf.step();
       __m512 we[B], wo[B];
       for (int b = 0; b < B; ++b) {
-        if (R <= armserve_dense::kStreamPrefetchMaxRows) armserve_dense::prefetch_stream(w + b * bs + p * 32);
+        if (kStream) armserve_dense::prefetch_stream(w + b * bs + p * 32);
         const __m512i v = _mm512_loadu_si512(w + b * bs + p * 32);
         we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
         wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
