@@ -641,6 +641,29 @@ def qgemm_dense(fmt: str, out: torch.Tensor, col: int, x: torch.Tensor, packed: 
           group, out.stride(0))
 
 
+_MOE_FORMATS = {"w4": 0, "w8": 1, "bf16": 2}
+
+
+def fused_moe(fmt: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor,
+              up: torch.Tensor, down: torch.Tensor, inter: int, group_gu: int = 0, group_dn: int = 0) -> torch.Tensor:
+    """One MoE layer's experts in one call (csrc/moe_impl.h): float32 [T, hidden] =
+    sum_j weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert ids[t, j].
+
+    `gate`, `up`, `down`: int64 [E] tensors of each expert's weight addresses ("w4"/"w8" tiles of
+    the quantized GEMM with groups `group_gu` / `group_dn`, or "bf16" blocks of `pack_bf16`); the
+    caller keeps the weights alive. ids int64 [T, top_k] in [0, E), weights float32 [T, top_k]."""
+    x = x.contiguous()
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    ids = ids.contiguous().to(torch.int64)
+    weights = weights.contiguous().to(torch.float32)
+    out = torch.empty(tokens, hidden, dtype=torch.float32)
+    _call("armserve_fused_moe", _MOE_FORMATS[fmt], _DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), tokens, hidden,
+          inter, top_k, ids.data_ptr(), weights.data_ptr(), gate.shape[0], gate.data_ptr(), up.data_ptr(),
+          down.data_ptr(), group_gu, group_dn)
+    return out
+
+
 # From this many rows the int8-weight (w8: GGUF Q8_0 / Q6_K / Q5_K) parts of a bf16 quantized layer
 # dequantize their weight panel by panel for the dense bf16 GEMM instead of quantizing the
 # activations for the w8a8 GEMM: the dequantization is then shared by enough rows, and the bf16
@@ -664,7 +687,7 @@ _gemv_limit: dict[torch.dtype, int] = {}
 # Every layer asks `use_kernel` and runs its PyTorch reference otherwise (what ARMSERVE_ISA=torch,
 # a missing library or an unsupported input get); no layer applies a rule of its own.
 KERNEL_OPS = ("rms_norm", "rms_norm_heads", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack", "qgemm_dense",
-              "dense_pack", "dense", "gemv", "small", "argmax")
+              "dense_pack", "dense", "gemv", "small", "argmax", "moe")
 
 
 def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None, fmt: str | None = None) -> bool:
@@ -691,6 +714,9 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     - "small": an elementwise op (add_bias, mul_cols, cast) on the few rows of a decode step, so
       that the step stays kernel calls only (step_graph.py); PyTorch's threaded ops beyond.
     - "argmax": float32 rows with unit column stride.
+    - "moe": activations x [T, hidden] for the fused expert pass (`fused_moe`) of experts whose
+      weights it reads (layers/fused_moe.py decides that): any kernel dtype; bf16 for packed bf16
+      experts.
     """
     lib = _lib if _loaded else _load()
     if lib is None:
@@ -718,6 +744,8 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
         return x.dim() == 2 and x.shape[0] <= SMALL_OP_ROWS and dtype in _DTYPE_CODES
     if op == "argmax":
         return dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    if op == "moe":
+        return x.dim() == 2 and dtype in _DTYPE_CODES and (fmt != "bf16" or dtype == torch.bfloat16)
     raise ValueError(f"unknown kernel op {op!r}; one of {', '.join(KERNEL_OPS)}")
 
 

@@ -75,6 +75,19 @@ void armserve_gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* as
 void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
 
+// Mixture-of-Experts MLP of one layer (moe_impl.h): out [T, hidden] float32 = the sum over j < top_k
+// of weights[t, j] * E_{ids[t, j]}(x[t]), with E(x) = down(silu(gate(x)) * up(x)). Per expert e,
+// gate[e] and up[e] ([inter, hidden] each) and down[e] ([hidden, inter]) point at w4 (fmt 0) or w8
+// (fmt 1) tiles of qgemm.h (groups group_gu and group_dn), or at bf16 blocks packed for the dense
+// GEMM (fmt 2, dense_gemm.h; x bf16): the first tile / block of that projection, which may lie inside
+// a fused gate_up weight. inter a multiple of 16; ids in [0, num_experts); top_k <= 64.
+// A token's expert outputs are rounded to `dtype` and added to its row in expert order (fp32),
+// as the unfused layers and index_add_ do; a token's result never depends on the others routed.
+void armserve_fused_moe(int32_t fmt, int32_t dtype, float* out, const void* x, int64_t tokens, int64_t hidden,
+                        int64_t inter, int32_t top_k, const int64_t* ids, const float* weights, int32_t num_experts,
+                        const void* const* gate, const void* const* up, const void* const* down, int64_t group_gu,
+                        int64_t group_dn);
+
 // ---- dense bf16 GEMM on prepacked weights (dense_dispatch.cpp; layout in dense_gemm.h) ----------
 // out [m, n] (out_dtype AS_F32 or AS_BF16, rows `ldo` elements apart) = x [m, k] bf16 @ W^T.
 void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n,
@@ -158,6 +171,7 @@ const char* armserve_signature(const char* name);
   ARMSERVE_RECORDABLE(X)                                                                                       \
   X(armserve_pack_bf16)                                                                                        \
   X(armserve_gemm_q_bf16)                                                                                      \
+  X(armserve_fused_moe)                                                                                        \
   X(armserve_argmax)                                                                                           \
   X(armserve_graph_kind)                                                                                       \
   X(armserve_graph_op_size)                                                                                    \

@@ -175,6 +175,20 @@ struct Buffer {
 namespace armserve {
 namespace {
 
+// out [d] = silu(x[:d]) * x[d:2d] for one row of `dtype`, d a multiple of 16: the one choice of row
+// function that act_and_mul and the MoE's expert pass (moe_impl.h) both make, so they round alike.
+static inline void silu_and_mul(int32_t dtype, const void* x, void* out, int64_t d) {
+#ifdef ARMSERVE_ROWS_BF16_CVT
+  if (dtype == AS_BF16 && armserve_bf16_dot && d % 32 == 0) return silu_and_mul_row_bf16_cvt(x, out, d);
+#endif
+  if (dtype == AS_BF16)
+    silu_and_mul_row<CT_BF16>(x, out, d);
+  else if (dtype == AS_F16)
+    silu_and_mul_row<CT_F16>(x, out, d);
+  else
+    silu_and_mul_row<CT_F32>(x, out, d);
+}
+
 template <class Isa>
 struct Kernels {
   // Round a fp32 row through `dtype` and back: PyTorch rounds every intermediate tensor.
@@ -276,19 +290,7 @@ struct Kernels {
     const int es = dtype_size(dtype);
     if (act == 0 && d % 16 == 0) {  // SiLU, the common case: one pass of 16-lane vectors per row
       armserve_par::for_static(rows, rows * d >= (1 << 14), [&](int64_t r) {
-        const char* xr = static_cast<const char*>(x) + r * 2 * d * es;
-        char* o = static_cast<char*>(out) + r * d * es;
-#ifdef ARMSERVE_ROWS_BF16_CVT
-        if (dtype == AS_BF16 && armserve_bf16_dot && d % 32 == 0)
-          silu_and_mul_row_bf16_cvt(xr, o, d);
-        else
-#endif
-        if (dtype == AS_BF16)
-          silu_and_mul_row<CT_BF16>(xr, o, d);
-        else if (dtype == AS_F16)
-          silu_and_mul_row<CT_F16>(xr, o, d);
-        else
-          silu_and_mul_row<CT_F32>(xr, o, d);
+        silu_and_mul(dtype, static_cast<const char*>(x) + r * 2 * d * es, static_cast<char*>(out) + r * d * es, d);
       });
       return;
     }

@@ -62,4 +62,12 @@ void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* as
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
   qtable()->gemm_w8(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
 }
+
+void armserve_fused_moe(int32_t fmt, int32_t dtype, float* out, const void* x, int64_t tokens, int64_t hidden,
+                        int64_t inter, int32_t top_k, const int64_t* ids, const float* weights, int32_t num_experts,
+                        const void* const* gate, const void* const* up, const void* const* down, int64_t group_gu,
+                        int64_t group_dn) {
+  qtable()->fused_moe(fmt, dtype, out, x, tokens, hidden, inter, top_k, ids, weights, num_experts, gate, up, down,
+                      group_gu, group_dn);
+}
 }

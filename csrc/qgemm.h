@@ -36,6 +36,7 @@ struct QKernelTable {  // member types from the exported functions (api.h)
   // W's N rows are padded to a multiple of 16 in the packed layout, scales inline.
   decltype(&armserve_gemm_w4) gemm_w4;
   decltype(&armserve_gemm_w8) gemm_w8;
+  decltype(&armserve_fused_moe) fused_moe;  // moe_impl.h: the experts' GEMMs and SiLU of this variant
 };
 
 const QKernelTable* armserve_qtable_scalar();

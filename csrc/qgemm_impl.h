@@ -76,6 +76,9 @@ struct ScalarQ {
 };
 
 template <class Isa, class IsaQ>
+struct Moe;  // moe_impl.h
+
+template <class Isa, class IsaQ>
 struct QKernels {
   // One token's row: int8 codes, per-group scales and code sums.
   static void quantize_row(int32_t dtype, const void* x, int64_t k, int64_t group, int8_t* qr, float* scale,
@@ -117,42 +120,55 @@ struct QKernels {
     });
   }
 
+  // One 16-row weight tile `wt` (its first `cols` output columns) times m activation rows: row i is
+  // quantized row idx[i] (i itself without idx) of q / ascale / agsum; outputs to out + i * ldo.
+  template <bool W4>
+  static void tile_rows(int32_t dtype, void* out, int64_t ldo, const int8_t* q, const float* ascale,
+                        const int32_t* agsum, const int32_t* idx, int64_t m, const uint8_t* wt, int cols, int64_t k,
+                        int64_t group) {
+    const int es = dtype_size(dtype);
+    const int64_t ng = k / group;
+    float acc[4][16];
+    for (int64_t m0 = 0; m0 < m; m0 += 4) {
+      const int nt = int(m - m0 < 4 ? m - m0 : 4);
+      const int8_t* qs[4];
+      const float* as[4];
+      const int32_t* gs[4];
+      for (int i = 0; i < nt; ++i) {
+        const int64_t r = idx ? idx[m0 + i] : m0 + i;
+        qs[i] = q + r * k;
+        as[i] = ascale + r * ng;
+        gs[i] = agsum + r * ng;
+      }
+      if (nt == 4) {
+        if (W4)
+          IsaQ::template tile_w4<4>(wt, qs, as, gs, k, group, acc);
+        else
+          IsaQ::template tile_w8<4>(wt, qs, as, gs, k, group, acc);
+      } else {
+        for (int i = 0; i < nt; ++i) {
+          if (W4)
+            IsaQ::template tile_w4<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
+          else
+            IsaQ::template tile_w8<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
+        }
+      }
+      for (int i = 0; i < nt; ++i) Isa::store(dtype, acc[i], static_cast<char*>(out) + (m0 + i) * ldo * es, cols);
+    }
+  }
+
+  // Bytes of one 16-row tile of a packed w4 / w8 weight with k columns (qgemm.h).
+  static int64_t tile_bytes(bool w4, int64_t k, int64_t group) { return (w4 ? 8 * k : 16 * k) + 64 * (k / group); }
+
   template <bool W4>
   static void gemm(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                    const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
     const int es = dtype_size(dtype);
-    const int64_t tiles = (n + 15) / 16, ng = k / group;
-    const int64_t tile_bytes = (W4 ? 8 * k : 16 * k) + 64 * ng;
+    const int64_t tiles = (n + 15) / 16, tb = tile_bytes(W4, k, group);
     armserve_par::for_static(tiles, true, [&](int64_t t) {
-      const uint8_t* wt = w + t * tile_bytes;
       const int rows = int(n - t * 16 < 16 ? n - t * 16 : 16);
-      float acc[4][16];
-      for (int64_t m0 = 0; m0 < m; m0 += 4) {
-        const int nt = int(m - m0 < 4 ? m - m0 : 4);
-        const int8_t* qs[4];
-        const float* as[4];
-        const int32_t* gs[4];
-        for (int i = 0; i < nt; ++i) {
-          qs[i] = q + (m0 + i) * k;
-          as[i] = ascale + (m0 + i) * ng;
-          gs[i] = agsum + (m0 + i) * ng;
-        }
-        if (nt == 4) {
-          if (W4)
-            IsaQ::template tile_w4<4>(wt, qs, as, gs, k, group, acc);
-          else
-            IsaQ::template tile_w8<4>(wt, qs, as, gs, k, group, acc);
-        } else {
-          for (int i = 0; i < nt; ++i) {
-            if (W4)
-              IsaQ::template tile_w4<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
-            else
-              IsaQ::template tile_w8<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
-          }
-        }
-        for (int i = 0; i < nt; ++i)
-          Isa::store(dtype, acc[i], static_cast<char*>(out) + ((m0 + i) * ldo + t * 16) * es, rows);
-      }
+      tile_rows<W4>(dtype, static_cast<char*>(out) + t * 16 * es, ldo, q, ascale, agsum, nullptr, m, w + t * tb, rows,
+                    k, group);
     });
   }
 
@@ -167,10 +183,12 @@ struct QKernels {
   }
 
   static const QKernelTable* table(const char* name) {
-    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8};
+    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8, Moe<Isa, IsaQ>::run};
     return &t;
   }
 };
 
 }  // namespace
 }  // namespace armserve
+
+#include "moe_impl.h"

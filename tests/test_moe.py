@@ -11,16 +11,19 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams
-from armserve.layers.fused_moe import fused_experts, fused_moe_ref, select_experts
-from armserve.layers.quantized_linear import QuantizedLinear, kernel_scales, quantize_weight
+from armserve.layers.fused_moe import fused_experts, fused_moe_ref, kernel_experts, select_experts
+from armserve.layers.quantized_linear import QuantizedLinear, kernel_scales, quantize_weight, quantize_weight_int8
 from armserve.models.llama import LlamaMLP
 from conftest import CACHE, assert_next_token_logprobs_close, make_tiny_checkpoint
 
 H, I, E = 64, 96, 6
 
 
-def make_experts(dtype: torch.dtype, w4: bool = False) -> tuple[torch.nn.ModuleList, torch.Tensor, torch.Tensor]:
-    """E gated MLPs with random weights, and their stacked weights as the reference sees them."""
+def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: bool = False
+                 ) -> tuple[torch.nn.ModuleList, torch.Tensor, torch.Tensor]:
+    """E gated MLPs with random weights, and their stacked weights as the reference sees them;
+    quantized to w4 or w8 (`split`: gate and up as two shards of the fused layer, as a checkpoint
+    with separate gate_proj / up_proj loads them)."""
     torch.manual_seed(0)
     cfg = SimpleNamespace(hidden_size=H, intermediate_size=I, hidden_act="silu")
     w13 = torch.randn(E, 2 * I, H) / H**0.5
@@ -28,14 +31,19 @@ def make_experts(dtype: torch.dtype, w4: bool = False) -> tuple[torch.nn.ModuleL
     experts = torch.nn.ModuleList()
     for e in range(E):
         m = LlamaMLP(cfg)
-        if w4:
+        if w4 or w8:
             for name, w in (("gate_up_proj", w13[e]), ("down_proj", w2[e])):
-                q = QuantizedLinear(w.shape[1], w.shape[0], False, [("all", w.shape[0])])
-                qt = quantize_weight(w, 32, symmetric=False)
-                q.load_shard("all", qt)
+                halves = split and name == "gate_up_proj"
+                shards = [("g", I), ("u", I)] if halves else [("all", w.shape[0])]
+                q = QuantizedLinear(w.shape[1], w.shape[0], False, shards)
+                deq = []
+                for (shard, rows), ws in zip(shards, w.split([r for _, r in shards])):
+                    qt = quantize_weight(ws, 32, symmetric=False) if w4 else quantize_weight_int8(ws)
+                    q.load_shard(shard, qt)
+                    # the reference gets the weights the kernels use
+                    deq.append(kernel_scales(qt).dequantize())
                 setattr(m, name, q)
-                # the reference gets the weights the kernels use
-                (w13 if name == "gate_up_proj" else w2)[e] = kernel_scales(qt).dequantize()
+                (w13 if name == "gate_up_proj" else w2)[e] = torch.cat(deq)
         else:
             m.gate_up_proj.weight.data.copy_(w13[e])
             m.down_proj.weight.data.copy_(w2[e])
@@ -78,6 +86,51 @@ def test_fused_experts_matches_reference(isa, kind, routing):
     # bf16: products of bf16 weights rounded at each layer; w4a8: int8 activations
     tol = {"float32": 1e-4, "bfloat16": 3e-2, "w4a8": 5e-2}[kind]
     torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+EXPERT_KINDS = {"bfloat16": dict(), "w4a8": dict(w4=True), "w4a8-split": dict(w4=True, split=True),
+                "w8a8": dict(w8=True), "w4a8-bf16": dict(w4=True)}
+
+
+@pytest.mark.parametrize("routing", ["random", "one_expert", "one_token", "prefill"])
+@pytest.mark.parametrize("kind", list(EXPERT_KINDS))
+def test_fused_moe_kernel_equals_expert_by_expert(isa, kind, routing):
+    """The one-call kernel (csrc/moe_impl.h) against the expert-by-expert path on the same layers:
+    the same GEMM tiles and SiLU rows, so the same bits; and against the fp32 reference. Top-3 of
+    6 with the same expert twice for a token (`one_expert`), idle experts, 1 to 300 tokens."""
+    dtype = torch.bfloat16 if kind in ("bfloat16", "w4a8-bf16") else torch.float32
+    experts, w13, w2 = make_experts(dtype, **EXPERT_KINDS[kind])
+    ke = kernel_experts(experts)
+    assert ke is not None and ke.fmt == {"bfloat16": "bf16", "w8a8": "w8"}.get(kind, "w4")
+    g = torch.Generator().manual_seed(7)
+    tokens = {"one_token": 1, "prefill": 300}.get(routing, 13)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    weights = torch.rand(tokens, 3, generator=g)
+    if routing == "one_expert":
+        ids = torch.tensor([[3, 3, 1]] * tokens)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(tokens)])
+    got = fused_experts(x, weights, ids, experts)
+    # (the w8 prefill rows of a bf16 layer take the dequantizing dense GEMM expert by expert)
+    if not (kind == "w4a8-bf16" and routing == "prefill"):
+        torch.testing.assert_close(got, fused_experts(x, weights, ids, experts, use_kernel=False), atol=0, rtol=0)
+    want = fused_moe_ref(x, weights, ids, w13, w2)
+    tol = 3e-2 if dtype == torch.bfloat16 else 5e-2
+    torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+    # a token's result does not depend on which other tokens were routed with it (batch invariance)
+    torch.testing.assert_close(fused_experts(x[:1], weights[:1], ids[:1], experts), got[:1], atol=0, rtol=0)
+
+
+def test_fused_moe_kernel_declines_what_it_cannot_read():
+    """float32 weights (PyTorch's GEMM), a GELU expert: expert by expert."""
+    experts, _, _ = make_experts(torch.float32)
+    assert kernel_experts(experts) is None
+    cfg = SimpleNamespace(hidden_size=H, intermediate_size=I, hidden_act="gelu_pytorch_tanh")
+    gelu = torch.nn.ModuleList(LlamaMLP(cfg).to(torch.bfloat16) for _ in range(2))
+    for m in gelu.modules():
+        if hasattr(m, "finalize"):
+            m.finalize()
+    assert kernel_experts(gelu) is None
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a land far away",

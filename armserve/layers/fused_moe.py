@@ -9,8 +9,12 @@ reference the tests hold both to.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from armserve import ops
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool, *, scoring: str = "softmax",
@@ -56,12 +60,90 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool, *, scori
     return weights, ids
 
 
-def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
+@dataclass(frozen=True)
+class KernelExperts:
+    """Every expert's weights where the fused kernel (ops.fused_moe) reads them: the addresses of
+    each expert's gate, up and down weights (int64 [E] each) in one format."""
+
+    fmt: str  # "w4" / "w8" (quantized GEMM tiles) or "bf16" (dense GEMM blocks)
+    inter: int
+    group_gu: int
+    group_dn: int
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def _projection(layer: nn.Module, rows: int, k: int) -> tuple[str, int, list[int]] | None:
+    """(format, group, addresses of the row blocks [0, rows), [rows, 2 rows), ...) of a bias-free
+    expert projection the fused kernel can read, or None."""
+    from armserve.layers.quantized_linear import QuantizedLinear
+
+    if getattr(layer, "bias", None) is not None:
+        return None
+    packed = getattr(layer, "packed", None)
+    if not isinstance(layer, QuantizedLinear):
+        if packed is None:  # float32 / float16 weights: PyTorch's GEMM
+            return None
+        block = -(-k // 2) * 64  # bytes of one 16-row block (dense_gemm.h)
+        return "bf16", 0, [packed.data_ptr() + i * rows // 16 * block for i in range(layer.out_features // rows)]
+    parts = layer.parts
+    if not parts or any(p.packed is None or p.fmt != parts[0].fmt or p.group != parts[0].group for p in parts):
+        return None
+    fmt, group = parts[0].fmt, parts[0].group
+    tile = (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)  # bytes of one 16-row tile (qgemm.h)
+    addrs = []
+    for p in parts:  # a part may hold several of the row ranges (a fused gate_up), or one
+        if p.col % rows or p.n % rows:
+            return None
+        addrs += [p.packed.data_ptr() + i * rows // 16 * tile for i in range(p.n // rows)]
+    return fmt, group, addrs
+
+
+def kernel_experts(experts: nn.ModuleList) -> KernelExperts | None:
+    """The experts as the fused kernel reads them, worked out once per layer; None where it
+    cannot (float32 / float16 weights, a bias, an activation other than SiLU, formats that differ
+    between experts, an intermediate width not a multiple of 16): those run expert by expert."""
+    cached = getattr(experts, "_kernel_experts", False)
+    if cached is not False:
+        return cached
+    from armserve.layers.activation import SiluAndMul
+
+    found = None
+    first = experts[0]
+    inter, hidden = first.down_proj.in_features, first.down_proj.out_features
+    projections = []
+    if inter % 16 == 0 and all(type(e.act) is SiluAndMul for e in experts):  # (GeluAndMul derives from it)
+        for e in experts:
+            gu = _projection(e.gate_up_proj, inter, hidden)
+            dn = _projection(e.down_proj, hidden, inter)
+            if gu is None or dn is None or len(gu[2]) != 2 or len(dn[2]) != 1:
+                break
+            projections.append((gu, dn))
+        else:
+            kinds = {(gu[0], gu[1], dn[0], dn[1]) for gu, dn in projections}
+            if len(kinds) == 1 and next(iter(kinds))[0] == next(iter(kinds))[2]:
+                fmt, group_gu, _, group_dn = next(iter(kinds))
+                addr = lambda vals: torch.tensor(vals, dtype=torch.int64)  # noqa: E731
+                found = KernelExperts(fmt, inter, group_gu, group_dn, addr([gu[2][0] for gu, _ in projections]),
+                                      addr([gu[2][1] for gu, _ in projections]),
+                                      addr([dn[2][0] for _, dn in projections]))
+    experts._kernel_experts = found
+    return found
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList,
+                  use_kernel: bool = True) -> torch.Tensor:
     """sum_k weights[t, k] * experts[ids[t, k]](x[t]) for every token t, as fp32 [T, hidden].
 
     The (token, k) pairs are sorted by expert (stable: a token's rows keep their order), so each
-    active expert runs once over a contiguous group; experts with no tokens cost nothing.
+    active expert runs once over a contiguous group; experts with no tokens cost nothing. Where
+    the experts allow (`kernel_experts`), all of it is one kernel call (csrc/moe_impl.h), which
+    rounds as the expert-by-expert path does; `use_kernel=False` forces the latter.
     """
+    ke = kernel_experts(experts) if use_kernel else None
+    if ke is not None and ids.shape[1] <= 64 and ops.use_kernel("moe", x, fmt=ke.fmt):
+        return ops.fused_moe(ke.fmt, x, weights, ids, ke.gate, ke.up, ke.down, ke.inter, ke.group_gu, ke.group_dn)
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
