@@ -33,7 +33,7 @@ namespace {
 #define ARMSERVE_AMX_MIN_ROWS 3
 #endif
 
-struct AmxBf16 : armserve_dense::PanelPrefetch {
+struct AmxBf16 : armserve_dense::PanelPrefetch<AmxBf16> {
   static constexpr bool kDot = true, kSelfStream = false;
   static constexpr int MR = 32, NB = 2, kAlign = 16, kStreamRows = 0, kRowPad = 16;
 

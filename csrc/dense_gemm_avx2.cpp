@@ -8,22 +8,12 @@ namespace {
 #ifndef ARMSERVE_DENSE_AVX2_MR
 #define ARMSERVE_DENSE_AVX2_MR 5
 #endif
-struct Avx2 : armserve_dense::PanelPrefetch {
+struct Avx2 : armserve_dense::PanelPrefetch<Avx2> {
   static constexpr bool kDot = false;
   // 5 rows x 1 block: 10 accumulators + 4 widened weight halves + 2 broadcasts = 16 ymm; 10
   // chains of 2 FMAs hide the FMA latency (4 rows: 8 chains, 76 GFLOP/s; 5 rows: 109 on Zen 5).
   static constexpr int MR = ARMSERVE_DENSE_AVX2_MR, NB = 1, kAlign = 1, kStreamRows = 0;
-  template <int R, int B>
-  static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
-    // A panel of one row tile streams its own weights (prefetch_stream); with more row tiles, the
-    // next panel comes in during them (PanelPrefetch).
-    Share pf = take(kp);
-    if (R <= armserve_dense::kStreamPrefetchMaxRows && pf.left == 0)
-      run<R, B, true>(xa, xs, w, kp, acc, pf);
-    else
-      run<R, B, false>(xa, xs, w, kp, acc, pf);
-  }
-  template <int R, int B, bool kStream>
+  template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
     const float* x = static_cast<const float*>(xa);
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));

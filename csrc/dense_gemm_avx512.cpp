@@ -19,24 +19,14 @@ namespace {
 
 // AVX512-BF16. The attribute keeps vdpbf16ps out of every other function of this file; the table
 // is only picked when the CPU has the instruction (dense_dispatch.cpp).
-struct Avx512Bf16 : armserve_dense::PanelPrefetch {
+struct Avx512Bf16 : armserve_dense::PanelPrefetch<Avx512Bf16> {
   static constexpr bool kDot = true;
   // 6 x 4 accumulators (24 zmm) + 4 weight rows + a broadcast: 2 vdpbf16ps per cycle need ~12
   // independent chains in flight, and 10 loads per 24 vdpbf16ps stay well below the load ports
   // (measured on Zen 5 against 8 x 3, 12 x 2 and 4 x 4: within 3%, 6 x 4 best at m >= 16).
   static constexpr int MR = ARMSERVE_DENSE_AVX512_MR, NB = ARMSERVE_DENSE_AVX512_NB, kAlign = 1;
   static constexpr int kStreamRows = ARMSERVE_DENSE_STREAM_ROWS;
-  template <int R, int B>
-  static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
-    // A panel of one row tile streams its own weights (prefetch_stream); with more row tiles, the
-    // next panel comes in during them (PanelPrefetch).
-    Share pf = take(kp);
-    if (R <= armserve_dense::kStreamPrefetchMaxRows && pf.left == 0)
-      run<R, B, true>(xa, xs, w, kp, acc, pf);
-    else
-      run<R, B, false>(xa, xs, w, kp, acc, pf);
-  }
-  template <int R, int B, bool kStream>
+  template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   __attribute__((target("avx512f,avx512bf16"))) static void run(const void* xa, int64_t xs, const uint16_t* w,
                                                                  int64_t kp, float* acc, Share pf) {
     const uint32_t* x = static_cast<const uint32_t*>(xa);
@@ -65,21 +55,13 @@ struct Avx512Bf16 : armserve_dense::PanelPrefetch {
   }
 };
 
-struct Avx512 : armserve_dense::PanelPrefetch {
+struct Avx512 : armserve_dense::PanelPrefetch<Avx512> {
   static constexpr bool kDot = false;
   // Widening: 2 FMAs and 2 integer ops per weight row, R * B + 2 B + 2 = 26 registers at 4 x 4
   // (FMA-bound: ~245 GFLOP/s on Zen 5, half of vdpbf16ps; 4 x 4 beat 6 x 3, 8 x 2 and 6 x 2).
   static constexpr int MR = ARMSERVE_DENSE_AVX512F_MR, NB = ARMSERVE_DENSE_AVX512F_NB, kAlign = 1;
   static constexpr int kStreamRows = ARMSERVE_DENSE_STREAM_ROWS;
-  template <int R, int B>
-  static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
-    Share pf = take(kp);  // as Avx512Bf16::tile
-    if (R <= armserve_dense::kStreamPrefetchMaxRows && pf.left == 0)
-      run<R, B, true>(xa, xs, w, kp, acc, pf);
-    else
-      run<R, B, false>(xa, xs, w, kp, acc, pf);
-  }
-  template <int R, int B, bool kStream>
+  template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
     const float* x = static_cast<const float*>(xa);
     const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));

@@ -180,6 +180,7 @@ struct TileBase {
 // waits on memory and the others on the multiplies, one after the other: on Zen 4 (1 thread,
 // SmolLM2's 30 layers, weights cold) m = 8 took 15.2 ms, about the sum of streaming the weights
 // (9.3) and the multiplies at peak (7.7).
+template <class Self>
 struct PanelPrefetch : TileBase {
   static constexpr bool kSelfStream = true;
   static inline thread_local const char* pf_next = nullptr;
@@ -202,6 +203,17 @@ struct PanelPrefetch : TileBase {
     s.per = steps > 0 ? (s.left + steps - 1) / steps : s.left;
     pf_lines = 0;
     return s;
+  }
+  // The tile of the primitive's `run<R, B, kStream>(xa, xs, w, kp, acc, share)` over kp k-pairs:
+  // a panel of one row tile streams its own weights (kStream: prefetch_stream as it loads them);
+  // with more row tiles, the next panel comes in during them (share.step() once per k-pair).
+  template <int R, int B>
+  static void tile(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc) {
+    Share pf = take(kp);
+    if (R <= kStreamPrefetchMaxRows && pf.left == 0)
+      Self::template run<R, B, true>(xa, xs, w, kp, acc, pf);
+    else
+      Self::template run<R, B, false>(xa, xs, w, kp, acc, pf);
   }
 };
 

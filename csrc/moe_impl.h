@@ -95,6 +95,15 @@ struct Moe {
       Q::quantize_act(dtype, x, tokens, hidden, group_gu, xq, xs, xsum);
     }
 
+    // One w4 / w8 weight tile over n quantized rows (QKernels::tile_rows).
+    auto qtile = [&](char* o, int64_t ldo, const int8_t* q, const float* s, const int32_t* sum, const int32_t* idx,
+                     int64_t n, const uint8_t* wt, int cols, int64_t k, int64_t group) {
+      if (w4)
+        Q::template tile_rows<true>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
+      else
+        Q::template tile_rows<false>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
+    };
+
     // 2. gate and up, SiLU-and-mul, per (expert, 64 intermediate columns).
     const int64_t na = (inter + kCols - 1) / kCols;
     const int64_t tb_gu = dense ? 0 : Q::tile_bytes(w4, hidden, group_gu);
@@ -112,10 +121,7 @@ struct Moe {
           for (int half = 0; half < 2; ++half) {  // the gate tile, then the up tile of the same columns
             char* o = gu + ((t - c0 / 16) * 16 + half * w) * es;
             const uint8_t* wt = static_cast<const uint8_t*>(half ? up[e] : gate[e]) + t * tb_gu;
-            if (w4)
-              Q::template tile_rows<true>(dtype, o, 2 * w, xq, xs, xsum, tok + r0, n, wt, 16, hidden, group_gu);
-            else
-              Q::template tile_rows<false>(dtype, o, 2 * w, xq, xs, xsum, tok + r0, n, wt, 16, hidden, group_gu);
+            qtile(o, 2 * w, xq, xs, xsum, tok + r0, n, wt, 16, hidden, group_gu);
           }
       }
       for (int64_t r = 0; r < n; ++r) silu_and_mul(dtype, gu + r * 2 * w * es, h + ((r0 + r) * inter + c0) * es, w);
@@ -144,13 +150,8 @@ struct Moe {
       const uint8_t* wq = static_cast<const uint8_t*>(down[e]);
       for (int64_t t = c0 / 16; t < (c0 + w + 15) / 16; ++t) {
         const int cols = int(hidden - t * 16 < 16 ? hidden - t * 16 : 16);
-        char* o = ye + (t * 16 - c0) * es;
-        if (w4)
-          Q::template tile_rows<true>(dtype, o, hidden, hq + r0 * inter, hs + r0 * ndn, hsum + r0 * ndn, nullptr, n,
-                                      wq + t * tb_dn, cols, inter, group_dn);
-        else
-          Q::template tile_rows<false>(dtype, o, hidden, hq + r0 * inter, hs + r0 * ndn, hsum + r0 * ndn, nullptr, n,
-                                       wq + t * tb_dn, cols, inter, group_dn);
+        qtile(ye + (t * 16 - c0) * es, hidden, hq + r0 * inter, hs + r0 * ndn, hsum + r0 * ndn, nullptr, n,
+              wq + t * tb_dn, cols, inter, group_dn);
       }
     });
 
