@@ -26,6 +26,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many ranks, each a process on its own cores (one "
                         "'|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly)")
+    p.add_argument("--backend", default="torch", choices=["torch", "openvino"],
+                   help="torch: armserve's own engine; openvino: OpenVINO GenAI's continuous-batching pipeline "
+                        "(pip install armserve[openvino]; the model is exported to OpenVINO IR once)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="none: dequantize a quantized checkpoint; int8/int4: weight compression when the "
+                        "openvino backend exports the model (default: as the checkpoint is)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,6 +55,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager,
         chat_template=template,
         tensor_parallel_size=args.tensor_parallel_size,
+        backend=args.backend,
+        quantization=args.quantization,
     )
 
 

@@ -20,6 +20,10 @@ _DTYPES = {
 
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 
+# Weight compression the openvino backend applies when it exports a model (optimum-intel's
+# --weight-format); the torch backend quantizes offline (`armserve quantize`).
+OPENVINO_QUANTIZATIONS = ("int8", "int4")
+
 
 class ConfigError(ValueError):
     """An engine argument is invalid; the message names it."""
@@ -115,7 +119,8 @@ class EngineConfig:
     kv_cache_space: float | None = None
     kv_cache_dtype: str = "auto"
     # None: as the checkpoint is (GGUF Q4/Q8 blocks and `armserve quantize` output stay
-    # quantized); "none": dequantize every weight to `dtype`.
+    # quantized); "none": dequantize every weight to `dtype`; "int8"/"int4": weight compression
+    # when the openvino backend exports the model.
     quantization: str | None = None
     seed: int = 0
     tokenizer: str | None = None
@@ -132,6 +137,9 @@ class EngineConfig:
     # (one '|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly);
     # `kv_cache_space` is per rank, each caching its share of the KV heads.
     tensor_parallel_size: int = 1
+    # "torch": armserve's own engine; "openvino": OpenVINO GenAI's continuous-batching pipeline
+    # (the `openvino` extra; engine/openvino_backend.py). engine/backend.py lists both.
+    backend: str = "torch"
 
     def __post_init__(self) -> None:
         if self.kv_cache_space is None:
@@ -163,9 +171,17 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         resolve_dtype(self.dtype)  # fail early on an unknown dtype
-        if self.quantization not in (None, "none", "auto"):
+        if self.backend not in ("torch", "openvino"):
+            raise ConfigError(f"unknown backend {self.backend!r}; expected torch or openvino")
+        if self.quantization in OPENVINO_QUANTIZATIONS and self.backend != "openvino":
             raise ConfigError(
-                f"unknown quantization {self.quantization!r}; use None/'auto' (keep the checkpoint's) or 'none'"
+                f"quantization {self.quantization!r} is the openvino backend's weight compression; for the torch "
+                "backend quantize a checkpoint with `armserve quantize` (or load a Q4/Q8 GGUF)"
+            )
+        if self.quantization not in (None, "none", "auto", *OPENVINO_QUANTIZATIONS):
+            raise ConfigError(
+                f"unknown quantization {self.quantization!r}; use None/'auto' (keep the checkpoint's) or 'none' "
+                "(or 'int8'/'int4' with backend='openvino')"
             )
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
 

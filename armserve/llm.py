@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 from armserve.prompts import render_chat
 from armserve.config import EngineConfig
-from armserve.engine.llm_engine import LLMEngine, PromptType
+from armserve.engine.backend import PromptType, create_engine
 from armserve.outputs import RequestOutput
 from armserve.sampling_params import SamplingParams
 
@@ -19,7 +19,8 @@ class LLM:
 
     `model` is a Hugging Face folder or a GGUF file. Engine arguments use vLLM's names
     (`dtype`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`, `block_size`,
-    `enable_prefix_caching`, `seed`) plus `kv_cache_space` in GiB.
+    `enable_prefix_caching`, `seed`) plus `kv_cache_space` in GiB. `backend="openvino"` serves
+    it through OpenVINO GenAI instead of armserve's own engine (engine/openvino_backend.py).
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
@@ -29,7 +30,7 @@ class LLM:
                 f"unknown engine argument(s): {', '.join(sorted(unknown))}; "
                 f"known: {', '.join(sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model'))}"
             )
-        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.llm_engine = create_engine(EngineConfig(model=model, **engine_args))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -1,4 +1,4 @@
-"""The engine core: one loop that owns an `LLMEngine`, applies add/abort commands, steps, and
+"""The engine core: one loop that owns an engine (engine/backend.py), applies add/abort commands, steps, and
 reports each step's outputs and statistics as one message (vLLM v1's EngineCore).
 
     frontend (AsyncLLM)                               core (EngineCore.run)
@@ -142,14 +142,14 @@ def portable_error(e: BaseException) -> BaseException:
 
 
 class EngineCore:
-    """Owns the `LLMEngine`; `run()` is the loop. `emit` receives every message (see the module
+    """Owns the engine (`LLMEngine`, or the backend `config.backend` names); `run()` is the loop. `emit` receives every message (see the module
     docstring); commands arrive through `put`. Only the loop's thread touches the engine."""
 
     def __init__(self, config: EngineConfig, emit: Callable[[tuple], None],
                  stats_interval: float = DEFAULT_STATS_INTERVAL) -> None:
-        from armserve.engine.llm_engine import LLMEngine
+        from armserve.engine.backend import create_engine
 
-        self.engine = LLMEngine(config)
+        self.engine = create_engine(config)
         self.emit = emit
         self.stats_interval = stats_interval
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -219,7 +219,8 @@ class EngineCore:
 
     def _add(self, cmd: AddCommand) -> None:
         so = cmd.params.structured_outputs
-        if so is not None and not cmd.compiled:
+        # (a backend without structured outputs refuses the request in add_request)
+        if so is not None and not cmd.compiled and self.engine.structured is not None:
             # NOTE: compiled off the loop, so a large schema (0.1-1 s) never stalls the steps; the
             # engine then finds the grammar in its cache.
             if self._compile_pool is None:
@@ -309,18 +310,7 @@ class EngineCore:
         return FinishedRequestStats(reason, t.num_prompt_tokens, t.num_generation_tokens, e2e, queue_time, tpot)
 
     def _snapshot(self) -> SchedulerStats:
-        e = self.engine
-        kv = e.kv
-        return SchedulerStats(
-            num_running=e.scheduler.num_running,
-            num_waiting=e.scheduler.num_waiting,
-            kv_cache_usage=kv.usage,
-            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
-            kv_blocks_total=kv.num_blocks,
-            prefix_cache_queries=kv.prefix_queries,
-            prefix_cache_hits=kv.prefix_hits,
-            num_preemptions=e.scheduler.num_preemptions,
-        )
+        return self.engine.scheduler_stats()
 
     def snapshot(self) -> SchedulerStats:
         """The engine's state now (call from the loop's thread, or before `run`)."""

@@ -435,6 +435,22 @@ class LLMEngine:
 
     # ---- introspection ----------------------------------------------------------------------
 
+    def scheduler_stats(self):
+        """The engine's state now, as the stat loggers receive it (engine/core.py: SchedulerStats)."""
+        from armserve.engine.core import SchedulerStats
+
+        kv = self.kv
+        return SchedulerStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
     def stats(self) -> dict[str, float]:
         return {
             "num_running": self.scheduler.num_running,

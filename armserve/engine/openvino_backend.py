@@ -1,0 +1,575 @@
+"""The OpenVINO backend: a model served through OpenVINO GenAI's continuous-batching pipeline
+(paged attention, prefix caching, chunked prefill), behind the same interface as armserve's
+own engine (engine/backend.py).
+
+    add_request ── SamplingParams -> GenerationConfig ──► pipeline.add_request -> GenerationHandle
+    step()      ── pipeline.step(); handle.read() per request ──► token ids (+ logprobs)
+                ── armserve's IncrementalDetokenizer ──► text, stop strings, streaming deltas
+
+The model is exported once to OpenVINO IR with optimum-intel (`optimum-cli export openvino`,
+in a subprocess: see `export_python`) into `~/.cache/armserve/openvino/` (or
+$ARMSERVE_OPENVINO_CACHE), keyed by the model folder, its config and the weight format; a folder
+that already holds `openvino_model.xml` loads directly.
+
+Prompts are tokenized and outputs detokenized by armserve's tokenizer, so chat templates, stop
+strings and streamed text behave exactly as with the torch backend. Sampling parameters the
+pipeline cannot honour are refused with a ValueError naming them (`generation_config`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from armserve import model_loader
+from armserve.config import ConfigError, EngineConfig, resolve_dtype
+from armserve.engine.detokenizer import IncrementalDetokenizer
+from armserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from armserve.prompts import prompt_to_ids
+from armserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("armserve")
+
+INSTALL_HINT = "the openvino backend needs its extra: pip install armserve[openvino]"
+IR_FILE = "openvino_model.xml"
+# OpenVINO's CPU plugin pages its KV cache in blocks of 32 tokens.
+OV_CPU_BLOCK_SIZE = 32
+# Where scripts/setup.sh puts the export environment when this one's transformers is newer
+# than optimum-intel supports (see `export_python`).
+DEFAULT_EXPORT_ENV = os.path.join(os.path.expanduser("~"), ".cache", "armserve", "openvino-export-env")
+
+
+def import_openvino_genai():
+    """openvino_genai, or an ImportError of one line saying how to install it."""
+    try:
+        import openvino  # noqa: F401
+        import openvino_genai
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from None
+    return openvino_genai
+
+
+# ---- export ------------------------------------------------------------------------------------
+
+
+def is_ir_folder(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, IR_FILE))
+
+
+def weight_format(dtype: str, quantization: str | None) -> str:
+    """optimum-intel's --weight-format for an engine dtype and quantization."""
+    if quantization in ("int8", "int4"):
+        return quantization
+    return "fp32" if resolve_dtype(dtype) == _torch_float32() else "fp16"
+
+
+def _torch_float32():
+    import torch
+
+    return torch.float32
+
+
+def export_python() -> str:
+    """The Python that runs the export: $ARMSERVE_OPENVINO_EXPORT_PYTHON, else the export
+    environment scripts/setup.sh makes (`DEFAULT_EXPORT_ENV`), else this interpreter.
+
+    NOTE: optimum-intel supports transformers < 5.6 while armserve runs any transformers 5.x; a
+    machine with a newer transformers keeps it and exports in a venv of its own (system site
+    packages plus an older transformers), so serving never depends on the exporter's pins.
+    """
+    env = os.environ.get("ARMSERVE_OPENVINO_EXPORT_PYTHON")
+    if env:
+        return env
+    venv = os.path.join(DEFAULT_EXPORT_ENV, "bin", "python")
+    return venv if os.path.isfile(venv) else sys.executable
+
+
+def cache_root() -> str:
+    return os.environ.get("ARMSERVE_OPENVINO_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "armserve", "openvino")
+
+
+def ir_cache_dir(folder: str, fmt: str) -> str:
+    """The cache folder of one export: the model's path, its config.json and the weight format."""
+    folder = os.path.realpath(folder)
+    h = hashlib.sha256(folder.encode())
+    with open(os.path.join(folder, "config.json"), "rb") as f:
+        h.update(f.read())
+    h.update(fmt.encode())
+    return os.path.join(cache_root(), f"{os.path.basename(folder)}-{fmt}-{h.hexdigest()[:10]}")
+
+
+def export_ir(folder: str, fmt: str, trust_remote_code: bool = False) -> str:
+    """The OpenVINO IR of the Hugging Face model in `folder`, exported once into the cache."""
+    out = ir_cache_dir(folder, fmt)
+    if is_ir_folder(out):
+        return out
+    python = export_python()
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", folder,
+           "--task", "text-generation-with-past", "--weight-format", fmt, tmp]
+    if trust_remote_code:
+        cmd.insert(-1, "--trust-remote-code")
+    logger.info("exporting %s to OpenVINO IR (%s weights) into %s; this happens once per model and format",
+                folder, fmt, out)
+    t0 = time.time()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0 or not is_ir_folder(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+        if "No module named 'optimum" in proc.stdout:
+            raise ImportError(f"{INSTALL_HINT} (the exporter, optimum-intel, is missing from {python})")
+        raise RuntimeError(f"exporting {folder} to OpenVINO IR failed ({' '.join(cmd)}):\n{tail}")
+    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
+    logger.info("exported %s to OpenVINO IR in %.0f s", folder, time.time() - t0)
+    return out
+
+
+# ---- threads -----------------------------------------------------------------------------------
+
+
+def thread_settings() -> tuple[int, list[int] | None]:
+    """(threads, cores to pin to or None) from armserve's settings (armserve/cpu.py):
+    ARMSERVE_THREADS_BIND (or vLLM's VLLM_CPU_OMP_THREADS_BIND), else OMP_NUM_THREADS, else one
+    thread per physical core."""
+    from armserve import cpu
+
+    var, bind = cpu._bind_setting()
+    if bind:
+        if "|" in bind:
+            raise ValueError(f"{var}: {bind!r} lists cores for several engines ('|'); give one core list")
+        if bind == "auto":
+            allowed = set(cpu.allowed_cpus())
+            cores = cpu.physical_cores([c for c in cpu.numa_nodes()[min(cpu.numa_nodes())] if c in allowed])
+        else:
+            cores = cpu.parse_cpu_list(bind)
+        return len(cores), cores
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), None
+    return max(1, len(cpu.physical_cores())), None
+
+
+# ---- requests ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Completion:
+    index: int
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    reported_final: bool = False
+
+
+@dataclass
+class _Request:
+    request_id: str
+    ov_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: str
+    handle: Any
+    metrics: RequestMetrics
+    completions: list[_Completion]
+    seq_index: dict[int, int] = field(default_factory=dict)  # pipeline sequence id -> completion index
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+class OpenVINOEngine:
+    """The engine interface (engine/backend.py) over `openvino_genai.ContinuousBatchingPipeline`.
+
+    Not thread-safe: one thread calls `add_request`, `abort_request` and `step`.
+    """
+
+    structured = None  # structured outputs are refused (add_request names the parameter)
+
+    def __init__(self, config: EngineConfig) -> None:
+        genai = import_openvino_genai()
+        self._genai = genai
+        self.config = config
+        self._check_config(config)
+        t0 = time.time()
+        src = model_loader.resolve_model_path(config.model)
+        if src.is_gguf:
+            raise ConfigError(
+                f"the openvino backend exports Hugging Face folders, not GGUF files ({config.model}); convert it "
+                "to a folder first (e.g. transformers' from_pretrained(folder, gguf_file=...).save_pretrained)")
+        if is_ir_folder(src.folder):
+            if config.quantization in ("int8", "int4"):
+                raise ConfigError(f"quantization {config.quantization!r} applies when exporting; {config.model} "
+                                  "is already OpenVINO IR (export it again from its Hugging Face folder)")
+            ir = src.folder
+        else:
+            ir = export_ir(src.folder, weight_format(config.dtype, config.quantization), config.trust_remote_code)
+        self.model_config = model_loader.load_config(src)
+        hf = self.model_config
+        config.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
+        if config.chat_template:
+            self.tokenizer.chat_template = config.chat_template
+
+        dtype = resolve_dtype(config.dtype)
+        precision = "f32" if dtype == _torch_float32() else "bf16"
+        kv_precision = "u8" if config.kv_cache_dtype == "int8" else precision
+        threads, cores = thread_settings()
+        if cores is not None:
+            # OpenVINO's CPU plugin keeps its threads within the process's affinity mask.
+            os.sched_setaffinity(0, cores)
+        properties = {"INFERENCE_NUM_THREADS": threads, "INFERENCE_PRECISION_HINT": precision,
+                      "KV_CACHE_PRECISION": kv_precision, "ENABLE_CPU_PINNING": cores is not None}
+        sched = genai.SchedulerConfig()
+        self.num_kv_blocks = self._num_kv_blocks(hf, config.kv_cache_space, kv_precision)  # type: ignore[arg-type]
+        sched.num_kv_blocks = self.num_kv_blocks
+        sched.cache_size = 0
+        sched.enable_prefix_caching = config.enable_prefix_caching
+        sched.max_num_batched_tokens = config.max_num_batched_tokens
+        sched.max_num_seqs = config.max_num_seqs
+        sched.dynamic_split_fuse = True  # chunked prefill, as armserve's own scheduler
+        self.pipe = genai.ContinuousBatchingPipeline(ir, sched, "CPU", properties)
+        self.ir_folder = ir
+
+        self.eos_token_ids = self._eos_token_ids(src.folder)
+        self.vocab_size = hf.vocab_size
+        self._requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._ov_ids = itertools.count()
+        self._rng = random.Random(config.seed)
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.num_requests_finished = 0
+        logger.info("loaded %s on OpenVINO %s from %s in %.1fs: precision %s, KV cache %s %d blocks x %d tokens, "
+                    "max_model_len %d, %d threads%s", config.model, genai.__version__, ir, time.time() - t0,
+                    precision, kv_precision, self.num_kv_blocks, OV_CPU_BLOCK_SIZE, self.max_model_len, threads,
+                    f" pinned to {cores}" if cores else "")
+
+    @staticmethod
+    def _check_config(config: EngineConfig) -> None:
+        """Engine arguments this backend cannot honour, refused by name."""
+        if config.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not supported by the openvino backend")
+        if config.block_size != OV_CPU_BLOCK_SIZE:
+            raise ConfigError(f"block_size {config.block_size} is not supported by the openvino backend "
+                              f"(its CPU cache pages {OV_CPU_BLOCK_SIZE} tokens)")
+        if config.enforce_eager:
+            raise ConfigError("enforce_eager is not supported by the openvino backend (it has no step graphs "
+                              "to turn off)")
+        if resolve_dtype(config.dtype) not in (_torch_float32(), __import__("torch").bfloat16):
+            raise ConfigError(f"dtype {config.dtype!r} is not supported by the openvino backend; use float32 or "
+                              "bfloat16")
+        if config.quantization == "none":
+            raise ConfigError("quantization 'none' (dequantize a quantized checkpoint) is not supported by the "
+                              "openvino backend; leave it unset, or use int8/int4")
+
+    @staticmethod
+    def _num_kv_blocks(hf, gib: float, kv_precision: str) -> int:
+        """How many 32-token blocks `gib` GiB of cache holds. A u8 row also carries a scale and a
+        zero point (float32) per head."""
+        heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        elem = {"f32": 4, "bf16": 2, "u8": 1}[kv_precision]
+        per_head = head_dim * elem + (8 if kv_precision == "u8" else 0)
+        per_token = 2 * hf.num_hidden_layers * heads * per_head
+        blocks = int(gib * 2**30 // (per_token * OV_CPU_BLOCK_SIZE))
+        if blocks < 1:
+            raise ConfigError(f"kv_cache_space {gib} GiB holds no block of {OV_CPU_BLOCK_SIZE} tokens for this "
+                              "model; raise it")
+        return blocks
+
+    def _eos_token_ids(self, folder: str) -> set[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        try:
+            with open(os.path.join(folder, "generation_config.json")) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                ids |= set(eos if isinstance(eos, list) else [eos])
+        except (OSError, ValueError):
+            pass
+        return ids
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def generation_config(self, params: SamplingParams, max_tokens: int):
+        """The pipeline's GenerationConfig for `params`; ValueError naming what it cannot carry."""
+        def refuse(name: str, why: str) -> None:
+            raise ValueError(f"{name} is not supported by the openvino backend: {why}")
+
+        if params.structured_outputs is not None:
+            refuse("structured_outputs", "use backend='torch' for JSON schema, regex, choice and grammar outputs")
+        if params.prompt_logprobs is not None:
+            refuse("prompt_logprobs", "the pipeline does not return prompt log-probabilities")
+        if params.logprobs is not None and params.logprobs > 0:
+            refuse("logprobs", f"the pipeline returns only the chosen token's log-probability (logprobs=0), "
+                               f"not the top {params.logprobs} alternatives")
+        if params.greedy and params.n > 1:
+            refuse("n", "n > 1 needs temperature > 0 (the pipeline samples several sequences only at random)")
+        g = self._genai.GenerationConfig()
+        g.max_new_tokens = max_tokens
+        g.min_new_tokens = params.min_tokens
+        # NOTE: the pipeline's ignore_eos also ignores stop_token_ids (vLLM's does not): with
+        # ignore_eos, `_update` matches the user's stop ids itself.
+        if params.ignore_eos:
+            g.ignore_eos = True
+        else:
+            eos = sorted(self.eos_token_ids)
+            if eos:
+                g.eos_token_id = eos[0]  # the pipeline wants it among the stop ids
+            g.stop_token_ids = set(params.stop_token_ids or []) | self.eos_token_ids
+        # NOTE: stop strings are matched by armserve's detokenizer (engine/detokenizer.py), exactly
+        # as on the torch backend; the request is cancelled when one appears.
+        g.repetition_penalty = params.repetition_penalty
+        g.presence_penalty = params.presence_penalty
+        g.frequency_penalty = params.frequency_penalty
+        if params.greedy:
+            g.do_sample = False
+        else:
+            g.do_sample = True
+            g.temperature = params.temperature
+            g.top_p = params.top_p
+            if params.top_k > 0:
+                g.top_k = params.top_k
+            g.min_p = params.min_p
+            g.num_return_sequences = params.n
+            # A request without a seed draws one from the engine's generator (seeded by `seed`).
+            g.rng_seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        if params.logprobs is not None:
+            g.logprobs = 1
+        try:
+            g.validate()
+        except Exception as e:  # the pipeline's own check, e.g. a value out of its range
+            raise ValueError(f"the openvino backend refuses these sampling parameters: {str(e).strip()}") from None
+        return g
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, output_kind: str = "final") -> str:
+        """Validate and queue a request; raises ValueError naming the problem, engine untouched."""
+        import numpy as np
+        import openvino as ov
+
+        from armserve.engine.llm_engine import OUTPUT_KINDS, RequestError
+
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if output_kind not in OUTPUT_KINDS:
+            raise RequestError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        text, ids = prompt_to_ids(self.tokenizer, prompt)
+        self._validate_prompt(ids, params)
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        gen = self.generation_config(params, max_tokens)
+        ov_id = next(self._ov_ids)
+        handle = self.pipe.add_request(ov_id, ov.Tensor(np.array([ids], dtype=np.int64)), gen)
+        comps = [_Completion(i, IncrementalDetokenizer(self.tokenizer, ids, params),
+                             logprobs=[] if params.logprobs is not None else None,
+                             cumulative_logprob=0.0 if params.logprobs is not None else None)
+                 for i in range(params.n)]
+        now = arrival_time if arrival_time is not None else time.time()
+        self._requests[request_id] = _Request(request_id, ov_id, text, ids, params, output_kind, handle,
+                                              RequestMetrics(arrival_time=now), comps)
+        return request_id
+
+    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        from armserve.engine.llm_engine import RequestError
+
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is out of range for the vocabulary size {self.vocab_size}")
+        n = len(ids)
+        if n >= self.max_model_len:
+            raise RequestError(f"the prompt has {n} tokens, which leaves no room to generate within max_model_len "
+                               f"{self.max_model_len}")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
+                               f"{n + params.max_tokens}, more than max_model_len {self.max_model_len}")
+        total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
+        if -(-total // OV_CPU_BLOCK_SIZE) * params.n > self.num_kv_blocks:
+            raise RequestError(f"the request needs up to {total * params.n} tokens of KV cache, more than the whole "
+                               f"cache holds ({self.num_kv_blocks * OV_CPU_BLOCK_SIZE} tokens); raise kv_cache_space")
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> None:
+        """Stop requests now and free their cache. Unknown ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            req = self._requests.pop(rid, None)
+            if req is not None:
+                req.handle.cancel()
+        self._flush()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One pipeline step, then each request's new tokens through its detokenizer."""
+        if not self._requests:
+            return []
+        self.pipe.step()
+        now = time.time()
+        status = self._genai.GenerationStatus
+        outputs: list[RequestOutput] = []
+        for req in list(self._requests.values()):
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+            progressed = False
+            while req.handle.can_read():
+                for seq_id, out in req.handle.read().items():
+                    progressed |= self._update(req, seq_id, out, now)
+            st = req.handle.get_status()
+            if st == status.IGNORED:
+                # Admission checks that the request fits the cache; this is the pipeline refusing anyway.
+                logger.warning("the openvino pipeline dropped request %s (no room in its KV cache)", req.request_id)
+            if st != status.RUNNING:
+                for c in req.completions:
+                    if c.finish_reason is None:
+                        c.finish_reason = "abort" if st in (status.IGNORED, status.CANCEL) else "stop"
+                        progressed = True
+            finished = req.finished
+            if finished:
+                if st == status.RUNNING:
+                    req.handle.cancel()  # a stop string ended it: free its cache now
+                req.metrics.finished_time = now
+                del self._requests[req.request_id]
+                self.num_requests_finished += 1
+            if progressed and (req.output_kind != "final" or finished):
+                outputs.append(self._make_output(req, finished))
+        self._flush()
+        return outputs
+
+    def _flush(self) -> None:
+        """Let the pipeline drop cancelled requests (it does so in a step) when none of ours is
+        left to step it, so their blocks go back to its cache now."""
+        if not self._requests and self.pipe.has_non_finished_requests():
+            self.pipe.step()
+
+    def _update(self, req: _Request, seq_id: int, out, now: float) -> bool:
+        """Take one sequence's new tokens; True if something changed."""
+        idx = req.seq_index.setdefault(seq_id, len(req.seq_index))
+        c = req.completions[idx]
+        if c.finish_reason is not None:
+            return False
+        toks = list(out.generated_ids)
+        lps = list(out.generated_log_probs)
+        if toks and not any(x.token_ids for x in req.completions):
+            req.metrics.first_token_time = now
+            self.num_prompt_tokens_total += len(req.prompt_token_ids)
+        reason = self._genai.GenerationFinishReason
+        for i, tok in enumerate(toks):
+            c.token_ids.append(tok)
+            self.num_generation_tokens_total += 1
+            req.metrics.last_token_time = now
+            if c.logprobs is not None and i < len(lps):
+                # NOTE: the pipeline reports only the chosen token: its rank is 1 under greedy
+                # decoding and not known when sampling (0).
+                c.logprobs.append({tok: Logprob(lps[i], 1 if req.params.greedy else 0, c.detok.decode_token(tok))})
+                c.cumulative_logprob += lps[i]  # type: ignore[operator]
+            last = i == len(toks) - 1
+            stopped = last and out.finish_reason == reason.STOP
+            stopped |= (req.params.ignore_eos and tok in req.params.stop_token_ids  # type: ignore[operator]
+                        and len(c.token_ids) >= req.params.min_tokens)
+            stop_str = c.detok.update([tok], stopped)
+            if stop_str is not None:
+                c.finish_reason, c.stop_reason = "stop", stop_str
+                break
+            if stopped:
+                c.finish_reason = "stop"
+                c.stop_reason = tok if tok in (req.params.stop_token_ids or []) else None
+                break
+            elif last and out.finish_reason == reason.LENGTH:
+                c.finish_reason = "length"
+        return bool(toks) or c.finish_reason is not None
+
+    def _make_output(self, req: _Request, finished: bool) -> RequestOutput:
+        delta = req.output_kind == "delta"
+        comps: list[CompletionOutput] = []
+        for c in req.completions:
+            if delta:
+                if c.reported_final:
+                    continue
+                toks = c.token_ids[c.sent_tokens:]
+                lps = c.logprobs[c.sent_logprobs:] if c.logprobs is not None else None
+                if not toks and c.finish_reason is None:
+                    continue
+                text = c.detok.get_next_output_text(c.finish_reason is not None, delta=True)
+                c.sent_tokens = len(c.token_ids)
+                c.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
+            else:
+                toks = list(c.token_ids)
+                lps = list(c.logprobs) if c.logprobs is not None else None
+                text = c.detok.get_next_output_text(c.finish_reason is not None, delta=False)
+            if c.finish_reason is not None:
+                c.reported_final = True
+            comps.append(CompletionOutput(c.index, text, list(toks), c.cumulative_logprob, lps, c.finish_reason,
+                                          c.stop_reason))
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             prompt_logprobs=None, outputs=comps, finished=finished, metrics=req.metrics,
+                             num_cached_tokens=0)
+
+    # ---- the rest of the interface ------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """One dummy prefill of up to 512 tokens and a decode step, then the counters as before."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len - 2, 512)  # type: ignore[type-var]
+        if n < 1:
+            return
+        saved = (self.num_prompt_tokens_total, self.num_generation_tokens_total, self.num_requests_finished)
+        rid = self.add_request("armserve-warm-up", {"prompt_token_ids": [1 + i % (self.vocab_size - 1)
+                                                                          for i in range(n)]},
+                               SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while rid in self._requests:
+            self.step()
+        self.num_prompt_tokens_total, self.num_generation_tokens_total, self.num_requests_finished = saved
+
+    def scheduler_stats(self):
+        """Requests and KV cache use as the pipeline reports them. NOTE: the pipeline does not
+        report prefix-cache hits or preemptions; those counters stay 0."""
+        from armserve.engine.core import SchedulerStats
+
+        m = self.pipe.get_metrics()
+        usage = m.cache_usage / 100.0  # the pipeline reports percent
+        return SchedulerStats(
+            num_running=min(m.scheduled_requests, len(self._requests)),
+            num_waiting=max(0, len(self._requests) - m.scheduled_requests),
+            kv_cache_usage=usage,
+            kv_blocks_used=round(usage * self.num_kv_blocks),
+            kv_blocks_total=self.num_kv_blocks,
+        )
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler_stats()
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
+                "prompt_tokens_total": self.num_prompt_tokens_total,
+                "generation_tokens_total": self.num_generation_tokens_total}
