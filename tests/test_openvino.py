@@ -1,0 +1,197 @@
+"""The OpenVINO backend (engine/openvino_backend.py): greedy tokens equal to the torch backend's and
+transformers', parameters it cannot carry refused by name, the missing extra in one line, and the
+OpenAI server tests of tests/test_server.py run again against `armserve serve --backend openvino`.
+
+Needs the `openvino` extra (scripts/setup.sh installs it, with the exporter's own environment).
+The first run exports SmolLM2 and the tiny checkpoint to OpenVINO IR (~1 minute, cached in
+~/.cache/armserve/openvino)."""
+
+from __future__ import annotations
+
+import builtins
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from armserve import LLM, SamplingParams
+
+# The server tests that hold for any backend, run here against an openvino server (the fixtures
+# below replace test_server's `server`, `client` and `model`). Left out: those that ask for top
+# log-probabilities, prompt log-probabilities, echo with logprobs or prefix-cache hit counters,
+# which this backend refuses or cannot report.
+from test_server import (  # noqa: F401
+    HELLO,
+    ServerProcess,
+    test_bad_requests_do_not_disturb_requests_in_flight,
+    test_chat_max_completion_tokens_wins,
+    test_chat_n2,
+    test_chat_non_streaming_usage_is_exact,
+    test_chat_stop_string,
+    test_chat_streamed_equals_non_streamed_same_seed,
+    test_chat_without_max_tokens_fills_the_context,
+    test_completion_streamed_equals_non_streamed,
+    test_eight_concurrent_chats_share_one_batch,
+    test_health_version_models,
+    test_invalid_requests_get_400_naming_the_problem,
+    test_malformed_json_and_unknown_routes,
+    test_tokenize_detokenize,
+    test_unknown_model_is_404,
+)
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def ov_smollm2(smollm2_hf_reference):
+    return LLM(smollm2_hf_reference, backend="openvino", dtype="float32", kv_cache_space=0.5)
+
+
+def test_greedy_float32_equals_torch_backend_and_transformers(ov_smollm2, smollm2_hf_reference):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in ov_smollm2.generate(PROMPTS, p, use_tqdm=False)]
+    ref = LLM(smollm2_hf_reference, dtype="float32", kv_cache_space=0.5)
+    want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, p, use_tqdm=False)]
+    assert got == want
+    tok = AutoTokenizer.from_pretrained(smollm2_hf_reference)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_reference, dtype=torch.float32)
+    for prompt, ids in zip(PROMPTS, got):
+        # (a plain argmax loop: generate's min_new_tokens would forbid the EOS ignore_eos lets through)
+        x = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            for _ in range(32):
+                x = torch.cat([x, hf(x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert x[0, -32:].tolist() == ids, prompt
+
+
+def test_sampling_params_match_the_torch_backend(ov_smollm2, smollm2_hf_reference):
+    """Greedy with penalties, min_tokens, stop strings and stop ids: the same tokens, text and
+    finish reasons as the torch backend; the chosen token's logprob within float noise."""
+    ref = LLM(smollm2_hf_reference, dtype="float32", kv_cache_space=0.5)
+    msgs = [{"role": "user", "content": "Say hi."}]
+    for p in [SamplingParams(temperature=0, max_tokens=40, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[282]),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[9999]),
+              SamplingParams(temperature=0, max_tokens=40, min_tokens=30),
+              SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.3, presence_penalty=0.5,
+                             frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=40, stop=["help"], include_stop_str_in_output=True),
+              SamplingParams(temperature=0, max_tokens=40, stop=["help"])]:
+        a = ov_smollm2.chat(msgs, p, use_tqdm=False)[0].outputs[0]
+        b = ref.chat(msgs, p, use_tqdm=False)[0].outputs[0]
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            b.token_ids, b.text, b.finish_reason, b.stop_reason), p
+        if p.logprobs is not None:
+            la = [next(iter(d.values())).logprob for d in a.logprobs]
+            lb = [next(iter(d.values())).logprob for d in b.logprobs]
+            assert la == pytest.approx(lb, abs=1e-3)
+
+
+def test_sampling_is_seeded_and_n_gives_n(ov_smollm2):
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, n=2, max_tokens=8, seed=11, ignore_eos=True)
+    a = ov_smollm2.generate("Once upon a time", p, use_tqdm=False)[0]
+    b = ov_smollm2.generate("Once upon a time", p, use_tqdm=False)[0]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert [len(o.token_ids) for o in a.outputs] == [8, 8]
+    assert all(o.finish_reason == "length" for o in a.outputs)
+
+
+@pytest.mark.parametrize("bad, name", [
+    (dict(logprobs=2), "logprobs"),
+    (dict(prompt_logprobs=1), "prompt_logprobs"),
+    (dict(n=2, temperature=0), "n"),
+])
+def test_unsupported_parameter_is_refused_by_name(ov_smollm2, bad, name):
+    with pytest.raises(ValueError, match=rf"^{name} is not supported by the openvino backend"):
+        ov_smollm2.generate("Hi", SamplingParams(**bad), use_tqdm=False)
+    assert not ov_smollm2.llm_engine.has_unfinished_requests()
+
+
+def test_structured_outputs_are_refused_by_name(ov_smollm2):
+    from armserve.sampling_params import StructuredOutputsParams
+
+    with pytest.raises(ValueError, match="^structured_outputs is not supported"):
+        ov_smollm2.generate("Hi", SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+                            use_tqdm=False)
+
+
+def test_engine_arguments_it_cannot_carry_are_refused(smollm2_hf_reference, smollm2_gguf):
+    from armserve.config import ConfigError
+
+    with pytest.raises(ConfigError, match="block_size 16"):
+        LLM(smollm2_hf_reference, backend="openvino", block_size=16)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLM(smollm2_hf_reference, backend="openvino", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="GGUF"):
+        LLM(smollm2_gguf, backend="openvino")
+    with pytest.raises(ConfigError, match="quantization 'int4' is the openvino backend's"):
+        LLM(smollm2_hf_reference, quantization="int4")
+
+
+def test_an_ir_folder_loads_directly(ov_smollm2):
+    ir = ov_smollm2.llm_engine.ir_folder
+    again = LLM(ir, backend="openvino", dtype="float32", kv_cache_space=0.5)
+    assert again.llm_engine.ir_folder == ir
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert (again.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids
+            == ov_smollm2.generate(PROMPTS[0], p, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_missing_extra_says_how_to_install(monkeypatch, smollm2_hf_reference):
+    real_import = builtins.__import__
+
+    def no_openvino(name, *args, **kwargs):
+        if name.split(".")[0] in ("openvino", "openvino_genai"):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_openvino)
+    with pytest.raises(ImportError) as e:
+        LLM(smollm2_hf_reference, backend="openvino")
+    msg = str(e.value)
+    assert "pip install armserve[openvino]" in msg and "\n" not in msg
+
+
+# ---- the OpenAI server on the openvino backend (test_server's tests, these fixtures) --------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama, tmp_path_factory):
+    srv = ServerProcess(tiny_llama, ["--backend", "openvino", "--dtype", "float32", "--kv-cache-space", "0.02"],
+                        str(tmp_path_factory.mktemp("ov-srv") / "server.log"), startup_timeout=300)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(server, client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_server_refuses_what_the_backend_cannot_carry_with_400(server, client, model):
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported by the openvino backend"):
+        client.chat.completions.create(model=model, messages=HELLO, max_tokens=4, logprobs=True, top_logprobs=3)
+    r = httpx.post(f"{server.base_url}/completions", json={"model": model, "prompt": "Hi", "max_tokens": 2,
+                                                           "n": 2, "temperature": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("n is not supported"), r.text
+    # The chosen token's logprob alone is carried.
+    out = client.chat.completions.create(model=model, messages=HELLO, max_tokens=4, logprobs=True,
+                                         extra_body={"ignore_eos": True})
+    assert len(out.choices[0].logprobs.content) == 4
+
+
+def test_server_metrics_and_stats_line(server, client, model):
+    client.chat.completions.create(model=model, messages=HELLO, max_tokens=8)
+    m = server.metrics()
+    assert m["armserve:generation_tokens_total"] >= 8 and m["armserve:prompt_tokens_total"] > 0
+    assert m["armserve:e2e_request_latency_seconds_count"] >= 1
+    assert "Avg prompt throughput:" in server.log() and "OpenVINO" in server.log()
