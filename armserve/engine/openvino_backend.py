@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import torch
+
 from armserve import model_loader
 from armserve.config import ConfigError, EngineConfig, resolve_dtype
 from armserve.engine.detokenizer import IncrementalDetokenizer
@@ -70,13 +72,7 @@ def weight_format(dtype: str, quantization: str | None) -> str:
     """optimum-intel's --weight-format for an engine dtype and quantization."""
     if quantization in ("int8", "int4"):
         return quantization
-    return "fp32" if resolve_dtype(dtype) == _torch_float32() else "fp16"
-
-
-def _torch_float32():
-    import torch
-
-    return torch.float32
+    return "fp32" if resolve_dtype(dtype) == torch.float32 else "fp16"
 
 
 def export_python() -> str:
@@ -231,7 +227,7 @@ class OpenVINOEngine:
             self.tokenizer.chat_template = config.chat_template
 
         dtype = resolve_dtype(config.dtype)
-        precision = "f32" if dtype == _torch_float32() else "bf16"
+        precision = "f32" if dtype == torch.float32 else "bf16"
         kv_precision = "u8" if config.kv_cache_dtype == "int8" else precision
         threads, cores = thread_settings()
         if cores is not None:
@@ -275,7 +271,7 @@ class OpenVINOEngine:
         if config.enforce_eager:
             raise ConfigError("enforce_eager is not supported by the openvino backend (it has no step graphs "
                               "to turn off)")
-        if resolve_dtype(config.dtype) not in (_torch_float32(), __import__("torch").bfloat16):
+        if resolve_dtype(config.dtype) not in (torch.float32, torch.bfloat16):
             raise ConfigError(f"dtype {config.dtype!r} is not supported by the openvino backend; use float32 or "
                               "bfloat16")
         if config.quantization == "none":
