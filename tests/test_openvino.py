@@ -195,3 +195,18 @@ def test_server_metrics_and_stats_line(server, client, model):
     assert m["armserve:generation_tokens_total"] >= 8 and m["armserve:prompt_tokens_total"] > 0
     assert m["armserve:e2e_request_latency_seconds_count"] >= 1
     assert "Avg prompt throughput:" in server.log() and "OpenVINO" in server.log()
+
+
+def test_int8_weights_and_int8_kv_cache(tiny_llama):
+    """--quantization int8 exports NNCF-compressed weights into a folder of their own; --kv-cache-dtype
+    int8 is the pipeline's u8 cache. Both serve (near-greedy agreement is a random tiny model's
+    matter, not checked)."""
+    llm = LLM(tiny_llama, backend="openvino", dtype="float32", quantization="int8", kv_cache_dtype="int8",
+              kv_cache_space=0.02)
+    ir = llm.llm_engine.ir_folder
+    assert "-int8-" in ir
+    with open(f"{ir}/openvino_model.xml") as f:
+        xml = f.read()
+    assert 'element_type="u8"' in xml or 'element_type="i8"' in xml
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
