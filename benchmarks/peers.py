@@ -94,7 +94,7 @@ def install_llama_server() -> str:
                          "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF",
                          "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF"],
                  NICE + ["cmake", "--build", os.path.join(root, "build"), "-j", "2", "--target", "llama-server",
-                         "llama-bench", "llama-quantize"]], log)
+                         "llama-bench", "llama-quantize", "llama-batched-bench"]], log)
     open(os.path.join(root, ".installed"), "w").write(f"{time.monotonic() - t:.0f} s\n")
     return exe
 
