@@ -210,3 +210,50 @@ def test_int8_weights_and_int8_kv_cache(tiny_llama):
     assert 'element_type="u8"' in xml or 'element_type="i8"' in xml
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
+
+
+# ---- Qwen2.5-Coder-0.5B through both backends ------------------------------------------------------
+
+
+def _near_argmax_steps(hf, prompt_ids: list[int], ids: list[int], tol: float = 1e-3) -> list[int]:
+    """The steps of `ids` (generated greedily after `prompt_ids`) whose token is not an argmax of
+    transformers' float32 logits up to `tol` (a near-tie may go either way; anything else is a bug)."""
+    import torch
+
+    x = torch.tensor([prompt_ids + ids])
+    with torch.no_grad():
+        logits = hf(x).logits[0, len(prompt_ids) - 1: -1].float()
+    chosen = logits[torch.arange(len(ids)), torch.tensor(ids)]
+    return [i for i, gap in enumerate((logits.max(-1).values - chosen).tolist()) if gap > tol]
+
+
+@pytest.fixture(scope="module")
+def qwen_hf_reference(qwen_coder_gguf):
+    import os
+
+    from conftest import CACHE, hf_folder_from_gguf
+
+    return hf_folder_from_gguf(qwen_coder_gguf, os.path.join(CACHE, "qwen2.5-coder-0.5b-hf-from-gguf"))
+
+
+def test_qwen_greedy_float32_equals_torch_backend_and_transformers(qwen_hf_reference):
+    """Qwen2.5-Coder-0.5B (HF folder from its GGUF, float32): every greedy token of both backends is
+    transformers' argmax given the same prefix (up to a 1e-3 near-tie), and most sequences are
+    equal outright."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ov = LLM(qwen_hf_reference, backend="openvino", dtype="float32", kv_cache_space=0.5)
+    got = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in ov.generate(PROMPTS, p, use_tqdm=False)]
+    del ov
+    ref = LLM(qwen_hf_reference, dtype="float32", kv_cache_space=0.5)
+    want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, p, use_tqdm=False)]
+    del ref
+    hf = AutoModelForCausalLM.from_pretrained(qwen_hf_reference, dtype=torch.float32)
+    assert sum(list(a) == list(b) for (_, a), b in zip(got, want)) >= 3
+    for (prompt_ids, a), b, prompt in zip(got, want, PROMPTS):
+        assert len(a) == len(b) == 32
+        assert _near_argmax_steps(hf, list(prompt_ids), list(a)) == [], f"openvino, {prompt!r}"
+        assert _near_argmax_steps(hf, list(prompt_ids), list(b)) == [], f"torch, {prompt!r}"
+        # (so where the two first differ, both tokens are within 1e-3 of transformers' best: a near-tie)
