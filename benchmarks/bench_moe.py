@@ -250,6 +250,13 @@ def vllm_decode(model: str, n: int, batch: int) -> dict:
                               timeout=3600)
     finally:
         os.unlink(f.name)
+    # NOTE: vLLM's engine-core and worker processes outlive the script by seconds and spin while they
+    # go; a measurement started meanwhile ran ~30% slow here. Wait until they are gone.
+    import time
+
+    deadline = time.monotonic() + 120
+    while subprocess.run(["pgrep", "-f", "VLLM::"], capture_output=True).returncode == 0 and time.monotonic() < deadline:
+        time.sleep(1)
     if proc.returncode != 0:
         raise RuntimeError(f"vllm {model} batch {batch}: {proc.stderr[-3000:]}")
     return _result(proc.stdout)
@@ -294,12 +301,12 @@ def main() -> None:
                 systems = [("bf16", lambda: measure(threads, bf16, args.tokens, batch, True)),
                            ("w4a8", lambda: measure(threads, w4, args.tokens, batch, True)),
                            ("w4a8 one by one", lambda: measure(threads, w4, args.tokens, batch, False))]
-                if threads == 1:  # the peers' figures: one compute thread each
-                    if "vllm" in peer_names:
-                        systems.append(("vllm", lambda: vllm_decode(bf16, args.tokens, batch)))
+                if threads == 1:  # the peers' figures: one compute thread each (vLLM last: see vllm_decode)
                     if q4_gguf:
                         systems += [("gguf", lambda: measure(threads, q4_gguf, args.tokens, batch, True)),
                                     ("llama.cpp", lambda: llama_cpp_decode(q4_gguf, args.tokens, batch))]
+                    if "vllm" in peer_names:
+                        systems.append(("vllm", lambda: vllm_decode(bf16, args.tokens, batch)))
                 r = {}
                 for key, run in systems:
                     try:

@@ -183,7 +183,8 @@ def test_quantize_moe_experts(tiny_checkpoints, tmp_path):
 
 def write_moe_gguf(hf_folder: str, path: str, expert_type: str = "F32") -> None:
     """A GGUF file of a tiny HF MoE checkpoint as llama.cpp's converter lays it out: Mixtral as a
-    `llama` file (q/k rows permuted for its rotary, an expert count), Qwen2-MoE as `qwen2moe`;
+    `llama` file (q/k rows permuted for its rotary, an expert count), Qwen2-MoE as `qwen2moe`,
+    Qwen3-MoE as `qwen3moe` (head width as key/value length, q/k norms as `attn_{q,k}_norm`);
     experts stacked per layer in `ffn_{gate,up,down}_exps` (F32 or Q8_0 blocks), the shared
     expert's gate as a vector. No tokenizer (the test passes the HF folder's)."""
     import json
@@ -197,9 +198,9 @@ def write_moe_gguf(hf_folder: str, path: str, expert_type: str = "F32") -> None:
     cfg = json.load(open(os.path.join(hf_folder, "config.json")))
     sd = load_file(os.path.join(hf_folder, "model.safetensors"))
     mixtral = cfg["model_type"] == "mixtral"
-    arch = "llama" if mixtral else "qwen2moe"
+    arch = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}[cfg["model_type"]]
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    experts = cfg["num_local_experts"] if mixtral else cfg["num_experts"]
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]  # (transformers 5 names Qwen3-MoE's as Mixtral's)
     w = GGUFWriter(path, arch)
     w.add_uint32(f"{arch}.context_length", cfg["max_position_embeddings"])
     w.add_uint32(f"{arch}.embedding_length", cfg["hidden_size"])
@@ -214,7 +215,11 @@ def write_moe_gguf(hf_folder: str, path: str, expert_type: str = "F32") -> None:
     w.add_uint32(f"{arch}.expert_used_count", cfg["num_experts_per_tok"])
     if not mixtral:
         w.add_uint32(f"{arch}.expert_feed_forward_length", cfg["moe_intermediate_size"])
+    if arch == "qwen2moe":
         w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg["shared_expert_intermediate_size"])
+    if arch == "qwen3moe":
+        w.add_uint32(f"{arch}.attention.key_length", cfg["head_dim"])
+        w.add_uint32(f"{arch}.attention.value_length", cfg["head_dim"])
 
     def permute(t: torch.Tensor, heads: int) -> torch.Tensor:  # llama.cpp's rotary row order
         return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
@@ -243,11 +248,14 @@ def write_moe_gguf(hf_folder: str, path: str, expert_type: str = "F32") -> None:
             add(f"blk.{i}.attn_{short}.weight", t)
             if p + f"self_attn.{hf}.bias" in sd:
                 add(f"blk.{i}.attn_{short}.bias", sd[p + f"self_attn.{hf}.bias"])
+        for short in ("q", "k"):
+            if p + f"self_attn.{short}_norm.weight" in sd:
+                add(f"blk.{i}.attn_{short}_norm.weight", sd[p + f"self_attn.{short}_norm.weight"])
         add(f"blk.{i}.ffn_gate_inp.weight", sd[p + f"{moe}.gate.weight"])
         for gg, hf in zip(("gate", "up", "down"), names):
             stacked = torch.stack([sd[p + f"{moe}.experts.{e}.{hf}.weight"] for e in range(experts)])
             add(f"blk.{i}.ffn_{gg}_exps.weight", stacked, quantized=True)
-        if not mixtral:
+        if arch == "qwen2moe":
             add(f"blk.{i}.ffn_gate_inp_shexp.weight", sd[p + "mlp.shared_expert_gate.weight"][0])
             for gg in ("gate", "up", "down"):
                 add(f"blk.{i}.ffn_{gg}_shexp.weight", sd[p + f"mlp.shared_expert.{gg}_proj.weight"])
@@ -257,23 +265,29 @@ def write_moe_gguf(hf_folder: str, path: str, expert_type: str = "F32") -> None:
     w.close()
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_gguf_stacked_experts(tiny_checkpoints, tokenizer_dir, tmp_path, name):
     """A GGUF file with stacked experts loads as the right family (Mixtral from a `llama` file
-    with an expert count; Qwen2-MoE with its expert widths from the file) and gives
-    transformers' greedy tokens; Q8_0 experts stay quantized (w8a8) and stay close."""
+    with an expert count; Qwen2-/Qwen3-MoE with their expert widths, Qwen3's head width and
+    top-k renormalisation from the file) and gives transformers' greedy tokens; Q8_0 experts
+    stay quantized (w8a8) and stay close."""
     from armserve.layers.quantized_linear import QuantizedLinear
 
     folder = tiny_checkpoints[name]
     if name == "mixtral":  # llama.cpp's Mixtral files carry no sliding window: one without
         folder = make_tiny_checkpoint(os.path.join(CACHE, "tiny-mixtral-nowindow"), "MixtralForCausalLM",
                                       tokenizer_dir, num_local_experts=4, num_experts_per_tok=2)
+    if name == "qwen3_moe":  # llama.cpp's qwen3moe has every layer sparse (no mlp_only_layers)
+        folder = make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen3-moe-allsparse"), "Qwen3MoeForCausalLM",
+                                      tokenizer_dir, perturb_norms=True, head_dim=32, num_experts=8,
+                                      num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+                                      decoder_sparse_step=1)  # (64: Q8_0 blocks of 32 along every row)
     f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
     write_moe_gguf(folder, f32)
     write_moe_gguf(folder, q8, expert_type="Q8_0")
     llm = LLM(f32, tokenizer=folder, dtype="float32", kv_cache_space=0.05, max_model_len=256)
-    assert type(llm.llm_engine.model).__name__ == {"mixtral": "MixtralForCausalLM",
-                                                    "qwen2_moe": "Qwen2MoeForCausalLM"}[name]
+    assert type(llm.llm_engine.model).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                                    "qwen3_moe": "Qwen3MoeForCausalLM"}[name]
     params = SamplingParams(temperature=0.0, max_tokens=N, min_tokens=N)
     outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, o.prompt_token_ids) for o in outs]
