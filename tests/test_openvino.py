@@ -197,17 +197,19 @@ def test_server_metrics_and_stats_line(server, client, model):
     assert "Avg prompt throughput:" in server.log() and "OpenVINO" in server.log()
 
 
-def test_int8_weights_and_int8_kv_cache(tiny_llama):
-    """--quantization int8 exports NNCF-compressed weights into a folder of their own; --kv-cache-dtype
-    int8 is the pipeline's u8 cache. Both serve (near-greedy agreement is a random tiny model's
-    matter, not checked)."""
-    llm = LLM(tiny_llama, backend="openvino", dtype="float32", quantization="int8", kv_cache_dtype="int8",
+@pytest.mark.parametrize("bits", ["int8", "int4"])
+def test_compressed_weights_and_int8_kv_cache(tiny_llama, bits):
+    """--quantization int8/int4 exports NNCF-compressed weights into a folder of their own;
+    --kv-cache-dtype int8 is the pipeline's u8 cache. Both serve (near-greedy agreement is a random
+    tiny model's matter, not checked)."""
+    llm = LLM(tiny_llama, backend="openvino", dtype="float32", quantization=bits, kv_cache_dtype="int8",
               kv_cache_space=0.02)
     ir = llm.llm_engine.ir_folder
-    assert "-int8-" in ir
+    assert f"-{bits}-" in ir
     with open(f"{ir}/openvino_model.xml") as f:
         xml = f.read()
-    assert 'element_type="u8"' in xml or 'element_type="i8"' in xml
+    want = ('element_type="u4"', 'element_type="i4"') if bits == "int4" else ('element_type="u8"', 'element_type="i8"')
+    assert any(w in xml for w in want)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8
 
@@ -257,3 +259,12 @@ def test_qwen_greedy_float32_equals_torch_backend_and_transformers(qwen_hf_refer
         assert _near_argmax_steps(hf, list(prompt_ids), list(a)) == [], f"openvino, {prompt!r}"
         assert _near_argmax_steps(hf, list(prompt_ids), list(b)) == [], f"torch, {prompt!r}"
         # (so where the two first differ, both tokens are within 1e-3 of transformers' best: a near-tie)
+
+
+def test_int4_group_size_divides_every_width(smollm2_hf_reference, tiny_llama):
+    """NNCF refuses an int4 group that does not divide a matmul's input width: SmolLM2's hidden
+    size 576 takes groups of 64 (not NNCF's default 128), the tiny checkpoint's 64 too."""
+    from armserve.engine.openvino_backend import int4_group_size
+
+    assert int4_group_size(smollm2_hf_reference) == 64
+    assert int4_group_size(tiny_llama) == 64

@@ -75,6 +75,25 @@ def weight_format(dtype: str, quantization: str | None) -> str:
     return "fp32" if resolve_dtype(dtype) == torch.float32 else "fp16"
 
 
+def int4_group_size(folder: str) -> int:
+    """The int4 group size for the model in `folder`: NNCF's default 128, halved until it divides
+    every matmul's input width (hidden size, attention output width, MLP width); NNCF refuses a
+    group that does not divide one (SmolLM2's hidden size is 576)."""
+    import json
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = json.load(f)
+    cfg = cfg.get("text_config", cfg)
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg.get("num_attention_heads") or 1)
+    widths = [hidden, int(cfg.get("head_dim") or hidden // heads) * heads]
+    widths += [int(cfg[k]) for k in ("intermediate_size", "moe_intermediate_size") if cfg.get(k)]
+    g = 128
+    while g > 16 and any(w % g for w in widths):
+        g //= 2
+    return g
+
+
 def export_python() -> str:
     """The Python that runs the export: $ARMSERVE_OPENVINO_EXPORT_PYTHON, else the export
     environment scripts/setup.sh makes (`DEFAULT_EXPORT_ENV`), else this interpreter.
@@ -115,6 +134,8 @@ def export_ir(folder: str, fmt: str, trust_remote_code: bool = False) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [python, "-m", "optimum.commands.optimum_cli", "export", "openvino", "--model", folder,
            "--task", "text-generation-with-past", "--weight-format", fmt, tmp]
+    if fmt == "int4":
+        cmd[-1:-1] = ["--group-size", str(int4_group_size(folder))]
     if trust_remote_code:
         cmd.insert(-1, "--trust-remote-code")
     logger.info("exporting %s to OpenVINO IR (%s weights) into %s; this happens once per model and format",
