@@ -13,17 +13,18 @@ import builtins
 import httpx
 import openai
 import pytest
-from openai import OpenAI
 
 from armserve import LLM, SamplingParams
 
-# The server tests that hold for any backend, run here against an openvino server (the fixtures
-# below replace test_server's `server`, `client` and `model`). Left out: those that ask for top
+# The server tests that hold for any backend, run here against an openvino server (test_server's
+# `client` and `model` fixtures, on the `server` fixture below). Left out: those that ask for top
 # log-probabilities, prompt log-probabilities, echo with logprobs or prefix-cache hit counters,
 # which this backend refuses or cannot report.
 from test_server import (  # noqa: F401
     HELLO,
     ServerProcess,
+    client,
+    model,
     test_bad_requests_do_not_disturb_requests_in_flight,
     test_chat_max_completion_tokens_wins,
     test_chat_n2,
@@ -166,15 +167,6 @@ def server(tiny_llama, tmp_path_factory):
     yield srv
     srv.stop()
 
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def model(server, client) -> str:
-    return client.models.list().data[0].id
 
 
 def test_server_refuses_what_the_backend_cannot_carry_with_400(server, client, model):
