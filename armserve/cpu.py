@@ -136,6 +136,34 @@ def core_groups(n: int, what: str = "tensor_parallel_size", unit: str = "rank") 
     return groups
 
 
+def one_binding() -> tuple[str, str]:
+    """(variable, value) of the environment's binding for one engine: a `|`-separated list of
+    groups (one per rank or engine) is refused here, naming the variable."""
+    var, bind = _bind_setting()
+    if "|" in bind:
+        raise ValueError(f"{var}: {bind!r} lists cores for several ranks or engines ('|'); give one core list, "
+                         "or one group per rank with tensor_parallel_size / data_parallel_size")
+    return var, bind
+
+
+def bound_cores(var: str, bind: str) -> list[int]:
+    """The cores a binding names: `auto` is the first NUMA node's physical cores (of those this
+    process may use), else a core list, each core one this process may use (ValueError naming
+    `var` otherwise)."""
+    if bind == "auto":
+        first_node = numa_nodes()[min(numa_nodes())]
+        allowed = set(allowed_cpus())
+        return physical_cores([c for c in first_node if c in allowed])
+    try:
+        cores = parse_cpu_list(bind)
+    except ValueError as e:
+        raise ValueError(f"{var}: {e}") from None
+    bad = sorted(set(cores) - set(allowed_cpus()))
+    if bad:
+        raise ValueError(f"{var} lists cores {bad} that this process may not use (allowed: {allowed_cpus()})")
+    return cores
+
+
 _initialised = False
 
 
@@ -150,12 +178,8 @@ def init_threads(bind: str | None = None) -> dict:
     info: dict = {"bind": None}
     # vLLM's CPU name too (armserve's own wins); its `|` separates tensor-parallel ranks (or
     # data-parallel engines), each of which gets its group from core_groups()
-    var, bind_env = _bind_setting()
     if bind is None:
-        bind = bind_env
-        if "|" in bind:
-            raise ValueError(f"{var}: {bind!r} lists cores for several ranks or engines ('|'); give one core list, "
-                             "or one group per rank with tensor_parallel_size / data_parallel_size")
+        var, bind = one_binding()
     else:
         var = "the tensor-parallel rank's core group"
     if _initialised:
@@ -163,19 +187,7 @@ def init_threads(bind: str | None = None) -> dict:
         return info
     _initialised = True
     if bind:
-        if bind == "auto":
-            first_node = numa_nodes()[min(numa_nodes())]
-            allowed = set(allowed_cpus())
-            cores = physical_cores([c for c in first_node if c in allowed])
-        else:
-            try:
-                cores = parse_cpu_list(bind)
-            except ValueError as e:
-                raise ValueError(f"{var}: {e}") from None
-            bad = sorted(set(cores) - set(allowed_cpus()))
-            if bad:
-                raise ValueError(f"{var} lists cores {bad} that this process may not use "
-                                 f"(allowed: {allowed_cpus()})")
+        cores = bound_cores(var, bind)
         torch.set_num_threads(len(cores))
         if ops.available():
             ops.bind_threads(cores)

@@ -263,6 +263,25 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
         raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}{hint}") from e
 
 
+def eos_token_ids(src: ModelSource, tokenizer) -> set[int]:
+    """The tokens that end generation: the tokenizer's EOS plus generation_config.json's
+    `eos_token_id` (one or a list) of an HF folder."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if not src.is_gguf:
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(src.folder)
+            eos = gen.eos_token_id
+            if eos is not None:
+                ids |= set(eos if isinstance(eos, list) else [eos])
+        except (OSError, ValueError):
+            pass  # no generation_config.json
+    return ids
+
+
 def checkpoint_dtype(config) -> torch.dtype | None:
     """The dtype the checkpoint's config names, if any."""
     d = getattr(config, "dtype", None)

@@ -7,7 +7,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Container, Iterator, Sequence
 
 import torch
 
@@ -33,6 +33,49 @@ class RequestError(ValueError):
 
 
 OUTPUT_KINDS = ("final", "cumulative", "delta")
+
+
+def check_request_args(params: SamplingParams | None, output_kind: str, request_id: str | None,
+                       in_use: Container[str], ids: Iterator[int]) -> tuple[SamplingParams, str]:
+    """What every backend checks before it tokenizes (RequestError naming the problem): the
+    params (None: defaults), `output_kind`, and the request id (None: the next of `ids`)."""
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    if output_kind not in OUTPUT_KINDS:
+        raise RequestError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
+    request_id = str(next(ids)) if request_id is None else request_id
+    if request_id in in_use:
+        raise RequestError(f"request id {request_id!r} is already in use")
+    return params, request_id
+
+
+def validate_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int, num_blocks: int,
+                    block_size: int, sequences: int = 1) -> None:
+    """RequestError naming what keeps a prompt from being served: empty, a token outside the
+    vocabulary, no room within max_model_len, or more KV cache than the whole cache (for
+    `sequences` sequences that each hold their own blocks) at the longest it may grow."""
+    if not ids:
+        raise RequestError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token id {bad[0]} is out of range for the vocabulary size {vocab_size}")
+    n = len(ids)
+    if n >= max_model_len:
+        raise RequestError(
+            f"the prompt has {n} tokens, which leaves no room to generate within max_model_len {max_model_len}"
+        )
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise RequestError(
+            f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens}, "
+            f"more than max_model_len {max_model_len}"
+        )
+    total = n + (params.max_tokens if params.max_tokens is not None else max_model_len - n)
+    if -(-total // block_size) * sequences > num_blocks:
+        raise RequestError(
+            f"the request needs up to {total * sequences} tokens of KV cache, more than the whole cache holds "
+            f"({num_blocks * block_size} tokens); raise kv_cache_space"
+        )
 
 
 @dataclass
@@ -136,7 +179,7 @@ class LLMEngine:
             weakref.finalize(self, self.tp_workers.close)  # LLM objects come and go (tests, notebooks)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype,
                                   self.max_model_len, config.enforce_eager, tp_workers=self.tp_workers)
-        self.eos_token_ids = self._eos_token_ids(src)
+        self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
         self.vocab_size = hf.vocab_size
         # xgrammar's tokenizer info and compiler are built on the first structured request.
         self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids)
@@ -180,22 +223,6 @@ class LLMEngine:
          self.kv.prefix_queries, self.kv.prefix_hits, self.scheduler.num_preemptions) = saved
         self.kv.reset_prefix_cache()
 
-    def _eos_token_ids(self, src: model_loader.ModelSource) -> set[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        if not src.is_gguf:
-            try:
-                from transformers import GenerationConfig
-
-                gen = GenerationConfig.from_pretrained(src.folder)
-                eos = gen.eos_token_id
-                if eos is not None:
-                    ids |= set(eos if isinstance(eos, list) else [eos])
-            except (OSError, ValueError):
-                pass  # no generation_config.json
-        return ids
-
     # ---- admission --------------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -211,16 +238,10 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; raises `RequestError`/`ValueError` naming the problem,
         leaving the engine untouched."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if output_kind not in OUTPUT_KINDS:
-            raise RequestError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._parents:
-            raise RequestError(f"request id {request_id!r} is already in use")
+        params, request_id = check_request_args(params, output_kind, request_id, self._parents, self._ids)
         text, ids = self.tokenize_prompt(prompt)
-        self._validate_prompt(ids, params)
+        validate_prompt(ids, params, self.model_config.vocab_size, self.max_model_len, self.kv.num_blocks,
+                        self.kv.block_size)
         compiled = None
         if params.structured_outputs is not None:
             compiled = self.structured.compile(params.structured_outputs)  # ValueError naming the problem
@@ -255,32 +276,6 @@ class LLMEngine:
             parent.prompt_logprobs = [None]
         self._parents[request_id] = parent
         return request_id
-
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise RequestError(
-                f"prompt token id {bad[0]} is out of range for the vocabulary size {self.model_config.vocab_size}"
-            )
-        n = len(ids)
-        if n >= self.max_model_len:
-            raise RequestError(
-                f"the prompt has {n} tokens, which leaves no room to generate within max_model_len "
-                f"{self.max_model_len}"
-            )
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise RequestError(
-                f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens}, "
-                f"more than max_model_len {self.max_model_len}"
-            )
-        total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
-            raise RequestError(
-                f"the request needs up to {total} tokens of KV cache, more than the whole cache holds "
-                f"({self.kv.num_blocks * self.kv.block_size} tokens); raise kv_cache_space"
-            )
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now and free their KV blocks. Unknown ids are ignored."""

@@ -79,8 +79,6 @@ def int4_group_size(folder: str) -> int:
     """The int4 group size for the model in `folder`: NNCF's default 128, halved until it divides
     every matmul's input width (hidden size, attention output width, MLP width); NNCF refuses a
     group that does not divide one (SmolLM2's hidden size is 576)."""
-    import json
-
     with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     cfg = cfg.get("text_config", cfg)
@@ -162,15 +160,9 @@ def thread_settings() -> tuple[int, list[int] | None]:
     thread per physical core."""
     from armserve import cpu
 
-    var, bind = cpu._bind_setting()
+    var, bind = cpu.one_binding()
     if bind:
-        if "|" in bind:
-            raise ValueError(f"{var}: {bind!r} lists cores for several engines ('|'); give one core list")
-        if bind == "auto":
-            allowed = set(cpu.allowed_cpus())
-            cores = cpu.physical_cores([c for c in cpu.numa_nodes()[min(cpu.numa_nodes())] if c in allowed])
-        else:
-            cores = cpu.parse_cpu_list(bind)
+        cores = cpu.bound_cores(var, bind)
         return len(cores), cores
     omp = os.environ.get("OMP_NUM_THREADS", "").strip()
     if omp.isdigit() and int(omp) > 0:
@@ -267,7 +259,7 @@ class OpenVINOEngine:
         self.pipe = genai.ContinuousBatchingPipeline(ir, sched, "CPU", properties)
         self.ir_folder = ir
 
-        self.eos_token_ids = self._eos_token_ids(src.folder)
+        self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
         self.vocab_size = hf.vocab_size
         self._requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -313,19 +305,6 @@ class OpenVINOEngine:
             raise ConfigError(f"kv_cache_space {gib} GiB holds no block of {OV_CPU_BLOCK_SIZE} tokens for this "
                               "model; raise it")
         return blocks
-
-    def _eos_token_ids(self, folder: str) -> set[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        try:
-            with open(os.path.join(folder, "generation_config.json")) as f:
-                eos = json.load(f).get("eos_token_id")
-            if eos is not None:
-                ids |= set(eos if isinstance(eos, list) else [eos])
-        except (OSError, ValueError):
-            pass
-        return ids
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -386,18 +365,13 @@ class OpenVINOEngine:
         import numpy as np
         import openvino as ov
 
-        from armserve.engine.llm_engine import OUTPUT_KINDS, RequestError
+        from armserve.engine.llm_engine import check_request_args, validate_prompt
 
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if output_kind not in OUTPUT_KINDS:
-            raise RequestError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
-        request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self._requests:
-            raise RequestError(f"request id {request_id!r} is already in use")
+        params, request_id = check_request_args(params, output_kind, request_id, self._requests, self._ids)
         text, ids = prompt_to_ids(self.tokenizer, prompt)
-        self._validate_prompt(ids, params)
+        # (the pipeline gives each of the n sequences blocks of its own)
+        validate_prompt(ids, params, self.vocab_size, self.max_model_len, self.num_kv_blocks, OV_CPU_BLOCK_SIZE,
+                        sequences=params.n)
         max_tokens = self.max_model_len - len(ids)
         if params.max_tokens is not None:
             max_tokens = min(max_tokens, params.max_tokens)
@@ -412,26 +386,6 @@ class OpenVINOEngine:
         self._requests[request_id] = _Request(request_id, ov_id, text, ids, params, output_kind, handle,
                                               RequestMetrics(arrival_time=now), comps)
         return request_id
-
-    def _validate_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        from armserve.engine.llm_engine import RequestError
-
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is out of range for the vocabulary size {self.vocab_size}")
-        n = len(ids)
-        if n >= self.max_model_len:
-            raise RequestError(f"the prompt has {n} tokens, which leaves no room to generate within max_model_len "
-                               f"{self.max_model_len}")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise RequestError(f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is "
-                               f"{n + params.max_tokens}, more than max_model_len {self.max_model_len}")
-        total = n + (params.max_tokens if params.max_tokens is not None else self.max_model_len - n)
-        if -(-total // OV_CPU_BLOCK_SIZE) * params.n > self.num_kv_blocks:
-            raise RequestError(f"the request needs up to {total * params.n} tokens of KV cache, more than the whole "
-                               f"cache holds ({self.num_kv_blocks * OV_CPU_BLOCK_SIZE} tokens); raise kv_cache_space")
 
     def abort_request(self, request_ids: str | Sequence[str]) -> None:
         """Stop requests now and free their cache. Unknown ids are ignored."""
