@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -68,12 +67,6 @@ outs = llm.generate(prompts, sp, use_tqdm=False)
 dt = time.perf_counter() - t
 print(json.dumps({"output_throughput": sum(len(o.outputs[0].token_ids) for o in outs) / dt}))
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_spec(system: str, hf: str, gguf: str, gguf_kind: str, port: int) -> peers.ServerSpec:
@@ -173,7 +166,7 @@ def run_model(model: str, systems: list[str], concurrency: list[int], long_promp
         for phase in ("batched", "long"):
             if phase == "long" and not long_prompts:
                 continue
-            port = free_port()
+            port = peers.free_port()
             spec = server_spec(system, hf, gguf, cfg["gguf_kind"], port)
             if system == "llama.cpp" and phase == "long":  # one slot holding the whole context
                 i = spec.cmd.index("-np")

@@ -52,42 +52,13 @@ SHAPES = {
         rope_theta=10000.0, tie_word_embeddings=False)),
 }
 
-WORKER = r"""
-import json, statistics, sys, time
-import torch
-threads, model, n, batch, fused = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-torch.set_num_threads(threads)
-import armserve.layers.fused_moe as fm
-if not fused:  # every layer expert by expert
-    fm.kernel_experts = lambda experts: None
-from armserve import LLM, SamplingParams
-llm = LLM(model, dtype="bfloat16", kv_cache_space=1, max_model_len=512, max_num_seqs=max(batch, 1))
-vocab = llm.get_tokenizer().vocab_size
-prompts = [{"prompt_token_ids": [(97 * i + 7919 * j) % (vocab - 200) + 100 for i in range(16)]} for j in range(batch)]
-def run(tokens):
-    t = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-    return time.perf_counter() - t
-run(4)
-samples = []
-for _ in range(3):
-    samples.append(batch * n / (run(n + 1) - run(1)))
-print(json.dumps({"tok_s": statistics.median(samples), "min": min(samples), "max": max(samples)}))
-"""
+# The measurement both engines' workers run (either LLM class: vLLM's and armserve's generate
+# take the same prompts and SamplingParams), printed as one JSON line.
+DECODE = r"""
+import json, statistics, time
 
 
-# llama.cpp tells DeepSeek-V2-Lite (no query LoRA) from V2 by the layer count alone.
-LITE_NOTE = (": llama.cpp's loader recognises DeepSeek-V2-Lite, the variant without a query LoRA, by its 26 or 27 "
-             "layers only (src/models/deepseek2.cpp), so a depth-cut Lite does not load there")
-
-VLLM_WORKER = r"""
-import json, statistics, sys, time
-
-
-def main():
-    model, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    from vllm import LLM, SamplingParams
-    llm = LLM(model=model, dtype="bfloat16", max_model_len=512, max_num_seqs=max(batch, 1))
+def decode_tok_s(llm, SamplingParams, n, batch):
     vocab = llm.get_tokenizer().vocab_size
     prompts = [{"prompt_token_ids": [(97 * i + 7919 * j) % (vocab - 200) + 100 for i in range(16)]} for j in range(batch)]
     def run(tokens):
@@ -97,6 +68,35 @@ def main():
     run(4)
     samples = [batch * n / (run(n + 1) - run(1)) for _ in range(3)]
     print(json.dumps({"tok_s": statistics.median(samples), "min": min(samples), "max": max(samples)}))
+"""
+
+WORKER = DECODE + r"""
+import sys
+import torch
+threads, model, n, batch, fused = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+torch.set_num_threads(threads)
+import armserve.layers.fused_moe as fm
+if not fused:  # every layer expert by expert
+    fm.kernel_experts = lambda experts: None
+from armserve import LLM, SamplingParams
+decode_tok_s(LLM(model, dtype="bfloat16", kv_cache_space=1, max_model_len=512, max_num_seqs=max(batch, 1)),
+             SamplingParams, n, batch)
+"""
+
+
+# llama.cpp tells DeepSeek-V2-Lite (no query LoRA) from V2 by the layer count alone.
+LITE_NOTE = (": llama.cpp's loader recognises DeepSeek-V2-Lite, the variant without a query LoRA, by its 26 or 27 "
+             "layers only (src/models/deepseek2.cpp), so a depth-cut Lite does not load there")
+
+VLLM_WORKER = DECODE + r"""
+import sys
+
+
+def main():
+    model, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    from vllm import LLM, SamplingParams
+    decode_tok_s(LLM(model=model, dtype="bfloat16", max_model_len=512, max_num_seqs=max(batch, 1)), SamplingParams,
+                 n, batch)
 
 
 if __name__ == "__main__":  # vLLM's engine core is a child process that re-imports this module

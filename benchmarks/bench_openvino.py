@@ -15,56 +15,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 
-import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve(model: str, backend: str, dtype: str, threads: int, log: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), ARMSERVE_LOG_STATS_INTERVAL="60")
-    cmd = [sys.executable, "-m", "armserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--backend", backend, "--dtype", dtype, "--kv-cache-space", "1", "--disable-access-log"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{backend} server exited; see {log}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"{backend} server did not come up; see {log}")
-
-
-def serve_vllm(model: str, dtype: str, log: str):
-    """vLLM CPU's OpenAI server on `model`, named as armserve names it (the folder path)."""
-    import peers
-
-    py = peers.install_vllm()
-    port = free_port()
-    spec = peers.ServerSpec(
-        "vllm", [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
-                 "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model,
-                 "--disable-uvicorn-access-log"],
-        {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}, "", model, dtype)
-    return peers.Server(spec, port, log)
+def server(backend: str, model: str, dtype: str, threads: int, log: str) -> "peers.Server":
+    """`armserve serve MODEL --backend B` (torch / openvino), or vLLM CPU's OpenAI server on the same
+    folder, named as armserve names it (the folder path); ready once /health answers."""
+    port = peers.free_port()
+    if backend == "vllm":
+        py = peers.install_vllm()
+        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype, "--max-model-len",
+               "2048", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", model,
+               "--disable-uvicorn-access-log"]
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+    else:
+        cmd = [sys.executable, "-m", "armserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               "--backend", backend, "--dtype", dtype, "--kv-cache-space", "1", "--disable-access-log"]
+        env = {"OMP_NUM_THREADS": str(threads), "ARMSERVE_LOG_STATS_INTERVAL": "60"}
+    return peers.Server(peers.ServerSpec(backend, cmd, env, "", model, dtype), port, log)
 
 
 def main() -> int:
@@ -82,18 +56,12 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for backend in args.backends:
-        log = os.path.join(args.out, f"{backend}.log")
-        if backend == "vllm":
-            srv = serve_vllm(args.model, args.dtype, log)
-            url, stop = srv.url, srv.stop
-        else:
-            proc, url = serve(args.model, backend, args.dtype, args.threads, log)
-            stop = lambda proc=proc: (proc.terminate(), proc.wait(30))  # noqa: E731
+        srv = server(backend, args.model, args.dtype, args.threads, os.path.join(args.out, f"{backend}.log"))
         try:
             for conc in args.concurrency:
                 name = f"{backend}-c{conc}.json"
                 load = load_average()
-                subprocess.run([sys.executable, "-m", "armserve.cli", "bench", "serve", "--base-url", url,
+                subprocess.run([sys.executable, "-m", "armserve.cli", "bench", "serve", "--base-url", srv.url,
                                 "--tokenizer", args.model, "--model", args.model, "--dataset-name", "random",
                                 "--num-prompts", str(max(4, 2 * conc)), "--input-len", str(args.input_len),
                                 "--output-len", str(args.output_len), "--ignore-eos", "--request-rate", "inf",
@@ -104,7 +72,7 @@ def main() -> int:
                     m = json.load(f)
                 rows.append((backend, conc, m["mean_ttft_ms"], m["median_ttft_ms"], m["output_throughput"], load))
         finally:
-            stop()
+            srv.stop()
     lines = [f"{os.path.basename(args.model.rstrip('/'))}, {args.dtype}, {args.threads} thread(s), "
              f"{args.input_len} in / {args.output_len} out tokens, random prompts, all at once under the cap",
              "", "| backend | concurrent | mean TTFT (ms) | median TTFT (ms) | output tok/s | load avg before |",

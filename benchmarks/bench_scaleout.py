@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import peers  # noqa: E402
-from bench_batched import MAX_MODEL_LEN, MODELS, SERVED, free_port, run_client  # noqa: E402
+from bench_batched import MAX_MODEL_LEN, MODELS, SERVED, run_client  # noqa: E402
 from report import git_revision, machine_description, update_section  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results", "scaleout")
@@ -65,7 +65,7 @@ def run(models: list[str], concurrency: list[int], out_dir: str) -> dict[str, An
         hf = MODELS[model]["hf"]()
         results[model] = {}
         for name, (flags, env, desc) in layouts().items():
-            port = free_port()
+            port = peers.free_port()
             spec = peers.ServerSpec(
                 f"armserve {name}",
                 [sys.executable, "-m", "armserve.cli", "serve", hf, "--host", "127.0.0.1", "--port", str(port),

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import sys
 import tempfile
 
@@ -56,12 +55,6 @@ KINDS = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(base_url: str, requests, concurrency: int, extra_body: dict | None, count_tokens) -> dict:
     from armserve.benchmarks.metrics import calculate_metrics
     from armserve.benchmarks.serve import run_benchmark
@@ -90,7 +83,7 @@ def main() -> int:
     from armserve.benchmarks.datasets import ServerTokenizer, random_requests
 
     weights = pm.smollm2_hf() if args.bf16 else pm.smollm2_gguf()
-    port = free_port()
+    port = peers.free_port()
     cmd = [sys.executable, "-m", "armserve.cli", "serve", weights, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", "1024", "--kv-cache-space", "1", "--disable-log-stats", "--disable-access-log",
            "--uvicorn-log-level", "warning"] + (["--dtype", "bfloat16"] if args.bf16 else [])

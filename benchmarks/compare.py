@@ -20,7 +20,6 @@ import glob
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -49,12 +48,6 @@ MODELS: dict[str, dict[str, Any]] = {
 SYSTEMS = ["armserve", "vllm", "llama.cpp-bf16", "llama.cpp-q4_1", "transformers"]
 MAX_MODEL_LEN = 512
 LLAMA_SLOTS = 16  # llama-server's parallel sequences; each gets MAX_MODEL_LEN of context
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server_spec(system: str, model: str, hf: str, threads: int, port: int) -> peers.ServerSpec:
@@ -308,7 +301,7 @@ def main() -> None:
         for system in systems:
             if system.startswith("llama.cpp") and system not in cfg["ggufs"]:
                 continue
-            port = free_port()
+            port = peers.free_port()
             try:
                 spec = server_spec(system, model, hf, args.threads, port)
             except peers.PeerUnavailable as e:

@@ -110,6 +110,16 @@ def version_of(python: str, module: str) -> str:
 # ---- one server ----------------------------------------------------------------------------------
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+
 @dataclass
 class ServerSpec:
     """How to start one system's server for one model, and what differs in how it is measured."""
