@@ -24,6 +24,9 @@ DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 # --weight-format); the torch backend quantizes offline (`armserve quantize`).
 OPENVINO_QUANTIZATIONS = ("int8", "int4")
 
+# The engines `backend` picks from (engine/backend.py: create_engine builds each).
+BACKENDS = ("torch", "openvino")
+
 
 class ConfigError(ValueError):
     """An engine argument is invalid; the message names it."""
@@ -171,8 +174,8 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
         resolve_dtype(self.dtype)  # fail early on an unknown dtype
-        if self.backend not in ("torch", "openvino"):
-            raise ConfigError(f"unknown backend {self.backend!r}; expected torch or openvino")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}; expected {' or '.join(BACKENDS)}")
         if self.quantization in OPENVINO_QUANTIZATIONS and self.backend != "openvino":
             raise ConfigError(
                 f"quantization {self.quantization!r} is the openvino backend's weight compression; for the torch "

@@ -2,7 +2,7 @@
 
 Two backends implement it: `torch` (armserve's own engine, engine/llm_engine.py) and `openvino`
 (OpenVINO GenAI's continuous-batching pipeline, engine/openvino_backend.py). A third backend is
-one new file with a class of this shape plus one line in `BACKENDS`.
+one new file with a class of this shape, its name in config.BACKENDS and a line in `create_engine`.
 
     LLM / EngineCore                       EngineBackend
     ----------------                       -------------
@@ -63,9 +63,6 @@ class EngineBackend(Protocol):
     def scheduler_stats(self) -> "SchedulerStats":
         """The engine's state now: requests running/waiting, KV cache use, prefix cache counters."""
         ...
-
-
-BACKENDS = ("torch", "openvino")
 
 
 def create_engine(config: EngineConfig) -> EngineBackend:

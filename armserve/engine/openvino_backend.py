@@ -34,7 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from armserve import model_loader
-from armserve.config import ConfigError, EngineConfig, resolve_dtype
+from armserve.config import OPENVINO_QUANTIZATIONS, ConfigError, EngineConfig, resolve_dtype
 from armserve.engine.detokenizer import IncrementalDetokenizer
 from armserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from armserve.prompts import prompt_to_ids
@@ -70,7 +70,7 @@ def is_ir_folder(path: str) -> bool:
 
 def weight_format(dtype: str, quantization: str | None) -> str:
     """optimum-intel's --weight-format for an engine dtype and quantization."""
-    if quantization in ("int8", "int4"):
+    if quantization in OPENVINO_QUANTIZATIONS:
         return quantization
     return "fp32" if resolve_dtype(dtype) == torch.float32 else "fp16"
 
@@ -225,7 +225,7 @@ class OpenVINOEngine:
                 f"the openvino backend exports Hugging Face folders, not GGUF files ({config.model}); convert it "
                 "to a folder first (e.g. transformers' from_pretrained(folder, gguf_file=...).save_pretrained)")
         if is_ir_folder(src.folder):
-            if config.quantization in ("int8", "int4"):
+            if config.quantization in OPENVINO_QUANTIZATIONS:
                 raise ConfigError(f"quantization {config.quantization!r} applies when exporting; {config.model} "
                                   "is already OpenVINO IR (export it again from its Hugging Face folder)")
             ir = src.folder
