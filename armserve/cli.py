@@ -11,7 +11,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one engine step may carry (prompts longer are prefilled in chunks); default "
+                        "512 for a server (time to first token under load), 2048 offline (throughput)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--block-size", type=int, default=32)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")

@@ -190,3 +190,35 @@ def test_engine_process_setting(monkeypatch):
         engine_process_default()
     with pytest.raises(ValueError, match="data_parallel_size"):
         AsyncLLM(EngineConfig(model="unused", data_parallel_size=2), engine_process=False)
+
+
+class _PromptTokensPerStep:
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def record(self, scheduler, iteration, engine: int = 0) -> None:
+        if iteration.num_prompt_tokens:
+            self.steps.append(iteration.num_prompt_tokens)
+
+
+@pytest.mark.parametrize("budget", [None, 1024], ids=["server-default", "explicit"])
+def test_a_servers_steps_carry_at_most_its_token_budget(tiny_llama, budget):
+    """A server's default step budget is smaller than offline generation's (time to first token
+    under load, config.py): six 300-token prompts sent together are prefilled in steps of at most
+    512 tokens in the core process; an explicit budget is kept."""
+    from armserve.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, SERVING_MAX_NUM_BATCHED_TOKENS
+
+    steps = _PromptTokensPerStep()
+    llm = AsyncLLM(_config(tiny_llama, max_num_batched_tokens=budget, enable_prefix_caching=False),
+                   log_stats=False, stat_loggers=[steps], engine_process=True)
+    try:
+        want = budget or SERVING_MAX_NUM_BATCHED_TOKENS
+        assert llm.config.max_num_batched_tokens == want < OFFLINE_MAX_NUM_BATCHED_TOKENS
+        prompts = [{"prompt_token_ids": [100 + (7 * i + j) % 500 for i in range(300)]} for j in range(6)]
+        got = asyncio.run(_collect(llm, prompts, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
+        assert all(len(ids) == 2 for ids, _, _ in got)
+        assert sum(steps.steps) == 6 * 300 and max(steps.steps) <= want, steps.steps
+    finally:
+        llm.shutdown()
+    assert LLM(tiny_llama, kv_cache_space=0.02, max_model_len=512).llm_engine.config.max_num_batched_tokens \
+        == OFFLINE_MAX_NUM_BATCHED_TOKENS

@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncGenerator, Callable, Protocol, Sequence
 
 from armserve.config import EngineConfig
@@ -368,7 +368,11 @@ class AsyncLLM:
         engine_process: bool | None = None,
     ) -> None:
         from armserve import model_loader
+        from armserve.config import SERVING_MAX_NUM_BATCHED_TOKENS
 
+        if config.max_num_batched_tokens is None:  # a server's budget (config.py says why)
+            config = replace(
+                config, max_num_batched_tokens=max(SERVING_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs))
         self.config = config
         if stats_interval is None:
             stats_interval = float(os.environ.get("ARMSERVE_LOG_STATS_INTERVAL", DEFAULT_STATS_INTERVAL))
