@@ -704,9 +704,9 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
       with a bf16 dot instruction; int4 ("w4") parts only on AMX tiles, where the bf16 GEMM is
       several times the w4a8 GEMM (elsewhere they run as fast as each other).
     - "dense_pack": x is a weight to prepack at load for the dense GEMM, which then serves every
-      row count on every variant: bfloat16 matrices. "dense": activations x for a prepacked
-      weight: bfloat16 rows (else, or with the kernels switched off after loading, the weight is
-      unpacked for PyTorch).
+      row count on every variant: bfloat16 and float32 matrices (`pack_bf16` / `pack_f32`).
+      "dense": activations x for a prepacked weight: rows of the weight's dtype (else, or with
+      the kernels switched off after loading, the weight is unpacked for PyTorch).
     - "qgemm_pack": x holds quantized weight codes, packed at load for the w4a8 / w8a8 GEMM (the
       layer then keeps no PyTorch copy): whenever the kernels are on.
     - "gemv": a few rows of x against an unpacked 16/32-bit weight: the skinny matmul up to the
@@ -729,7 +729,7 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     if op == "attention":
         return dtype in _DTYPE_CODES and head_dim is not None and head_dim % 16 == 0
     if op in ("dense_pack", "dense"):
-        return x.dim() == 2 and dtype == torch.bfloat16
+        return x.dim() == 2 and dtype in (torch.bfloat16, torch.float32)
     if op == "qgemm_pack":
         return True
     if op == "qgemm_dense":
@@ -767,13 +767,17 @@ def gemv_limit(dtype: torch.dtype) -> int:
 
 
 def dense(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [m, k] @ W^T for a weight W [n, k] prepacked by `pack_bf16` (out bf16, or `out_dtype`).
+    """x [m, k] @ W^T for a weight W [n, k] prepacked by `pack_bf16` or `pack_f32` (out in the
+    weight's dtype, or `out_dtype`).
 
     The kernels can be switched off after loading (tests force the PyTorch path): the packed
     weight is then unpacked for PyTorch's GEMM, slowly but with the same values."""
-    if use_kernel("dense", x):
-        return gemm_bf16(x, packed, n, k, out_dtype=out_dtype or torch.bfloat16)
-    out = F.linear(x, unpack_bf16_ref(packed, n, k).to(x.dtype))
+    f32 = packed.dtype == torch.float32
+    if use_kernel("dense", x) and x.dtype == packed.dtype:
+        gemm = gemm_f32 if f32 else gemm_bf16
+        return gemm(x, packed, n, k, out_dtype=out_dtype or packed.dtype)
+    w = unpack_f32_ref(packed, n, k) if f32 else unpack_bf16_ref(packed, n, k)
+    out = F.linear(x, w.to(x.dtype))
     return out if out_dtype is None else out.to(out_dtype)
 
 
@@ -893,6 +897,64 @@ def unpack_bf16_ref(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     nb, kp = packed_bf16_shape(n, k)[:2]
     p = packed.view(torch.bfloat16).reshape(nb, kp, 16, 2)
     return p.permute(0, 2, 1, 3).reshape(nb * 16, kp * 2)[:n, :k].contiguous()
+
+
+# ---- dense float32 GEMM: the same driver and tiles on float32 weights --------------------------
+
+
+def dense_f32_isa() -> str:
+    """The dense float32 GEMM variant in use (follows the kernel variant)."""
+    lib = _load()
+    return lib.armserve_dense_f32_isa().decode() if lib is not None else "torch"
+
+
+def packed_f32_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """Shape of `pack_f32`'s result for a weight [n, k]: (ceil(n / 16), ceil(k / 2), 2, 16)."""
+    return (-(-n // 16), -(-k // 2), 2, 16)
+
+
+def pack_f32(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Prepack a float32 weight [n, k] (done once at load) for `gemm_f32`.
+
+    Returns a float32 tensor of shape (ceil(n / 16), ceil(k / 2), 2, 16): for column block b,
+    k-pair p, the 16 columns' weights w[16b + c, 2p], then w[16b + c, 2p + 1], zero-padded in n
+    and k (one 16-lane vector each; see csrc/dense_gemm.h)."""
+    assert w.dim() == 2 and w.dtype == torch.float32
+    w = w.contiguous()
+    n, k = w.shape
+    if out is None:
+        out = torch.empty(packed_f32_shape(n, k), dtype=torch.float32)
+    assert out.is_contiguous() and out.shape == packed_f32_shape(n, k) and out.dtype == torch.float32
+    _call("armserve_pack_f32", w.data_ptr(), n, k, out.data_ptr())
+    return out
+
+
+def gemm_f32(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x [m, k] float32 @ W^T for a weight W [n, k] packed by `pack_f32`, any m (decode and
+    prefill); `out` as in `gemm_bf16`."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k
+    x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype)
+    assert out.dim() == 2 and out.shape == (m, n) and (out.stride(1) == 1 or m == 0) and out.dtype in _GEMM_OUT_CODES
+    _call("armserve_gemm_f32", _GEMM_OUT_CODES[out.dtype], out.data_ptr(), x.data_ptr(), packed.data_ptr(), m, n, k,
+          out.stride(0))
+    return out
+
+
+def unpack_f32_ref(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """PyTorch reference inverting `pack_f32`: the float32 weight [n, k]."""
+    nb, kp = packed_f32_shape(n, k)[:2]
+    p = packed.reshape(nb, kp, 2, 16)
+    return p.permute(0, 3, 1, 2).reshape(nb * 16, kp * 2)[:n, :k].contiguous()
+
+
+def gemm_f32_ref(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """PyTorch reference of `gemm_f32`: the float64 product, rounded once."""
+    return (x.double() @ unpack_f32_ref(packed, n, k).double().t()).to(out_dtype)
 
 
 def gemm_bf16_ref(x: torch.Tensor, packed: torch.Tensor, n: int, k: int,

@@ -99,6 +99,13 @@ void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed);
 // the prefill path of the quantized layers (the w4a8 / w8a8 GEMM keeps the few-row steps).
 void armserve_gemm_q_bf16(int32_t fmt, int32_t out_dtype, void* out, const void* x, const void* wq, int64_t m,
                           int64_t n, int64_t k, int64_t group, int64_t ldo);
+// ---- dense float32 GEMM on prepacked weights (the same driver and tiles, float32 layout) -------
+// out [m, n] (out_dtype AS_F32 or AS_BF16, rows `ldo` elements apart) = x [m, k] float32 @ W^T.
+void armserve_gemm_f32(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n,
+                       int64_t k, int64_t ldo);
+// w [n, k] float32 -> packed [ceil(n / 16)][ceil(k / 2)][2][16] (k-pair p: the 16 columns at
+// k = 2p, then at 2p + 1), zero-padded.
+void armserve_pack_f32(const void* w, int64_t n, int64_t k, void* packed);
 
 // ---- small ops a recorded step needs besides the kernels (graph.cpp) ----------------------------
 void armserve_add_bias(int32_t dtype, void* out, int32_t bias_dtype, const void* bias, int64_t rows, int64_t n,
@@ -119,6 +126,7 @@ int32_t armserve_select_isa(const char* name);  // 0 ok, 1 unknown name, 2 this 
 const char* armserve_isa();
 const char* armserve_qgemm_isa();
 const char* armserve_dense_isa();
+const char* armserve_dense_f32_isa();
 void armserve_cpu_features(char* buf, int32_t n);
 int32_t armserve_set_bf16_dot(int32_t on);  // 0 ok, 2 this CPU has no bf16 dot instruction
 int32_t armserve_bf16_dot_wanted();          // the last armserve_set_bf16_dot (default: the CPU has one)
@@ -164,12 +172,14 @@ const char* armserve_signature(const char* name);
   X(armserve_mul_cols)                                                                                         \
   X(armserve_embedding)                                                                                        \
   X(armserve_cast)                                                                                             \
-  X(armserve_gemm_bf16)
+  X(armserve_gemm_bf16)                                                                                        \
+  X(armserve_gemm_f32)
 
 // Everything Python binds (armserve/ops.py asks for this list and each signature).
 #define ARMSERVE_EXPORTS(X)                                                                                    \
   ARMSERVE_RECORDABLE(X)                                                                                       \
   X(armserve_pack_bf16)                                                                                        \
+  X(armserve_pack_f32)                                                                                         \
   X(armserve_gemm_q_bf16)                                                                                      \
   X(armserve_fused_moe)                                                                                        \
   X(armserve_argmax)                                                                                           \
@@ -180,6 +190,7 @@ const char* armserve_signature(const char* name);
   X(armserve_isa)                                                                                              \
   X(armserve_qgemm_isa)                                                                                        \
   X(armserve_dense_isa)                                                                                        \
+  X(armserve_dense_f32_isa)                                                                                    \
   X(armserve_cpu_features)                                                                                     \
   X(armserve_set_bf16_dot)                                                                                     \
   X(armserve_bf16_dot_wanted)                                                                                  \

@@ -29,6 +29,29 @@ const DenseTable* pick(const char* isa, int dot, int amx) {
   return armserve_dense_scalar();
 }
 
+// Float32 weights: the variant's FMA tiles (no dot instruction or AMX involved).
+const DenseTable* pick_f32(const char* isa) {
+#if defined(__x86_64__)
+  if (!std::strcmp(isa, "avx512")) return armserve_dense_avx512_f32();
+  if (!std::strcmp(isa, "avx2")) return armserve_dense_avx2_f32();
+#elif defined(__aarch64__)
+  if (!std::strcmp(isa, "sve") && armserve_cpu()->sve) return armserve_dense_sve_f32();
+  if (!std::strcmp(isa, "neon")) return armserve_dense_neon_f32();
+#endif
+  return armserve_dense_scalar_f32();
+}
+
+const DenseTable* dtable_f32() {
+  static const char* for_isa = nullptr;
+  static const DenseTable* t = nullptr;
+  const char* isa = armserve_isa();
+  if (isa != for_isa) {
+    t = pick_f32(isa);
+    for_isa = isa;
+  }
+  return t;
+}
+
 const DenseTable* dtable() {
   static const char* for_isa = nullptr;
   static int for_dot = -1, for_amx = -1;
@@ -50,6 +73,8 @@ extern "C" {
 
 const char* armserve_dense_isa() { return dtable()->name; }
 const DenseTable* armserve_dense_active() { return dtable(); }
+const char* armserve_dense_f32_isa() { return dtable_f32()->name; }
+const DenseTable* armserve_dense_f32_active() { return dtable_f32(); }
 
 int32_t armserve_set_amx(int32_t on) {
 #if defined(__x86_64__)
@@ -86,5 +111,14 @@ void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void*
 void armserve_gemm_q_bf16(int32_t fmt, int32_t out_dtype, void* out, const void* x, const void* wq, int64_t m,
                           int64_t n, int64_t k, int64_t group, int64_t ldo) {
   dtable()->gemm_q(fmt, out_dtype, out, x, wq, m, n, k, group, ldo);
+}
+
+void armserve_pack_f32(const void* w, int64_t n, int64_t k, void* packed) {
+  armserve_dense::pack_f32(static_cast<const float*>(w), n, k, static_cast<float*>(packed));
+}
+
+void armserve_gemm_f32(int32_t out_dtype, void* out, const void* x, const void* packed, int64_t m, int64_t n,
+                       int64_t k, int64_t ldo) {
+  dtable_f32()->gemm(out_dtype, out, x, packed, m, n, k, ldo);
 }
 }

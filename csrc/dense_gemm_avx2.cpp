@@ -1,5 +1,6 @@
-// Dense bf16 GEMM with AVX2 + FMA: a 16-column block is two ymm halves of 8 k-pair lanes, each
-// widened to fp32 (<< 16 for even k, & 0xffff0000 for odd k) for two FMAs per activation row.
+// Dense GEMM with AVX2 + FMA: a 16-column bf16 block is two ymm halves of 8 k-pair lanes, each
+// widened to fp32 (<< 16 for even k, & 0xffff0000 for odd k) for two FMAs per activation row;
+// float32 weights are loaded as they are.
 #include <immintrin.h>
 
 #include "dense_gemm_impl.h"
@@ -8,7 +9,12 @@ namespace {
 #ifndef ARMSERVE_DENSE_AVX2_MR
 #define ARMSERVE_DENSE_AVX2_MR 5
 #endif
-struct Avx2 : armserve_dense::PanelPrefetch<Avx2> {
+// F32: float32 weights (a block's k-pair: 16 even-k then 16 odd-k weights, two ymm each) and
+// float32 activations, the same tiles with plain loads in place of the widening.
+template <bool F32>
+struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
+  using Share = typename armserve_dense::PanelPrefetch<Avx2<F32>>::Share;
+  static constexpr int kWeightBytes = F32 ? 4 : 2;
   static constexpr bool kDot = false;
   // 5 rows x 1 block: 10 accumulators + 4 widened weight halves + 2 broadcasts = 16 ymm; 10
   // chains of 2 FMAs hide the FMA latency (4 rows: 8 chains, 76 GFLOP/s; 5 rows: 109 on Zen 5).
@@ -16,6 +22,7 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2> {
   template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
     const float* x = static_cast<const float*>(xa);
+    const float* wf = reinterpret_cast<const float*>(w);
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
     constexpr int H = 2 * B;
     // Few accumulators (m = 1, 2): odd k-halves into their own set, so 2 FMAs per step do not
@@ -24,18 +31,31 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2> {
     __m256 c[R][H], d[R][H];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) c[r][h] = d[r][h] = _mm256_setzero_ps();
-    const int64_t bs = kp * 32;
+    const int64_t bs = kp * 32;  // a block, in weights
     for (int64_t p = 0; p < kp; ++p) {
       __m256 we[H], wo[H];
       if (kStream)
-        for (int b = 0; b < B; ++b) armserve_dense::prefetch_stream(w + b * bs + p * 32);
+        for (int b = 0; b < B; ++b) {
+          if constexpr (F32) {
+            armserve_dense::prefetch_stream(wf + b * bs + p * 32);
+            armserve_dense::prefetch_stream(wf + b * bs + p * 32 + 16);
+          } else {
+            armserve_dense::prefetch_stream(w + b * bs + p * 32);
+          }
+        }
       else
         pf.step();
       for (int h = 0; h < H; ++h) {
-        const uint16_t* src = w + (h / 2) * bs + p * 32 + (h % 2) * 16;
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-        we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-        wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        if constexpr (F32) {  // columns 8 (h % 2) .. + 7 of block h / 2
+          const float* src = wf + (h / 2) * bs + p * 32 + (h % 2) * 8;
+          we[h] = _mm256_loadu_ps(src);
+          wo[h] = _mm256_loadu_ps(src + 16);
+        } else {
+          const uint16_t* src = w + (h / 2) * bs + p * 32 + (h % 2) * 16;
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m256 x0 = _mm256_broadcast_ss(x + r * xs + 2 * p), x1 = _mm256_broadcast_ss(x + r * xs + 2 * p + 1);
@@ -55,4 +75,8 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2> {
 };
 }  // namespace
 
-extern "C" const DenseTable* armserve_dense_avx2() { return armserve_dense::DenseGemm<Avx2>::table("avx2"); }
+extern "C" const DenseTable* armserve_dense_avx2() { return armserve_dense::DenseGemm<Avx2<false>>::table("avx2"); }
+
+extern "C" const DenseTable* armserve_dense_avx2_f32() {
+  return armserve_dense::DenseGemm<Avx2<true>>::table_f32("avx2");
+}

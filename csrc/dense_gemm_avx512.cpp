@@ -1,6 +1,7 @@
-// Dense bf16 GEMM with AVX-512: one zmm holds a 64-byte row of the packed layout (16 columns x one
+// Dense GEMM with AVX-512: one zmm holds a 64-byte row of the packed bf16 layout (16 columns x one
 // k-pair). With AVX512-BF16, vdpbf16ps multiplies it by the broadcast activation pair directly;
-// without, the pair lanes widen to fp32 (<< 16, & 0xffff0000) for two FMAs.
+// without, the pair lanes widen to fp32 (<< 16, & 0xffff0000) for two FMAs. Float32 weights run
+// the widening tiles with two plain loads in place of the widening.
 #include <immintrin.h>
 
 #include "dense_gemm_impl.h"
@@ -55,7 +56,12 @@ struct Avx512Bf16 : armserve_dense::PanelPrefetch<Avx512Bf16> {
   }
 };
 
-struct Avx512 : armserve_dense::PanelPrefetch<Avx512> {
+// F32: float32 weights (the float32 layout: a k-pair is two zmm, 16 even-k then 16 odd-k
+// weights) and float32 activations, the same tiles without the widening.
+template <bool F32>
+struct Avx512 : armserve_dense::PanelPrefetch<Avx512<F32>> {
+  using Share = typename armserve_dense::PanelPrefetch<Avx512<F32>>::Share;
+  static constexpr int kWeightBytes = F32 ? 4 : 2;
   static constexpr bool kDot = false;
   // Widening: 2 FMAs and 2 integer ops per weight row, R * B + 2 B + 2 = 26 registers at 4 x 4
   // (FMA-bound: ~245 GFLOP/s on Zen 5, half of vdpbf16ps; 4 x 4 beat 6 x 3, 8 x 2 and 6 x 2).
@@ -64,21 +70,32 @@ struct Avx512 : armserve_dense::PanelPrefetch<Avx512> {
   template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
     const float* x = static_cast<const float*>(xa);
+    const float* wf = reinterpret_cast<const float*>(w);
     const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
     // Few accumulators (m = 1, 2): odd k into a second set, two dependency chains, not one.
     constexpr bool kSplit = R * B <= 8;
     __m512 c[R][B], d[R][B];
     for (int r = 0; r < R; ++r)
       for (int b = 0; b < B; ++b) c[r][b] = d[r][b] = _mm512_setzero_ps();
-    const int64_t bs = kp * 32;
+    const int64_t bs = kp * 32;  // a block, in weights
     for (int64_t p = 0; p < kp; ++p) {
       if (!kStream) pf.step();
       __m512 we[B], wo[B];
       for (int b = 0; b < B; ++b) {
-        if (kStream) armserve_dense::prefetch_stream(w + b * bs + p * 32);
-        const __m512i v = _mm512_loadu_si512(w + b * bs + p * 32);
-        we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-        wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+        if constexpr (F32) {
+          const float* src = wf + b * bs + p * 32;
+          if (kStream) {
+            armserve_dense::prefetch_stream(src);
+            armserve_dense::prefetch_stream(src + 16);
+          }
+          we[b] = _mm512_loadu_ps(src);
+          wo[b] = _mm512_loadu_ps(src + 16);
+        } else {
+          if (kStream) armserve_dense::prefetch_stream(w + b * bs + p * 32);
+          const __m512i v = _mm512_loadu_si512(w + b * bs + p * 32);
+          we[b] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+          wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+        }
       }
       for (int r = 0; r < R; ++r) {
         const __m512 x0 = _mm512_set1_ps(x[r * xs + 2 * p]), x1 = _mm512_set1_ps(x[r * xs + 2 * p + 1]);
@@ -99,7 +116,11 @@ struct Avx512 : armserve_dense::PanelPrefetch<Avx512> {
 }  // namespace
 
 extern "C" const DenseTable* armserve_dense_avx512() {
-  return armserve_dense::DenseGemm<Avx512>::table("avx512");
+  return armserve_dense::DenseGemm<Avx512<false>>::table("avx512");
+}
+
+extern "C" const DenseTable* armserve_dense_avx512_f32() {
+  return armserve_dense::DenseGemm<Avx512<true>>::table_f32("avx512");
 }
 
 extern "C" const DenseTable* armserve_dense_avx512_bf16() {

@@ -1,5 +1,8 @@
-// Dense bf16 GEMM driver (dense_gemm.h), written once; each dense_gemm_<isa>.cpp supplies a
-// primitive struct P with
+// Dense GEMM driver (dense_gemm.h), written once for bf16 and float32 weights; each
+// dense_gemm_<isa>.cpp supplies primitive structs P with
+//   static constexpr int kWeightBytes  2: bf16 weights in the packed layout, bf16 activations;
+//                                 4: float32 weights in the float32 layout, float32 activations
+//                                 (TileBase: 2)
 //   static constexpr bool kDot    activations as bf16 pairs (one uint32 per k-pair) for a bf16 dot
 //                                 instruction, else as fp32 (two floats per k-pair)
 //   static constexpr int MR, NB   largest tile: MR rows of x times NB column blocks of 16
@@ -14,7 +17,8 @@
 //   template <int R, int B> tile(xa, xs, w, kp, acc)
 //       acc[r * B * 16 + j] = sum over all kp pairs of row r of the activations (`xs` elements
 //       apart: uint32 pairs or floats) times column j of the B consecutive packed blocks at `w`
-//       (blocks kp * 32 uint16 apart), accumulated in registers over the whole K.
+//       (blocks kp * 32 weights apart; `w` is a uint16 pointer for both weight types),
+//       accumulated in registers over the whole K.
 // Same rule as kernels_impl.h: everything sits in an anonymous namespace and no std:: templates,
 // since each ISA TU is compiled with different flags.
 //
@@ -141,6 +145,20 @@ static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* 
   });
 }
 
+// W [n, k] float32 (row-major) -> the float32 layout of dense_gemm.h: [ceil(n / 16)][ceil(k / 2)]
+// [2][16], for column block b and k-pair p the 16 columns' weights at k = 2p, then at 2p + 1.
+static inline void pack_f32(const float* w, int64_t n, int64_t k, float* packed) {
+  const int64_t kp = (k + 1) / 2, nb = (n + 15) / 16;
+  armserve_par::for_static(nb, true, [&](int64_t b) {
+    float* blk = packed + b * kp * 32;
+    for (int c = 0; c < 16; ++c) {
+      const int64_t row = b * 16 + c;
+      for (int64_t i = 0; i < 2 * kp; ++i)
+        blk[(i / 2) * 32 + (i % 2) * 16 + c] = row < n && i < k ? w[row * k + i] : 0.f;
+    }
+  });
+}
+
 // Decode reads each weight once, front to back, and is bound by how many of its lines are in
 // flight: on a Xeon (1 thread, m = 1) the hardware prefetchers alone held the stream to ~11 GB/s,
 // and a software prefetch into L2 16 KiB ahead of the loads raised it to ~13.5 (Qwen2.5-0.5B's
@@ -152,12 +170,13 @@ constexpr int64_t kStreamPrefetchBytes = 16384;
 #define ARMSERVE_DENSE_PREFETCH_ROWS 4
 #endif
 constexpr int kStreamPrefetchMaxRows = ARMSERVE_DENSE_PREFETCH_ROWS;  // beyond this the tiles are no longer bound by the stream
-static inline void prefetch_stream(const uint16_t* w) {
-  __builtin_prefetch(reinterpret_cast<const char*>(w) + kStreamPrefetchBytes, 0, 2);  // prefetcht1: to L2
+static inline void prefetch_stream(const void* w) {
+  __builtin_prefetch(static_cast<const char*>(w) + kStreamPrefetchBytes, 0, 2);  // prefetcht1: to L2
 }
 
 // Defaults for the optional members of a primitive.
 struct TileBase {
+  static constexpr int kWeightBytes = 2;
   static constexpr int kRowPad = 1;
   // The tiles call prefetch_stream themselves when alone on a panel of few rows (PanelPrefetch).
   static constexpr bool kSelfStream = false;
@@ -220,6 +239,8 @@ struct PanelPrefetch : TileBase {
 template <class P>
 struct DenseGemm {
   using TileFn = void (*)(const void*, int64_t, const uint16_t*, int64_t, float*);
+  // A column block's k-pair in uint16 units (`w` pointers) and in bytes: 16 columns x 2 weights.
+  static constexpr int64_t kPairU16 = 16 * P::kWeightBytes, kPairBytes = 32 * P::kWeightBytes;
 
   template <int R, int B>
   static TileFn find(int r, int b) {
@@ -244,6 +265,16 @@ struct DenseGemm {
   // converted once per call where they are not already.
   static const void* activations(const void* x, int64_t m, int64_t k, int64_t* xs) {
     const int64_t kp = (k + 1) / 2, kpa = (kp + P::kAlign - 1) / P::kAlign * P::kAlign;
+    if constexpr (P::kWeightBytes == 4) {  // float32 rows: used in place unless K needs padding
+      *xs = kpa * 2;
+      if (k == kpa * 2) return x;
+      float* buf = static_cast<float*>(xbuf(m * kpa * 8));
+      for (int64_t r = 0; r < m; ++r) {
+        std::memcpy(buf + r * kpa * 2, static_cast<const float*>(x) + r * k, size_t(k) * 4);
+        for (int64_t i = k; i < kpa * 2; ++i) buf[r * kpa * 2 + i] = 0.f;
+      }
+      return buf;
+    }
     const uint16_t* xs16 = static_cast<const uint16_t*>(x);
     if (P::kDot) {
       *xs = kpa;
@@ -272,7 +303,7 @@ struct DenseGemm {
     return buf;
   }
 
-  // Every row of x against one panel: `bc` column blocks at `wp` (kp * 32 uint16 apart), output
+  // Every row of x against one panel: `bc` column blocks at `wp` (kp * kPairU16 apart), output
   // columns [c0, c0 + cols); rows in tiles of at most MR, balanced (17 rows at MR = 8: 6 + 6 + 5,
   // not 8 + 8 + 1) unless the rows are padded (kRowPad: full tiles, then the rest).
   static void panel(int32_t out_dtype, void* out, const void* xa, int64_t xs, const uint16_t* wp, int64_t kp,
@@ -287,7 +318,7 @@ struct DenseGemm {
     // The next panel's weights (adjacent in the packed layout) come in while this panel's row
     // tiles run: the first row tile reads this panel from memory, the others from cache, and
     // without this the memory idles while they compute (the prefetchers do not run that far ahead).
-    const int64_t next_bytes = int64_t(bc) * kp * 64;
+    const int64_t next_bytes = int64_t(bc) * kp * kPairBytes;
     const char* next = reinterpret_cast<const char*>(wp) + next_bytes;
     // (A lone tile of a few rows streams its panel with prefetch_stream instead, where it can.)
     if (P::kSelfStream && nrt == 1 && m <= kStreamPrefetchMaxRows) prefetch_next = false;
@@ -317,7 +348,7 @@ struct DenseGemm {
   // 29.6 (panel) vs 38.7 ms (blocks), 256: 71 vs 83, 512: even, 1024: 333 vs 266, 2048: 948 vs 651.
   static constexpr int64_t kBlocksMinRows = 512;
   static int64_t group_panels(int64_t kp) {
-    const int64_t g = kGroupBytes / (int64_t(P::NB) * kp * 64);
+    const int64_t g = kGroupBytes / (int64_t(P::NB) * kp * kPairBytes);
     return g > 1 ? g : 1;
   }
   static void blocks(int32_t out_dtype, void* out, const void* xa, int64_t xs, const uint16_t* wg, int64_t kp,
@@ -337,7 +368,7 @@ struct DenseGemm {
         const int64_t b0 = pn * P::NB;
         const int bc = int(nb - b0 < P::NB ? nb - b0 : P::NB);
         const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
-        tiles.fn[rows][bc](static_cast<const char*>(xa) + r0 * xs * 4, xs, wg + (pn - p0) * P::NB * kp * 32, kp,
+        tiles.fn[rows][bc](static_cast<const char*>(xa) + r0 * xs * 4, xs, wg + (pn - p0) * P::NB * kp * kPairU16, kp,
                            acc[cur]);
         if (pend_rows) P::store(out_dtype, acc[cur ^ 1], pend_bc * 16, pend_rows, pend_out, ldo, pend_cols);
         pend_out = static_cast<char*>(out) + (r0 * ldo + c0) * es;
@@ -377,7 +408,7 @@ struct DenseGemm {
       const int64_t group = group_panels(kp);
       per_thread_ranges(panels, [&](int64_t p0, int64_t p1) {
         for (int64_t g0 = p0; g0 < p1; g0 += group)
-          blocks(out_dtype, out, xa, xs, w + g0 * P::NB * kp * 32, kp, nb, g0, g0 + group < p1 ? g0 + group : p1, n, m,
+          blocks(out_dtype, out, xa, xs, w + g0 * P::NB * kp * kPairU16, kp, nb, g0, g0 + group < p1 ? g0 + group : p1, n, m,
                  ldo);
       });
       return;
@@ -391,7 +422,7 @@ struct DenseGemm {
         const int64_t b0 = pn * nbp;
         const int bc = int(nb - b0 < nbp ? nb - b0 : nbp);
         const int64_t c0 = b0 * 16, cols = n - c0 < bc * 16 ? n - c0 : bc * 16;
-        panel(out_dtype, out, xa, xs, w + b0 * kp * 32, kp, bc, c0, cols, m, ldo, true, false);
+        panel(out_dtype, out, xa, xs, w + b0 * kp * kPairU16, kp, bc, c0, cols, m, ldo, true, false);
       }
       P::end();
     });
@@ -444,7 +475,7 @@ struct DenseGemm {
     for (int64_t b = b0; b < b1; b += P::NB) {
       const int bc = int(b1 - b < P::NB ? b1 - b : P::NB);
       const int64_t c0 = b * 16, ncols = n - c0 < bc * 16 ? n - c0 : bc * 16;
-      panel(out_dtype, out, xa, xs, w + b * kp * 32, kp, bc, c0 - b0 * 16, ncols, m, ldo, b + bc < b1, false);
+      panel(out_dtype, out, xa, xs, w + b * kp * kPairU16, kp, bc, c0 - b0 * 16, ncols, m, ldo, b + bc < b1, false);
     }
     P::end();
   }
@@ -453,11 +484,33 @@ struct DenseGemm {
     static const DenseTable t = {name, gemm, gemm_q, cols};
     return &t;
   }
+  // Float32 weights (kWeightBytes 4): no quantized panels.
+  static const DenseTable* table_f32(const char* name) {
+    static_assert(P::kWeightBytes == 4, "float32 primitives only");
+    static const DenseTable t = {name, gemm, nullptr, cols};
+    return &t;
+  }
 };
 
+// The (even k, odd k) weights of column c < 16 at k-pair p of a block: bf16 pairs interleaved by
+// column, or float32 halves (16 even, then 16 odd).
+template <bool F32>
+static inline void pair_weights(const uint16_t* wb, int64_t p, int c, float* we, float* wo) {
+  if constexpr (F32) {
+    const float* f = reinterpret_cast<const float*>(wb) + p * 32;
+    *we = f[c];
+    *wo = f[16 + c];
+  } else {
+    *we = bf16_to_f32(wb[p * 32 + 2 * c]);
+    *wo = bf16_to_f32(wb[p * 32 + 2 * c + 1]);
+  }
+}
+
 // Portable reference tiles (the scalar variant): the same sums in the same order as the widening
-// SIMD tiles, one fp32 multiply-add per element.
+// SIMD tiles, one fp32 multiply-add per element; F32: float32 weights.
+template <bool F32 = false>
 struct ScalarP : TileBase {
+  static constexpr int kWeightBytes = F32 ? 4 : 2;
   static constexpr bool kDot = false;
   static constexpr int MR = 4, NB = 1, kAlign = 1, kStreamRows = 0;
   template <int R, int B>
@@ -465,10 +518,11 @@ struct ScalarP : TileBase {
     const float* x = static_cast<const float*>(xa);
     for (int i = 0; i < R * B * 16; ++i) acc[i] = 0.f;
     for (int b = 0; b < B; ++b) {
-      const uint16_t* wb = w + b * kp * 32;
+      const uint16_t* wb = w + b * kp * 16 * kWeightBytes;
       for (int64_t p = 0; p < kp; ++p)
         for (int c = 0; c < 16; ++c) {
-          const float we = bf16_to_f32(wb[p * 32 + 2 * c]), wo = bf16_to_f32(wb[p * 32 + 2 * c + 1]);
+          float we, wo;
+          pair_weights<F32>(wb, p, c, &we, &wo);
           for (int r = 0; r < R; ++r) {
             float& a = acc[r * B * 16 + b * 16 + c];
             a += we * x[r * xs + 2 * p];

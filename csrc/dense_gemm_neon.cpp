@@ -2,7 +2,11 @@
 #include "dense_gemm_neon.h"
 
 extern "C" const DenseTable* armserve_dense_neon() {
-  return armserve_dense::DenseGemm<armserve_dense::NeonP>::table("neon");
+  return armserve_dense::DenseGemm<armserve_dense::NeonP<>>::table("neon");
+}
+
+extern "C" const DenseTable* armserve_dense_neon_f32() {
+  return armserve_dense::DenseGemm<armserve_dense::NeonP<true>>::table_f32("neon");
 }
 
 extern "C" const DenseTable* armserve_dense_neon_bf16() {

@@ -11,7 +11,10 @@ namespace armserve_dense {
 namespace {
 
 // Without BF16: each 32-bit pair lane widens to fp32 (<< 16 even k, & 0xffff0000 odd k).
+// F32: float32 weights (a block's k-pair: 16 even-k then 16 odd-k weights) loaded as they are.
+template <bool F32 = false>
 struct NeonP : TileBase {
+  static constexpr int kWeightBytes = F32 ? 4 : 2;
   static constexpr bool kDot = false;
   // 4 rows x 1 block: 16 accumulators + 4 activation registers + 3 temporaries of 32.
   static constexpr int MR = 4, NB = 1, kAlign = 2, kStreamRows = 0;
@@ -25,12 +28,22 @@ struct NeonP : TileBase {
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h) c[r][h] = d[r][h] = vdupq_n_f32(0.f);
     const uint32x4_t hi = vdupq_n_u32(0xffff0000u);
-    const int64_t bs = kp * 32;
+    const float* wf = reinterpret_cast<const float*>(w);
+    (void)hi;
+    (void)wf;
+    const int64_t bs = kp * 32;  // a block, in weights
 #define ARMSERVE_NEON_STEP(J)                                                                       \
   for (int h = 0; h < H; ++h) {                                                                     \
-    const uint32x4_t v = vld1q_u32(reinterpret_cast<const uint32_t*>(w + (h / 4) * bs + (p + J) * 32 + (h % 4) * 8)); \
-    const float32x4_t we = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));                                \
-    const float32x4_t wo = vreinterpretq_f32_u32(vandq_u32(v, hi));                                  \
+    float32x4_t we, wo;                                                                             \
+    if constexpr (F32) {                                                                            \
+      const float* src = wf + (h / 4) * bs + (p + J) * 32 + (h % 4) * 4;                            \
+      we = vld1q_f32(src);                                                                          \
+      wo = vld1q_f32(src + 16);                                                                     \
+    } else {                                                                                        \
+      const uint32x4_t v = vld1q_u32(reinterpret_cast<const uint32_t*>(w + (h / 4) * bs + (p + J) * 32 + (h % 4) * 8)); \
+      we = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));                                               \
+      wo = vreinterpretq_f32_u32(vandq_u32(v, hi));                                                 \
+    }                                                                                               \
     for (int r = 0; r < R; ++r) {                                                                   \
       c[r][h] = vfmaq_laneq_f32(c[r][h], we, xv[r], 2 * J);                                         \
       if (kSplit)                                                                                   \

@@ -7,7 +7,11 @@
 #include "dense_gemm_neon.h"
 
 extern "C" const DenseTable* armserve_dense_sve() {
-  return armserve_dense::DenseGemm<armserve_dense::NeonP>::table("sve");
+  return armserve_dense::DenseGemm<armserve_dense::NeonP<>>::table("sve");
+}
+
+extern "C" const DenseTable* armserve_dense_sve_f32() {
+  return armserve_dense::DenseGemm<armserve_dense::NeonP<true>>::table_f32("sve");
 }
 
 extern "C" const DenseTable* armserve_dense_sve_bf16() {

@@ -215,3 +215,80 @@ def test_gemm_same_on_two_threads(isa, dot):
         assert torch.equal(one, two), m
         exact = x.double() @ w.double().t()
         assert ((one.double() - exact).abs() <= bound(x, w)).all(), m
+
+
+# ---- float32 weights: the same driver and tiles on the float32 layout ---------------------------
+
+
+def bound_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Error allowed for a float32 sum of k float32 products by fused multiply-adds in any order:
+    k roundings of at most an ulp of the running sum (gamma_k), against the terms' magnitudes."""
+    k = x.shape[1]
+    return 2.0 ** -23 * k * (x.double().abs() @ w.double().abs().t()) + 1e-30
+
+
+def test_pack_f32_round_trip():
+    torch.manual_seed(0)
+    for n, k in SHAPES + [(1, 1), (17, 33)]:
+        w = torch.randn(n, k)
+        p = ops.pack_f32(w)
+        assert p.shape == ops.packed_f32_shape(n, k) == (-(-n // 16), -(-k // 2), 2, 16)
+        assert torch.equal(ops.unpack_f32_ref(p, n, k), w)
+        # layout: block b, pair p, then k parity, then the 16 columns; the padding is zeros
+        assert p[0, 0, 1, 0] == w[0, 1] if k > 1 else p[0, 0, 1, 0] == 0
+        full = p.permute(0, 3, 1, 2).reshape(p.shape[0] * 16, p.shape[1] * 2)
+        assert not full[n:].any() and not full[:, k:].any()
+
+
+def test_gemm_f32_matches_reference(isa):
+    """Every row count the tiles split differently (1-row streams, full and partial tiles, several
+    row tiles per panel), odd N and K, float32 and bf16 output, the PyTorch reference wrapper."""
+    assert ops.dense_f32_isa() == isa
+    torch.manual_seed(1)
+    for n, k in SHAPES:
+        w = torch.randn(n, k)
+        p = ops.pack_f32(w)
+        for m in ROWS:
+            x = torch.randn(m, k)
+            exact = x.double() @ w.double().t()
+            tol = bound_f32(x, w)
+            y = ops.gemm_f32(x, p, n, k)
+            assert y.dtype == torch.float32
+            err = (y.double() - exact).abs()
+            assert (err <= tol).all(), (m, n, k, (err / tol).max().item())
+            y16 = ops.gemm_f32(x, p, n, k, out_dtype=torch.bfloat16)
+            assert ((y16.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + tol).all(), (m, n, k)
+    x, w = torch.randn(5, 77), torch.randn(100, 77)
+    p = ops.pack_f32(w)
+    torch.testing.assert_close(ops.gemm_f32(x, p, 100, 77), ops.gemm_f32_ref(x, p, 100, 77), atol=1e-4, rtol=1e-5)
+
+
+def test_gemm_f32_column_range_threads_and_recording(isa):
+    """Into a column range of a wider tensor (only it written), the same sums on one thread or two,
+    and replayed from a recording (a float32 decode step stays kernel calls)."""
+    torch.manual_seed(2)
+    n, k, wide, col = 200, 96, 230, 21
+    w = torch.randn(n, k)
+    p = ops.pack_f32(w)
+    for m in ((1, 7, 40, 130) if not SMALL else (1, 17)):
+        x = torch.randn(m, k)
+
+        def run():
+            fused = torch.full((m, wide), 7.0)
+            ops.gemm_f32(x, p, n, k, out=fused[:, col:col + n])
+            return fused
+
+        one, two = on_one_and_two_threads(run)
+        assert torch.equal(one, two), m
+        assert (one[:, :col] == 7).all() and (one[:, col + n:] == 7).all(), "wrote outside its columns"
+        exact = x.double() @ w.double().t()
+        assert ((one[:, col:col + n].double() - exact).abs() <= bound_f32(x, w)).all(), m
+    x = torch.randn(3, k)
+    out = torch.empty(3, n)
+    with ops.capture() as rec:
+        ops.gemm_f32(x, p, n, k, out=out)
+    assert not rec.errors
+    want = out.clone()
+    out.zero_()
+    ops.run_graph(rec)
+    assert torch.equal(out, want)

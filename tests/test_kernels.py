@@ -379,7 +379,8 @@ def test_use_kernel_is_the_one_decision(monkeypatch):
         assert ops.use_kernel(op, bf) and ops.use_kernel(op, f32) and not ops.use_kernel(op, bf.to(torch.float64))
     assert ops.use_kernel("attention", torch.bfloat16, head_dim=64)
     assert not ops.use_kernel("attention", torch.bfloat16, head_dim=72)  # not a multiple of 16
-    assert ops.use_kernel("dense_pack", bf) and not ops.use_kernel("dense_pack", f32)
+    assert ops.use_kernel("dense_pack", bf) and ops.use_kernel("dense_pack", f32)
+    assert not ops.use_kernel("dense_pack", bf.half())  # float16 keeps the skinny kernel and PyTorch
     assert ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS, 8))
     assert not ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS + 1, 8))
     assert ops.use_kernel("argmax", f32) and not ops.use_kernel("argmax", f32.t())

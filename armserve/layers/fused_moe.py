@@ -83,7 +83,7 @@ def _projection(layer: nn.Module, rows: int, k: int) -> tuple[str, int, list[int
         return None
     packed = getattr(layer, "packed", None)
     if not isinstance(layer, QuantizedLinear):
-        if packed is None:  # float32 / float16 weights: PyTorch's GEMM
+        if packed is None or packed.dtype != torch.bfloat16:  # float32 (its own GEMM) / float16 weights
             return None
         block = -(-k // 2) * 64  # bytes of one 16-row block (dense_gemm.h)
         return "bf16", 0, [packed.data_ptr() + i * rows // 16 * block for i in range(layer.out_features // rows)]

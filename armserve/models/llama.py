@@ -29,9 +29,9 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(nn.Module):
     """A plain linear layer whose weight may be filled shard by shard (fused projections).
 
-    After loading, `finalize()` prepacks a bfloat16 weight for the dense GEMM kernel (every row
-    count, decode to prefill) and drops the row-major copy; other dtypes keep the skinny decode
-    kernel and PyTorch's GEMM.
+    After loading, `finalize()` prepacks a bfloat16 or float32 weight for the dense GEMM kernel
+    (every row count, decode to prefill) and drops the row-major copy; float16 keeps the skinny
+    decode kernel and PyTorch's GEMM.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -44,7 +44,8 @@ class Linear(nn.Module):
     def finalize(self) -> None:
         """Repack the weight into the kernel layout once (process_weights_after_loading)."""
         if ops.use_kernel("dense_pack", self.weight):
-            self.packed = ops.pack_bf16(self.weight.data)
+            pack = ops.pack_f32 if self.weight.dtype == torch.float32 else ops.pack_bf16
+            self.packed = pack(self.weight.data)
             self.weight = None  # the packed copy is the weight now
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -233,9 +234,9 @@ class LlamaForCausalLM(nn.Module):
         return ops.cast(logits, torch.float32) if ops.use_kernel("small", logits) else logits.float()
 
     def process_weights_after_loading(self) -> None:
-        """Prepack every bfloat16 dense weight for the GEMM kernel, once. A head tied to the
-        embedding table gets a packed copy of it (the lookup keeps the row-major table):
-        vocab x hidden x 2 more bytes, for the head's speed at every batch size."""
+        """Prepack every bfloat16 / float32 dense weight for the GEMM kernel, once. A head tied
+        to the embedding table gets a packed copy of it (the lookup keeps the row-major table):
+        vocab x hidden x 2 (4) more bytes, for the head's speed at every batch size."""
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()
