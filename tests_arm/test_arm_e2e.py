@@ -59,8 +59,8 @@ def test_greedy_tokens_equal_x86(monkeypatch):
             replays = graphs.replays
             alone = llm.generate([{"prompt_token_ids": ref["prompt_token_ids"][0]}], params, use_tqdm=False)
             assert alone[0].outputs[0].token_ids == ref["token_ids"][0], (isa, "batch-1 graph")
-            # (the scalar reference variant leaves float32 matmuls to PyTorch: nothing to replay)
-            assert (graphs.replays > replays) == (isa != "scalar"), (isa, graphs.replays - replays)
+            # (float32 matmuls run the dense float32 GEMM on every variant, the scalar one too)
+            assert graphs.replays > replays, (isa, graphs.replays - replays)
             print(f"-cpu {EXPECT_CPU} {isa}: tokens equal to x86 ({ref['x86_isa']}); kernel calls {calls}; "
                   f"{graphs.replays - replays} step-graph replays")
     finally:
