@@ -223,7 +223,8 @@ def describe() -> dict:
         "kernel_variants_supported": ops.supported_isas(),
         "kernels": {**{family: kernels for family in
                        ("paged_attention", "reshape_and_cache", "rms_norm", "rotary", "act_and_mul")},
-                    "skinny_matmul": skinny, "quantized_gemm": ops.qgemm_isa()},
+                    "skinny_matmul": skinny, "quantized_gemm": ops.qgemm_isa(),
+                    "dense_gemm_bf16": ops.dense_isa(), "dense_gemm_f32": ops.dense_f32_isa()},
         "kernels_unavailable_reason": ops.load_error() if kernels == "torch" else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
