@@ -874,6 +874,19 @@ def pack_bf16(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
 _GEMM_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _gemm(kernel: str, x_dtype: torch.dtype, x: torch.Tensor, packed: torch.Tensor, n: int, k: int,
+          out: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """`gemm_bf16` / `gemm_f32`: the checks, the output and the call, for activations of `x_dtype`."""
+    assert x.dtype == x_dtype and x.dim() == 2 and x.shape[1] == k
+    x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype)
+    assert out.dim() == 2 and out.shape == (m, n) and (out.stride(1) == 1 or m == 0) and out.dtype in _GEMM_OUT_CODES
+    _call(kernel, _GEMM_OUT_CODES[out.dtype], out.data_ptr(), x.data_ptr(), packed.data_ptr(), m, n, k, out.stride(0))
+    return out
+
+
 def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None,
               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [m, k] bf16 @ W^T for a weight W [n, k] packed by `pack_bf16`, any m (decode and prefill).
@@ -881,15 +894,7 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out: torch.
     `out` (bfloat16 or float32 [m, n], unit column stride) may be a column range of a wider tensor,
     e.g. `fused[:, a:a + n]`: only those columns are written. float32 output keeps the fp32 sums
     unrounded (LM-head logits)."""
-    assert x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k
-    x = x.contiguous()
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype)
-    assert out.dim() == 2 and out.shape == (m, n) and (out.stride(1) == 1 or m == 0) and out.dtype in _GEMM_OUT_CODES
-    _call("armserve_gemm_bf16", _GEMM_OUT_CODES[out.dtype], out.data_ptr(), x.data_ptr(), packed.data_ptr(), m, n, k,
-          out.stride(0))
-    return out
+    return _gemm("armserve_gemm_bf16", torch.bfloat16, x, packed, n, k, out, out_dtype)
 
 
 def unpack_bf16_ref(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -933,15 +938,7 @@ def gemm_f32(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out: torch.T
              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x [m, k] float32 @ W^T for a weight W [n, k] packed by `pack_f32`, any m (decode and
     prefill); `out` as in `gemm_bf16`."""
-    assert x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k
-    x = x.contiguous()
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=out_dtype)
-    assert out.dim() == 2 and out.shape == (m, n) and (out.stride(1) == 1 or m == 0) and out.dtype in _GEMM_OUT_CODES
-    _call("armserve_gemm_f32", _GEMM_OUT_CODES[out.dtype], out.data_ptr(), x.data_ptr(), packed.data_ptr(), m, n, k,
-          out.stride(0))
-    return out
+    return _gemm("armserve_gemm_f32", torch.float32, x, packed, n, k, out, out_dtype)
 
 
 def unpack_f32_ref(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:

@@ -121,42 +121,37 @@ static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int6
   }
 }
 
-// W [n, k] bf16 (row-major) -> the packed layout of dense_gemm.h.
-static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+// W [n, k] (row-major) -> the packed layouts of dense_gemm.h: blocks of 16 rows (columns of the
+// output) x ceil(k / 2) k-pairs of 32 elements, zero-padded in n and k. Within a k-pair, column c's
+// weights at k = 2p and 2p + 1 sit at 2c and 2c + 1 (kInterleaved: bf16, the dot instructions'
+// operand) or at c and 16 + c (float32: one 16-lane vector per k).
+template <class T, bool kInterleaved>
+static inline void pack_blocks(const T* w, int64_t n, int64_t k, T* packed) {
   const int64_t kp = (k + 1) / 2, nb = (n + 15) / 16;
   armserve_par::for_static(nb, true, [&](int64_t b) {
-    uint16_t* blk = packed + b * kp * 32;
+    T* blk = packed + b * kp * 32;
     for (int c = 0; c < 16; ++c) {
-      const int64_t row = b * 16 + c;
-      if (row >= n) {
-        for (int64_t p = 0; p < kp; ++p) blk[p * 32 + 2 * c] = blk[p * 32 + 2 * c + 1] = 0;
-        continue;
+      const int64_t row = b * 16 + c, len = row < n ? k : 0;  // (rows past n: all padding)
+      T* even = blk + (kInterleaved ? 2 * c : c);
+      T* odd = even + (kInterleaved ? 1 : 16);
+      const T* wr = w + row * k;
+      int64_t p = 0;
+      for (; 2 * p + 1 < len; ++p) {
+        even[p * 32] = wr[2 * p];
+        odd[p * 32] = wr[2 * p + 1];
       }
-      const uint16_t* wr = w + row * k;
-      for (int64_t p = 0; p < k / 2; ++p) {
-        blk[p * 32 + 2 * c] = wr[2 * p];
-        blk[p * 32 + 2 * c + 1] = wr[2 * p + 1];
-      }
-      if (k & 1) {
-        blk[(kp - 1) * 32 + 2 * c] = wr[k - 1];
-        blk[(kp - 1) * 32 + 2 * c + 1] = 0;
+      for (; p < kp; ++p) {  // the K tail: an odd k's last weight, then zeros
+        even[p * 32] = 2 * p < len ? wr[2 * p] : T(0);
+        odd[p * 32] = T(0);
       }
     }
   });
 }
-
-// W [n, k] float32 (row-major) -> the float32 layout of dense_gemm.h: [ceil(n / 16)][ceil(k / 2)]
-// [2][16], for column block b and k-pair p the 16 columns' weights at k = 2p, then at 2p + 1.
+static inline void pack_bf16(const uint16_t* w, int64_t n, int64_t k, uint16_t* packed) {
+  pack_blocks<uint16_t, true>(w, n, k, packed);
+}
 static inline void pack_f32(const float* w, int64_t n, int64_t k, float* packed) {
-  const int64_t kp = (k + 1) / 2, nb = (n + 15) / 16;
-  armserve_par::for_static(nb, true, [&](int64_t b) {
-    float* blk = packed + b * kp * 32;
-    for (int c = 0; c < 16; ++c) {
-      const int64_t row = b * 16 + c;
-      for (int64_t i = 0; i < 2 * kp; ++i)
-        blk[(i / 2) * 32 + (i % 2) * 16 + c] = row < n && i < k ? w[row * k + i] : 0.f;
-    }
-  });
+  pack_blocks<float, false>(w, n, k, packed);
 }
 
 // Decode reads each weight once, front to back, and is bound by how many of its lines are in

@@ -164,6 +164,17 @@ def test_special_values(isa, dot):
     assert torch.isinf(y[2]).all()  # 6 x 3e38 overflows float32
 
 
+def assert_replays(call, out: torch.Tensor) -> None:
+    """call(out) recorded (csrc/graph.cpp) without errors, and its replay rewrites the same out."""
+    with ops.capture() as rec:
+        call(out)
+    assert not rec.errors
+    want = out.clone()
+    out.zero_()
+    ops.run_graph(rec)
+    assert torch.equal(out, want)
+
+
 def test_gemm_is_recordable():
     """A recorded step replays the GEMM (csrc/graph.cpp)."""
     torch.manual_seed(3)
@@ -171,14 +182,7 @@ def test_gemm_is_recordable():
     w = torch.randn(n, k).bfloat16()
     p = ops.pack_bf16(w)
     x = torch.randn(m, k).bfloat16()
-    out = torch.empty(m, n, dtype=torch.float32)
-    with ops.capture() as rec:
-        ops.gemm_bf16(x, p, n, k, out=out)
-    assert not rec.errors
-    want = out.clone()
-    out.zero_()
-    ops.run_graph(rec)
-    assert torch.equal(out, want)
+    assert_replays(lambda out: ops.gemm_bf16(x, p, n, k, out=out), torch.empty(m, n, dtype=torch.float32))
 
 
 def test_amx_switch(isa):
@@ -284,11 +288,4 @@ def test_gemm_f32_column_range_threads_and_recording(isa):
         exact = x.double() @ w.double().t()
         assert ((one[:, col:col + n].double() - exact).abs() <= bound_f32(x, w)).all(), m
     x = torch.randn(3, k)
-    out = torch.empty(3, n)
-    with ops.capture() as rec:
-        ops.gemm_f32(x, p, n, k, out=out)
-    assert not rec.errors
-    want = out.clone()
-    out.zero_()
-    ops.run_graph(rec)
-    assert torch.equal(out, want)
+    assert_replays(lambda out: ops.gemm_f32(x, p, n, k, out=out), torch.empty(3, n))

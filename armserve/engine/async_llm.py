@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, AsyncGenerator, Callable, Protocol, Sequence
 
-from armserve.config import EngineConfig
+from armserve.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from armserve.engine.core import (
     DEFAULT_STATS_INTERVAL,
     AbortCommand,
@@ -368,7 +368,6 @@ class AsyncLLM:
         engine_process: bool | None = None,
     ) -> None:
         from armserve import model_loader
-        from armserve.config import SERVING_MAX_NUM_BATCHED_TOKENS
 
         if config.max_num_batched_tokens is None:  # a server's budget (config.py says why)
             config = replace(
