@@ -1,6 +1,6 @@
-// Paged attention and the KV-cache writes, written once over 16-lane generic vectors
-// (GCC vector extensions: one zmm on AVX-512, two ymm on AVX2, four q registers on NEON/SVE,
-// SSE2 on the x86 reference variant), included by every kernels_<isa>.cpp.
+// Paged attention and the KV-cache writes, written once over 16-lane vectors (one zmm on
+// AVX-512, two ymm on AVX2, four q registers on NEON/SVE, SSE2 on the x86 reference variant;
+// see "16-lane vectors" below), included by every kernels_<isa>.cpp.
 //
 // Cache layout of one layer (`bs` = block size, a multiple of 16; 16 keys make a tile):
 //
@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -45,11 +46,30 @@
 namespace armserve {
 namespace {
 
+// ---- 16-lane vectors ----------------------------------------------------------------------------
+// The kernels below are written once over 16-lane fp32 / int32 vectors (a tile of 16 keys is one
+// vector). With AVX-512 (and in the scalar reference) they are GCC vector types. Where the ISA's
+// registers are narrower (AVX2: 8 lanes, NEON: 4) a 64-byte GCC vector has no machine mode: GCC
+// keeps every such variable on the stack and each operation goes through memory (the AVX2 decode
+// attention ran ~6x slower than the same code on native vectors, 33 ns per key and query head
+// against ~5). There they are `Wide` structs of native vectors instead, every operation applied
+// part by part (lane for lane the same arithmetic), which GCC keeps in registers. The code uses
+// only what both provide: arithmetic, comparisons, vsel (not ?:), vbits (not casts), vcvt_i.
+#if defined(__AVX512F__) || !(defined(__AVX2__) || defined(__aarch64__))
 typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
-
+#define ARMSERVE_VI static inline __attribute__((always_inline))
+template <class M, class V>
+ARMSERVE_VI V vsel(M m, V a, V b) {
+  return m ? a : b;
+}
+template <class To, class From>
+ARMSERVE_VI To vbits(From v) {
+  return (To)v;
+}
+ARMSERVE_VI vi16 vcvt_i(vf16 v) { return __builtin_convertvector(v, vi16); }
 static inline vf16 vload(const float* p) {
   vf16 v;
   std::memcpy(&v, p, sizeof v);
@@ -58,26 +78,153 @@ static inline vf16 vload(const float* p) {
 static inline void vstore(float* p, vf16 v) { std::memcpy(p, &v, sizeof v); }
 // (Not `vf16{} + x`: 0 + x is not x for x = -0, so that costs an add before the broadcast.)
 static inline vf16 vsplat(float x) { return vf16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+// Lanes j0, j0 + 1, ..., j0 + 15.
+ARMSERVE_VI vi16 viota(int j0) {
+  return vi16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15} + j0;
+}
+ARMSERVE_VI float lane(vf16 v, int j) { return v[j]; }
+// 16 32-bit lanes from memory (bf16 pairs).
+ARMSERVE_VI vu16 vload_u(const uint16_t* p) {
+  vu16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+#else
+#define ARMSERVE_WIDE 1
+#define ARMSERVE_VI static inline __attribute__((always_inline))
+#if defined(__AVX2__)
+constexpr int kVL = 8;  // lanes per register
+#else
+constexpr int kVL = 4;
+#endif
+typedef float pf_t __attribute__((vector_size(kVL * 4)));
+typedef int32_t pi_t __attribute__((vector_size(kVL * 4)));
+typedef uint32_t pu_t __attribute__((vector_size(kVL * 4)));
+template <class P>
+struct Wide {
+  static constexpr int N = 16 / kVL;
+  P p[N];
+};
+typedef Wide<pf_t> vf16;
+typedef Wide<pi_t> vi16;
+typedef Wide<pu_t> vu16;
+template <class P>
+struct MaskOf {
+  typedef Wide<decltype(P{} > P{})> type;
+};
+#define ARMSERVE_WIDE_OP(op)                                                                 \
+  template <class P>                                                                         \
+  ARMSERVE_VI Wide<P> operator op(Wide<P> a, Wide<P> b) {                                    \
+    Wide<P> r;                                                                               \
+    for (int i = 0; i < Wide<P>::N; ++i) r.p[i] = a.p[i] op b.p[i];                          \
+    return r;                                                                                \
+  }                                                                                          \
+  template <class P, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>>             \
+  ARMSERVE_VI Wide<P> operator op(Wide<P> a, S b) {                                          \
+    Wide<P> r;                                                                               \
+    for (int i = 0; i < Wide<P>::N; ++i) r.p[i] = a.p[i] op b;                               \
+    return r;                                                                                \
+  }                                                                                          \
+  template <class P>                                                                         \
+  ARMSERVE_VI Wide<P>& operator op##=(Wide<P>& a, Wide<P> b) {                               \
+    return a = a op b;                                                                       \
+  }                                                                                          \
+  template <class P, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>>             \
+  ARMSERVE_VI Wide<P>& operator op##=(Wide<P>& a, S b) {                                     \
+    return a = a op b;                                                                       \
+  }
+ARMSERVE_WIDE_OP(+)
+ARMSERVE_WIDE_OP(-)
+ARMSERVE_WIDE_OP(*)
+ARMSERVE_WIDE_OP(&)
+ARMSERVE_WIDE_OP(<<)
+ARMSERVE_WIDE_OP(>>)
+#undef ARMSERVE_WIDE_OP
+#define ARMSERVE_WIDE_CMP(op)                                                                \
+  template <class P>                                                                         \
+  ARMSERVE_VI typename MaskOf<P>::type operator op(Wide<P> a, Wide<P> b) {                   \
+    typename MaskOf<P>::type r;                                                              \
+    for (int i = 0; i < Wide<P>::N; ++i) r.p[i] = a.p[i] op b.p[i];                          \
+    return r;                                                                                \
+  }                                                                                          \
+  template <class P, class S, class = std::enable_if_t<std::is_arithmetic_v<S>>>             \
+  ARMSERVE_VI typename MaskOf<P>::type operator op(Wide<P> a, S b) {                         \
+    typename MaskOf<P>::type r;                                                              \
+    for (int i = 0; i < Wide<P>::N; ++i) r.p[i] = a.p[i] op b;                               \
+    return r;                                                                                \
+  }
+ARMSERVE_WIDE_CMP(>)
+ARMSERVE_WIDE_CMP(<)
+ARMSERVE_WIDE_CMP(>=)
+ARMSERVE_WIDE_CMP(==)
+#undef ARMSERVE_WIDE_CMP
+template <class P>
+ARMSERVE_VI Wide<P> operator-(Wide<P> a) {
+  Wide<P> r;
+  for (int i = 0; i < Wide<P>::N; ++i) r.p[i] = -a.p[i];
+  return r;
+}
+template <class M, class P>
+ARMSERVE_VI Wide<P> vsel(Wide<M> m, Wide<P> a, Wide<P> b) {
+  Wide<P> r;
+  for (int i = 0; i < Wide<P>::N; ++i) r.p[i] = m.p[i] ? a.p[i] : b.p[i];
+  return r;
+}
+template <class To, class From>
+ARMSERVE_VI To vbits(From v) {
+  To r;
+  for (int i = 0; i < To::N; ++i) r.p[i] = (std::remove_reference_t<decltype(r.p[0])>)v.p[i];
+  return r;
+}
+ARMSERVE_VI vi16 vcvt_i(vf16 v) {
+  vi16 r;
+  for (int i = 0; i < vf16::N; ++i) r.p[i] = __builtin_convertvector(v.p[i], pi_t);
+  return r;
+}
+static inline vf16 vload(const float* p) {
+  vf16 v;
+  for (int i = 0; i < vf16::N; ++i) std::memcpy(&v.p[i], p + kVL * i, sizeof v.p[i]);
+  return v;
+}
+static inline void vstore(float* p, vf16 v) {
+  for (int i = 0; i < vf16::N; ++i) std::memcpy(p + kVL * i, &v.p[i], sizeof v.p[i]);
+}
+static inline vf16 vsplat(float x) {
+  vf16 v;
+#if defined(__AVX2__)
+  for (int i = 0; i < vf16::N; ++i) v.p[i] = (pf_t)_mm256_set1_ps(x);
+#else
+  for (int i = 0; i < vf16::N; ++i) v.p[i] = (pf_t)vdupq_n_f32(x);
+#endif
+  return v;
+}
+ARMSERVE_VI vi16 viota(int j0) {
+  vi16 v;
+  for (int i = 0; i < vi16::N; ++i)
+    for (int j = 0; j < kVL; ++j) v.p[i][j] = j0 + i * kVL + j;
+  return v;
+}
+ARMSERVE_VI float lane(vf16 v, int j) { return v.p[j / kVL][j % kVL]; }
+ARMSERVE_VI vu16 vload_u(const uint16_t* p) {
+  vu16 v;
+  for (int i = 0; i < vu16::N; ++i) std::memcpy(&v.p[i], p + 2 * kVL * i, sizeof v.p[i]);
+  return v;
+}
+#endif
 
 // a * b + c, fused where the TU's ISA has an FMA (the build disables implicit contraction).
 static inline vf16 vfma(vf16 a, vf16 b, vf16 c) {
 #if defined(__AVX512F__)
   return (vf16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-#elif defined(__FMA__)
-  union U {
-    vf16 v;
-    __m256 h[2];
-  } x{a}, y{b}, z{c}, r;
-  r.h[0] = _mm256_fmadd_ps(x.h[0], y.h[0], z.h[0]);
-  r.h[1] = _mm256_fmadd_ps(x.h[1], y.h[1], z.h[1]);
-  return r.v;
-#elif defined(__aarch64__)
-  union U {
-    vf16 v;
-    float32x4_t q[4];
-  } x{a}, y{b}, z{c}, r;
-  for (int i = 0; i < 4; ++i) r.q[i] = vfmaq_f32(z.q[i], x.q[i], y.q[i]);
-  return r.v;
+#elif defined(ARMSERVE_WIDE) && defined(__FMA__)
+  vf16 r;
+  for (int i = 0; i < vf16::N; ++i) r.p[i] = (pf_t)_mm256_fmadd_ps((__m256)a.p[i], (__m256)b.p[i], (__m256)c.p[i]);
+  return r;
+#elif defined(ARMSERVE_WIDE) && defined(__aarch64__)
+  vf16 r;
+  for (int i = 0; i < vf16::N; ++i)
+    r.p[i] = (pf_t)vfmaq_f32((float32x4_t)c.p[i], (float32x4_t)a.p[i], (float32x4_t)b.p[i]);
+  return r;
 #else
   return a * b + c;
 #endif
@@ -89,28 +236,21 @@ static inline vf16 vrecip(vf16 x) {
 #if defined(__AVX512F__)
   const vf16 r = (vf16)_mm512_rcp14_ps((__m512)x);  // 14 bits; one step gives ~28
   return vfma(r, vfma(-x, r, vsplat(1.0f)), r);
-#elif defined(__AVX2__)
-  union U {
-    vf16 v;
-    __m256 h[2];
-  } u{x};
-  u.h[0] = _mm256_rcp_ps(u.h[0]);  // 12 bits; two steps
-  u.h[1] = _mm256_rcp_ps(u.h[1]);
-  vf16 r = u.v;
+#elif defined(ARMSERVE_WIDE) && defined(__AVX2__)
+  vf16 r;
+  for (int i = 0; i < vf16::N; ++i) r.p[i] = (pf_t)_mm256_rcp_ps((__m256)x.p[i]);  // 12 bits; two steps
   r = vfma(r, vfma(-x, r, vsplat(1.0f)), r);
   return vfma(r, vfma(-x, r, vsplat(1.0f)), r);
-#elif defined(__aarch64__)
-  union U {
-    vf16 v;
-    float32x4_t q[4];
-  } u{x}, r;
-  for (int i = 0; i < 4; ++i) {  // 8 bits; three steps
-    float32x4_t e = vrecpeq_f32(u.q[i]);
-    e = vmulq_f32(e, vrecpsq_f32(u.q[i], e));
-    e = vmulq_f32(e, vrecpsq_f32(u.q[i], e));
-    r.q[i] = vmulq_f32(e, vrecpsq_f32(u.q[i], e));
+#elif defined(ARMSERVE_WIDE) && defined(__aarch64__)
+  vf16 r;
+  for (int i = 0; i < vf16::N; ++i) {  // 8 bits; three steps
+    const float32x4_t q = (float32x4_t)x.p[i];
+    float32x4_t e = vrecpeq_f32(q);
+    e = vmulq_f32(e, vrecpsq_f32(q, e));
+    e = vmulq_f32(e, vrecpsq_f32(q, e));
+    r.p[i] = (pf_t)vmulq_f32(e, vrecpsq_f32(q, e));
   }
-  return r.v;
+  return r;
 #else
   return 1.0f / x;
 #endif
@@ -118,7 +258,7 @@ static inline vf16 vrecip(vf16 x) {
 
 static inline float hmax(vf16 v) {
   float m[8];
-  for (int i = 0; i < 8; ++i) m[i] = v[i] > v[i + 8] ? v[i] : v[i + 8];
+  for (int i = 0; i < 8; ++i) m[i] = lane(v, i) > lane(v, i + 8) ? lane(v, i) : lane(v, i + 8);
   for (int i = 0; i < 4; ++i) m[i] = m[i] > m[i + 4] ? m[i] : m[i + 4];
   const float x = m[0] > m[2] ? m[0] : m[2], y = m[1] > m[3] ? m[1] : m[3];
   return x > y ? x : y;
@@ -127,7 +267,7 @@ static inline float hmax(vf16 v) {
 // Pairwise, so the compiler keeps it in registers; fixed order, so the same sum every time.
 static inline float hsum(vf16 v) {
   float s[8];
-  for (int i = 0; i < 8; ++i) s[i] = v[i] + v[i + 8];
+  for (int i = 0; i < 8; ++i) s[i] = lane(v, i) + lane(v, i + 8);
   for (int i = 0; i < 4; ++i) s[i] += s[i + 4];
   return (s[0] + s[2]) + (s[1] + s[3]);
 }
@@ -143,7 +283,7 @@ static inline vf16 vexp(vf16 x) {
                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
   const vf16 lo = vsplat(-87.33654f), hi = vsplat(88.72283f);
-  x = x < lo ? lo : (x > hi ? hi : x);
+  x = vsel(x < lo, lo, vsel(x > hi, hi, x));
   const vf16 n = vfma(x, vsplat(1.44269504088896341f), vsplat(12582912.0f)) - 12582912.0f;
 #endif
   vf16 r = vfma(n, vsplat(-0.693359375f), x);
@@ -157,8 +297,8 @@ static inline vf16 vexp(vf16 x) {
 #if defined(__AVX512F__)
   return (vf16)_mm512_scalef_ps((__m512)p, (__m512)n);
 #else
-  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
-  return p * (vf16)e;
+  const vi16 e = (vcvt_i(n) + 127) << 23;
+  return p * vbits<vf16>(e);
 #endif
 }
 
@@ -188,21 +328,15 @@ static inline vf16 load16(const void* base, int64_t i) {
     const uint16_t* p = static_cast<const uint16_t*>(base) + i;
 #if defined(__AVX512F__)
     return (vf16)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-#elif defined(__AVX2__)
-    union U {
-      vf16 v;
-      __m256i h[2];
-    } u;
-    u.h[0] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
-    u.h[1] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16);
-    return u.v;
-#elif defined(__aarch64__)
-    union U {
-      vf16 v;
-      uint32x4_t q[4];
-    } u;
-    for (int j = 0; j < 4; ++j) u.q[j] = vshll_n_u16(vld1_u16(p + 4 * j), 16);
-    return u.v;
+#elif defined(ARMSERVE_WIDE) && defined(__AVX2__)
+    vf16 v;
+    for (int j = 0; j < 2; ++j)
+      v.p[j] = (pf_t)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j))), 16);
+    return v;
+#elif defined(ARMSERVE_WIDE) && defined(__aarch64__)
+    vf16 v;
+    for (int j = 0; j < 4; ++j) v.p[j] = (pf_t)vshll_n_u16(vld1_u16(p + 4 * j), 16);
+    return v;
 #else
     vh16 h;
     std::memcpy(&h, p, sizeof h);
@@ -213,27 +347,21 @@ static inline vf16 load16(const void* base, int64_t i) {
     const int8_t* p8 = static_cast<const int8_t*>(base) + i;
 #if defined(__AVX512F__)
     return (vf16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p8))));
-#elif defined(__AVX2__)
+#elif defined(ARMSERVE_WIDE) && defined(__AVX2__)
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p8));
-    union U {
-      vf16 v;
-      __m256 h[2];
-    } u;
-    u.h[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    u.h[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-    return u.v;
-#elif defined(__aarch64__)
+    vf16 v;
+    v.p[0] = (pf_t)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    v.p[1] = (pf_t)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+    return v;
+#elif defined(ARMSERVE_WIDE) && defined(__aarch64__)
     const int8x16_t b = vld1q_s8(p8);
     const int16x8_t lo = vmovl_s8(vget_low_s8(b)), hi = vmovl_s8(vget_high_s8(b));
-    union U {
-      vf16 v;
-      float32x4_t q[4];
-    } u;
-    u.q[0] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
-    u.q[1] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
-    u.q[2] = vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
-    u.q[3] = vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
-    return u.v;
+    vf16 v;
+    v.p[0] = (pf_t)vcvtq_f32_s32(vmovl_s16(vget_low_s16(lo)));
+    v.p[1] = (pf_t)vcvtq_f32_s32(vmovl_s16(vget_high_s16(lo)));
+    v.p[2] = (pf_t)vcvtq_f32_s32(vmovl_s16(vget_low_s16(hi)));
+    v.p[3] = (pf_t)vcvtq_f32_s32(vmovl_s16(vget_high_s16(hi)));
+    return v;
 #else
     float t[16];
     for (int j = 0; j < 16; ++j) t[j] = float(p8[j]);
@@ -243,14 +371,14 @@ static inline vf16 load16(const void* base, int64_t i) {
   const uint16_t* p = static_cast<const uint16_t*>(base) + i;
 #if defined(__AVX512F__)
   return (vf16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  union U {
-    vf16 v;
-    __m256 h[2];
-  } u;
-  u.h[0] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  u.h[1] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  return u.v;
+#elif defined(ARMSERVE_WIDE) && defined(__F16C__)
+  vf16 v;
+  for (int j = 0; j < 2; ++j) v.p[j] = (pf_t)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * j)));
+  return v;
+#elif defined(ARMSERVE_WIDE) && defined(__aarch64__)
+  vf16 v;
+  for (int j = 0; j < 4; ++j) v.p[j] = (pf_t)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p + 4 * j)));
+  return v;
 #else
   float t[16];
   for (int j = 0; j < 16; ++j) t[j] = f16_to_f32(p[j]);
@@ -586,11 +714,20 @@ template <int CT>
 static inline void store16(void* base, int64_t i, vf16 v) {
   if (CT == CT_F32) return vstore(static_cast<float*>(base) + i, v);
   if (CT == CT_BF16) {
-    const vu16 u = (vu16)v;
+    const vu16 u = vbits<vu16>(v);
     vu16 r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    r = (u & 0x7fffffffu) > 0x7f800000u ? vu16{} + 0x7fc0u : r;
+    r = vsel((u & 0x7fffffffu) > 0x7f800000u, vu16{} + 0x7fc0u, r);
+    uint16_t* dst = static_cast<uint16_t*>(base) + i;
+#ifdef ARMSERVE_WIDE
+    for (int j = 0; j < vu16::N; ++j) {  // (narrowed part by part: each part's lanes are 16 bits apart)
+      typedef uint16_t ph_t __attribute__((vector_size(kVL * 2)));
+      const ph_t h = __builtin_convertvector(r.p[j], ph_t);
+      std::memcpy(dst + kVL * j, &h, sizeof h);
+    }
+#else
     const vh16 h = __builtin_convertvector(r, vh16);
-    std::memcpy(static_cast<uint16_t*>(base) + i, &h, sizeof h);
+    std::memcpy(dst, &h, sizeof h);
+#endif
     return;
   }
   uint16_t* p = static_cast<uint16_t*>(base) + i;
@@ -604,9 +741,9 @@ template <int CT>
 static inline vf16 round16(vf16 v) {
   if (CT == CT_F32) return v;
   if (CT == CT_BF16) {  // in registers: round to nearest even on the upper half, NaN stays NaN
-    const vu16 u = (vu16)v;
+    const vu16 u = vbits<vu16>(v);
     const vu16 r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-    return (vf16)((u & 0x7fffffffu) > 0x7f800000u ? vu16{} + 0x7fc00000u : r);
+    return vbits<vf16>(vsel((u & 0x7fffffffu) > 0x7f800000u, vu16{} + 0x7fc00000u, r));
   }
   uint16_t t[16];
   store16<CT>(t, 0, v);
@@ -823,9 +960,8 @@ struct Attention {
       for (int u = 0; u < 2; ++u)
         for (int r = 0; r < NR; ++r) a[u][r] = vf16{};
       for (int dp = 0; dp < hd / 2; ++dp) {
-        vu16 w;
-        std::memcpy(&w, static_cast<const uint16_t*>(kt) + dp * 2 * KT, sizeof w);
-        const vf16 lo = (vf16)(w << 16), hi = (vf16)(w & 0xffff0000u);
+        const vu16 w = vload_u(static_cast<const uint16_t*>(kt) + dp * 2 * KT);
+        const vf16 lo = vbits<vf16>(w << 16), hi = vbits<vf16>(w & 0xffff0000u);
         for (int r = 0; r < NR; ++r) {
           a[0][r] = vfma(vsplat(q[r * hd + 2 * dp]), lo, a[0][r]);
           a[1][r] = vfma(vsplat(q[r * hd + 2 * dp + 1]), hi, a[1][r]);
@@ -859,12 +995,11 @@ struct Attention {
         vf16 a[2][NR];
         for (int r = 0; r < NR; ++r) a[0][r] = vload(acc + r * hd + c), a[1][r] = vf16{};
         for (int jp = 0; 2 * jp < jn; ++jp) {
-          vu16 w;
-          std::memcpy(&w, v16 + (int64_t(jp) * hd + c) * 2, sizeof w);
-          const vf16 lo = (vf16)(w << 16);
+          const vu16 w = vload_u(v16 + (int64_t(jp) * hd + c) * 2);
+          const vf16 lo = vbits<vf16>(w << 16);
           for (int r = 0; r < NR; ++r) a[0][r] = vfma(vsplat(p[r * P + 2 * jp]), lo, a[0][r]);
           if (2 * jp + 1 < jn) {
-            const vf16 hi = (vf16)(w & 0xffff0000u);
+            const vf16 hi = vbits<vf16>(w & 0xffff0000u);
             for (int r = 0; r < NR; ++r) a[1][r] = vfma(vsplat(p[r * P + 2 * jp + 1]), hi, a[1][r]);
           }
         }
@@ -1169,8 +1304,12 @@ struct Attention {
               const vf16 sc = CT == CT_I8 ? vload(a.ks + block_base(slots[t], bs, a.hk, w.head) + slots[t] % bs) * a.scale
                                           : vsplat(a.scale);
               vf16 sv = vload(sr + t * KT) * sc;
-              if (a.softcap > 0.f)
-                for (int j = 0; j < KT; ++j) sv[j] = std::tanh(sv[j] / a.softcap) * a.softcap;
+              if (a.softcap > 0.f) {
+                float c[KT];
+                vstore(c, sv);
+                for (int j = 0; j < KT; ++j) c[j] = std::tanh(c[j] / a.softcap) * a.softcap;
+                sv = vload(c);
+              }
               vstore(sr + t * KT, sv);
             }
           }
@@ -1186,10 +1325,9 @@ struct Attention {
             for (int t = 0; t < nt; ++t) {
               if (t >= ta && t < tb) continue;
               const int j0 = t0 + t * KT;
-              vi16 keys;
-              for (int j = 0; j < KT; ++j) keys[j] = j0 + j;
+              const vi16 keys = viota(j0);
               const vf16 sv = vload(sr + t * KT);
-              vstore(sr + t * KT, (keys >= klo) & (keys < khi) ? sv : vsplat(-INFINITY));
+              vstore(sr + t * KT, vsel((keys >= klo) & (keys < khi), sv, vsplat(-INFINITY)));
             }
             constexpr float kLog2e = 1.44269504088896341f;
             const float mref = M[r0 + r];
@@ -1206,12 +1344,11 @@ struct Attention {
             vf16 sv = vload(sr + t * KT);
             if (t < ta || t >= tb) {  // a tile at an edge
               const int j0 = t0 + t * KT;
-              vi16 keys;
-              for (int j = 0; j < KT; ++j) keys[j] = j0 + j;
-              sv = (keys >= klo) & (keys < khi) ? sv : vsplat(-INFINITY);
+              const vi16 keys = viota(j0);
+              sv = vsel((keys >= klo) & (keys < khi), sv, vsplat(-INFINITY));
               vstore(sr + t * KT, sv);
             }
-            mv = mv > sv ? mv : sv;
+            mv = vsel(mv > sv, mv, sv);
           }
           const float mr = hmax(mv);
           m[r0 + r] = mr * xs;  // the max in scaled units, as the merge wants it
@@ -1246,7 +1383,7 @@ struct Attention {
 #endif
             {
               pv = vexp(vfma(sv, xsv, off));
-              pv = sv == ninf ? vf16{} : pv;
+              pv = vsel(sv == ninf, vf16{}, pv);
             }
             lv += pv;
             if (CT == CT_I8)  // V's scale, once per key rather than per element
