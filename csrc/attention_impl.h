@@ -1157,8 +1157,9 @@ struct Attention {
   // run_item calls this for what it will read next (its next partition, or the next item) as it
   // starts a partition: the tiles are scattered blocks that no hardware prefetcher follows, and a
   // decode item is too short for prefetches issued inside it to arrive in time. Measured on a Zen 4
-  // core, keys and values streaming from memory (bench_attention, SmolLM2 shape, batch 32): ~11 GB/s
-  // and 7.4-8 ns per (key, query head) before, ~14.5 GB/s and 5.8-6.1 ns after. L2 rather than L1
+  // core, keys and values streaming from memory (bench_attention, SmolLM2 shape, batch 32-64):
+  // ~11 GB/s and 7.4-8.4 ns per (key, query head) before, 12-15 GB/s and 5.6-7.0 ns after (runs on
+  // this 2-core VM vary by ~15%; a decode step of the engine at batch 32: 67-71 -> 61-67 ms). L2 rather than L1
   // (prefetcht1): scattered 2-4 KiB chunks prefetched into L1 streamed at ~10 GB/s there (its few
   // miss buffers bound the lines in flight), into L2 at 17-18 (a plain sequential read: 26-31).
   // Returns how many tiles, their K addresses in kt.
