@@ -55,12 +55,12 @@ namespace {
 // against ~5). There they are `Wide` structs of native vectors instead, every operation applied
 // part by part (lane for lane the same arithmetic), which GCC keeps in registers. The code uses
 // only what both provide: arithmetic, comparisons, vsel (not ?:), vbits (not casts), vcvt_i.
+#define ARMSERVE_VI static inline __attribute__((always_inline))
 #if defined(__AVX512F__) || !(defined(__AVX2__) || defined(__aarch64__))
 typedef float vf16 __attribute__((vector_size(64)));
 typedef int32_t vi16 __attribute__((vector_size(64)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
-#define ARMSERVE_VI static inline __attribute__((always_inline))
 template <class M, class V>
 ARMSERVE_VI V vsel(M m, V a, V b) {
   return m ? a : b;
@@ -91,7 +91,6 @@ ARMSERVE_VI vu16 vload_u(const uint16_t* p) {
 }
 #else
 #define ARMSERVE_WIDE 1
-#define ARMSERVE_VI static inline __attribute__((always_inline))
 #if defined(__AVX2__)
 constexpr int kVL = 8;  // lanes per register
 #else
@@ -1168,17 +1167,27 @@ struct Attention {
     key_range(a, w.seq, w.q0, w.qn, &lo, &hi);
     if (p < 0) p = w.part >= 0 ? w.part : lo / P;
     const Part pt = partition(p, lo, hi);
+    const char* vt[P / KT];
+    int64_t slots[P / KT];
+    tile_addresses(a, w, pt, kt, vt, slots);
+    const int64_t bytes = int64_t(a.hd) * KT * (a.ks ? 1 : dtype_size(a.dtype));
+    for (int t = 0; t < pt.nt; ++t) prefetch(kt[t], bytes), prefetch(vt[t], bytes);
+    return pt.nt;
+  }
+
+  // The K and V tile addresses and the cache slots of partition pt's tiles: tiles are scattered,
+  // so each one's address is worked out once.
+  static void tile_addresses(const Args& a, const Item& w, const Part& pt, const char** kt, const char** vt,
+                             int64_t* slots) {
     const int32_t* bt = a.b->block_tables + int64_t(w.seq) * a.b->max_blocks;
     const int bs = a.b->block_size, cs = a.ks ? 1 : dtype_size(a.dtype);
     const bool pairs = !a.ks && a.dtype == AS_BF16;
     for (int t = 0; t < pt.nt; ++t) {
       const int j0 = pt.t0 + t * KT;
-      const int64_t slot = int64_t(bt[j0 / bs]) * bs + j0 % bs;
-      kt[t] = static_cast<const char*>(a.kc) + k_index(slot, bs, a.hk, w.head, a.hd, 0, pairs) * cs;
-      prefetch(kt[t], int64_t(a.hd) * KT * cs);
-      prefetch(static_cast<const char*>(a.vc) + v_index(slot, bs, a.hk, w.head, a.hd, 0, pairs) * cs, int64_t(a.hd) * KT * cs);
+      slots[t] = int64_t(bt[j0 / bs]) * bs + j0 % bs;
+      kt[t] = static_cast<const char*>(a.kc) + k_index(slots[t], bs, a.hk, w.head, a.hd, 0, pairs) * cs;
+      vt[t] = static_cast<const char*>(a.vc) + v_index(slots[t], bs, a.hk, w.head, a.hd, 0, pairs) * cs;
     }
-    return pt.nt;
   }
 
   // next: the item this thread will most likely run after w (its first partition is prefetched).
@@ -1188,7 +1197,6 @@ struct Attention {
     const int group = a.hq / a.hk, hd = a.hd, bs = b->block_size, R = w.qn * group;
     const int es = dtype_size(a.dtype);
     const int first = b->context_len[w.seq] - b->q_len[w.seq] + w.q0;  // position of the item's first query
-    const int32_t* bt = b->block_tables + int64_t(w.seq) * b->max_blocks;
     int lo, hi;
     key_range(a, w.seq, w.q0, w.qn, &lo, &hi);
 
@@ -1239,24 +1247,17 @@ struct Attention {
     const int p_last = w.part >= 0 ? w.part : (hi - 1) / P;
     // Rows of the last query position see the narrowest window; rows of the first, the fewest keys.
     const int lo_all = a.window > 0 ? imax(0, first + w.qn - 1 - a.window + 1) : 0;
-    const char* kbase = static_cast<const char*>(a.kc);
-    const char* vbase = static_cast<const char*>(a.vc);
     const int cs = CT == CT_I8 ? 1 : es;  // cache element size
-    const bool pairs = CT == CT_BF16;
     for (int p = p_first; p <= p_last; ++p) {
       // A partition in two passes per row block: every score first, so that the max, the
       // exponentials and their sum run over whole vectors (no per-tile rescaling, one horizontal
       // reduction per row and partition), then the values.
-      const auto [k0, k1, t0, nt, jn_last] = partition(p, lo, hi);
+      const Part part = partition(p, lo, hi);
+      const auto [k0, k1, t0, nt, jn_last] = part;
       const char* ktp[2 * P / KT];  // this partition's K tiles, then the next one's
       const char* vtp[P / KT];
       int64_t slots[P / KT];
-      for (int t = 0; t < nt; ++t) {  // tiles are scattered: each one's address, once
-        const int j0 = t0 + t * KT;
-        slots[t] = int64_t(bt[j0 / bs]) * bs + j0 % bs;
-        ktp[t] = kbase + k_index(slots[t], bs, a.hk, w.head, hd, 0, pairs) * cs;
-        vtp[t] = vbase + v_index(slots[t], bs, a.hk, w.head, hd, 0, pairs) * cs;
-      }
+      tile_addresses(a, w, part, ktp, vtp, slots);
       [[maybe_unused]] const int nk_pf = nt + (p < p_last ? prefetch_partition(a, w, p + 1, ktp + nt)
                                                : next    ? prefetch_partition(a, *next, -1, ktp + nt)
                                                          : 0);
