@@ -14,7 +14,7 @@ for up to the interpreter's switch interval (5 ms), and at 8-64 streams the serv
 busy most of the time.
 
 Messages, core -> frontend (tuples; the first item names the kind):
-    ("ready", {"max_model_len": int})           model loaded and warmed up
+    ("ready", {"max_model_len": int, "kv_cache_tokens": int})   model loaded and warmed up
     ("failed", exception)                       loading failed (process mode; the process exits)
     ("accepted", request_id, exception | None)  an add was queued, or refused (ValueError naming why)
     ("outputs", [RequestOutput], SchedulerStats, IterationStats)   one step's deltas; `prompt` and
@@ -173,7 +173,9 @@ class EngineCore:
             # large step touches are then in place before the first request.
             if warm_up:
                 engine.warm_up()
-            self.emit(("ready", {"max_model_len": engine.max_model_len}))
+            snap = self._snapshot()
+            self.emit(("ready", {"max_model_len": engine.max_model_len,
+                                 "kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size}))
             while True:
                 if not self._drain(block=not engine.has_unfinished_requests()):
                     break
