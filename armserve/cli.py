@@ -133,6 +133,29 @@ def _add_serving_commands(sub) -> None:
                    help="how to find tool calls in the model's text: hermes (Qwen2.5/Qwen3), llama3_json, "
                         "mistral, pythonic")
     s.add_argument("--allowed-origins", nargs="+", default=None, help="CORS origins (default: *)")
+    s.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: let browsers send credentials (cookies, auth headers); needs --allowed-origins")
+    s.add_argument("--allowed-methods", nargs="+", default=None, help="CORS methods (default: *)")
+    s.add_argument("--allowed-headers", nargs="+", default=None, help="CORS headers (default: *)")
+    s.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests queued for the engine before new ones get 429 with Retry-After "
+                        "(default: 4 x --max-num-seqs per engine)")
+    s.add_argument("--max-waiting-tokens", type=int, default=None,
+                   help="prompt tokens queued for the engine before new requests get 429 (default: as many "
+                        "as the KV cache holds)")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="abort a request not finished this long after it arrived (504, or an error event when "
+                        "streaming; default: no deadline)")
+    s.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 before they are read (default: 32 MiB)")
+    s.add_argument("--body-read-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request body stalled this long gets 408 (default: 30)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM, refuse new requests and let those in flight finish for up to this long, "
+                        "then end the rest with an error (default: 30)")
+    s.add_argument("--restart-engine-on-failure", action="store_true",
+                   help="start a dead engine core again in place (default: the server exits with code 1, for "
+                        "its supervisor to restart it)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
     s.add_argument("--disable-access-log", action="store_true", help="no per-request log line")
     s.add_argument("--uvicorn-log-level", default="info",

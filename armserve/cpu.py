@@ -49,15 +49,20 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def _core_key(c: int) -> tuple[str, str]:
+    """(package, core) of logical CPU `c`: equal for SMT siblings."""
+    core = _read(f"/sys/devices/system/cpu/cpu{c}/topology/core_id")
+    pkg = _read(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id")
+    return (pkg or "0", core or str(c))
+
+
 def physical_cores(cpus: list[int] | None = None) -> list[int]:
     """One logical CPU per physical core (the lowest-numbered sibling), within `cpus`."""
     cpus = allowed_cpus() if cpus is None else cpus
     seen: set[tuple[str, str]] = set()
     out = []
     for c in cpus:
-        core = _read(f"/sys/devices/system/cpu/cpu{c}/topology/core_id")
-        pkg = _read(f"/sys/devices/system/cpu/cpu{c}/topology/physical_package_id")
-        key = (pkg or "0", core or str(c))
+        key = _core_key(c)
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -104,6 +109,48 @@ def data_parallel_envs(data_parallel_size: int) -> list[dict[str, str]]:
     if data_parallel_size <= 1:
         return [{}]
     return [{"ARMSERVE_THREADS_BIND": g} for g in core_groups(data_parallel_size, "data_parallel_size", "engine")]
+
+
+# A server whose engines run in their own processes leaves the HTTP front end (tokenizing,
+# streaming, JSON) one physical core of its own when it has at least this many, as vLLM's CPU
+# backend does: below it a core taken from the engine costs more than the front end gains.
+FRONTEND_RESERVE_MIN_CORES = 4
+
+
+def serving_layout(data_parallel_size: int, tensor_parallel_size: int = 1,
+                   allowed: list[int] | None = None) -> tuple[list[dict[str, str]], list[int] | None]:
+    """Where a server's engine processes and its front end run: (each engine process's environment
+    overrides, the CPUs the front end pins itself to, or None to leave it unpinned).
+
+    With a binding in the environment the engines get it (split per engine as `data_parallel_envs`
+    does) and the front end the allowed CPUs on no physical core of theirs, if any. Without one, on
+    a machine of at least FRONTEND_RESERVE_MIN_CORES physical cores, the last physical core (with its
+    SMT siblings) is the front end's and the engines are bound to the others, one group per engine
+    and tensor-parallel rank; on a smaller machine nothing changes."""
+    allowed = allowed_cpus() if allowed is None else allowed
+    var, bind = _bind_setting()
+    if bind:
+        envs = data_parallel_envs(data_parallel_size)
+        binds = [e.get("ARMSERVE_THREADS_BIND", bind) for e in envs]
+        engine: set[int] = set()
+        for b in binds:
+            for group in b.split("|"):
+                engine.update(bound_cores(var, group.strip()) if group.strip() else [])
+        busy = {_core_key(c) for c in engine}
+        front = [c for c in allowed if _core_key(c) not in busy]
+        return envs, front or None
+    cores = physical_cores(allowed)
+    ranks = data_parallel_size * tensor_parallel_size
+    if len(cores) < FRONTEND_RESERVE_MIN_CORES or len(cores) - 1 < ranks:
+        return data_parallel_envs(data_parallel_size), None
+    reserved = _core_key(cores[-1])
+    front = [c for c in allowed if _core_key(c) == reserved]
+    rest = cores[:-1]
+    per = len(rest) // ranks
+    groups = [",".join(str(c) for c in rest[i * per:(i + 1) * per]) for i in range(ranks)]
+    envs = [{"ARMSERVE_THREADS_BIND": "|".join(groups[i * tensor_parallel_size:(i + 1) * tensor_parallel_size])}
+            for i in range(data_parallel_size)]
+    return envs, front
 
 
 def core_groups(n: int, what: str = "tensor_parallel_size", unit: str = "rank") -> list[str]:
@@ -186,6 +233,16 @@ def init_threads(bind: str | None = None) -> dict:
         info["threads"] = torch.get_num_threads()
         return info
     _initialised = True
+    import armserve
+
+    if armserve.OMP_WAIT_POLICY_DROPPED is not None:
+        if armserve.OMP_LOADED_BEFORE_ARMSERVE:
+            logger.warning("OMP_WAIT_POLICY=%s: torch was imported before armserve, so this process's OpenMP "
+                           "threads sleep at every barrier (slower steps); import armserve first, or unset it",
+                           armserve.OMP_WAIT_POLICY_DROPPED)
+        else:
+            logger.info("OMP_WAIT_POLICY=%s ignored: the engine's threads spin briefly before they sleep "
+                        "(ARMSERVE_KEEP_OMP_WAIT_POLICY=1 keeps it)", armserve.OMP_WAIT_POLICY_DROPPED)
     if bind:
         cores = bound_cores(var, bind)
         torch.set_num_threads(len(cores))

@@ -19,6 +19,34 @@ class PromptError(ValueError):
     """A prompt or message cannot be tokenized; the message names it (e.g. `messages[2].role`)."""
 
 
+class PromptTooLongError(PromptError):
+    """A prompt has more than `limit` tokens: at least `num_tokens` (it was not tokenized whole)."""
+
+    def __init__(self, num_tokens: int, limit: int) -> None:
+        super().__init__(f"the prompt has at least {num_tokens} tokens, more than {limit}")
+        self.num_tokens = num_tokens
+        self.limit = limit
+
+
+# A prompt longer than this many characters per allowed token is first tokenized in part: a
+# 10 MB prompt took 11 s to tokenize whole, only to be refused.
+_CHARS_PER_TOKEN_CHECKED = 4
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[int]:
+    """tokenizer.encode, or PromptTooLongError without tokenizing it all when `text` has more than
+    `max_tokens` tokens by far (its start alone has more)."""
+    if max_tokens is not None and len(text) > _CHARS_PER_TOKEN_CHECKED * (max_tokens + 64):
+        # NOTE: tokens are never shorter than one character, so the first 4x (limit + 64) characters
+        # hold at most that many tokens; if they already tokenize to well over the limit (the
+        # margin covers merges that differ at the cut), the whole prompt does too.
+        head = tokenizer.encode(text[:_CHARS_PER_TOKEN_CHECKED * (max_tokens + 64)],
+                                add_special_tokens=add_special_tokens)
+        if len(head) > max_tokens + 16:
+            raise PromptTooLongError(len(head) - 16, max_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
 def check_text(text: str, where: str) -> str:
     """`text` if it is encodable Unicode, else a ValueError naming `where`."""
     try:
@@ -29,9 +57,11 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
-def encode_text(tokenizer, text: str, where: str = "prompt", add_special_tokens: bool = True) -> list[int]:
-    """Token ids of a text prompt; a PromptError naming `where` if it is not valid Unicode."""
-    return tokenizer.encode(check_text(text, where), add_special_tokens=add_special_tokens)
+def encode_text(tokenizer, text: str, where: str = "prompt", add_special_tokens: bool = True,
+                max_tokens: int | None = None) -> list[int]:
+    """Token ids of a text prompt; a PromptError naming `where` if it is not valid Unicode, a
+    PromptTooLongError if it has more than `max_tokens` tokens (found without tokenizing it all)."""
+    return _encode(tokenizer, check_text(text, where), add_special_tokens, max_tokens)
 
 
 def prompt_to_ids(tokenizer, prompt: Any) -> tuple[str | None, list[int]]:
@@ -115,11 +145,13 @@ def render_chat(
     continue_final_message: bool = False,
     chat_template: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    max_tokens: int | None = None,
 ) -> list[int]:
     """Token ids of a conversation rendered with the chat template (which adds BOS itself).
 
     `tools` are OpenAI function tools (`{"type": "function", "function": {...}}`), passed to the
-    template as transformers' `tools=`. Raises `PromptError` (a ValueError) naming the problem.
+    template as transformers' `tools=`. Raises `PromptError` (a ValueError) naming the problem,
+    `PromptTooLongError` past `max_tokens` tokens.
     """
     template = chat_template or tokenizer.chat_template
     if not template:
@@ -132,4 +164,4 @@ def render_chat(
         )
     except Exception as e:  # jinja raises for e.g. non-alternating roles
         raise PromptError(f"the chat template could not render these messages: {e}") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return _encode(tokenizer, text, False, max_tokens)

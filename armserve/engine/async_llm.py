@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import multiprocessing
 import os
 import threading
@@ -29,7 +30,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, AsyncGenerator, Callable, Protocol, Sequence
 
-from armserve.config import SERVING_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from armserve.config import SERVING_MAX_NUM_BATCHED_TOKENS, WAITING_REQUESTS_PER_SEQ, EngineConfig
 from armserve.engine.core import (
     DEFAULT_STATS_INTERVAL,
     AbortCommand,
@@ -45,16 +46,43 @@ from armserve.outputs import CompletionOutput, RequestOutput
 from armserve.prompts import prompt_to_ids
 from armserve.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineDeadError", "FinishedRequestStats", "IterationStats", "LoggingStatLogger",
-           "RequestStream", "SchedulerStats", "StatLogger", "merge_delta_outputs"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "FinishedRequestStats", "IterationStats",
+           "LoggingStatLogger", "RequestFailedError", "RequestStream", "RequestTimeoutError", "SchedulerStats",
+           "StatLogger", "merge_delta_outputs"]
 
 logger = logging.getLogger("armserve")
 
 PromptType = str | list[int] | dict[str, Any]
 
 
-class EngineDeadError(RuntimeError):
+class RequestFailedError(RuntimeError):
+    """A request the engine could not serve for a reason of the server's, not of the request:
+    `status` is the HTTP status a server answers with."""
+
+    status = 503
+
+
+class EngineDeadError(RequestFailedError):
     """The engine stopped (shut down or crashed); no request can be served."""
+
+
+class EngineOverloadedError(RequestFailedError):
+    """Refused at once: the queue of waiting requests is full. Try again after `retry_after` s."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after)
+
+
+class RequestTimeoutError(RequestFailedError):
+    """The request's deadline passed before it finished; it was aborted."""
+
+    status = 504
 
 
 def combine_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
@@ -342,6 +370,7 @@ class _Live:
     prompt_token_ids: list[int]
     engine: int
     accepted: asyncio.Future | None
+    waiting: bool = True  # no output yet: it counts against the admission bounds
 
 
 class AsyncLLM:
@@ -366,6 +395,7 @@ class AsyncLLM:
         stats_interval: float | None = None,
         stat_loggers: Sequence[StatLogger] = (),
         engine_process: bool | None = None,
+        restart_on_failure: bool = False,
     ) -> None:
         from armserve import model_loader
 
@@ -385,18 +415,37 @@ class AsyncLLM:
             raise ValueError("data_parallel_size > 1 runs each engine in its own process: "
                              "engine_process cannot be off")
         warm_up = os.environ.get("ARMSERVE_WARMUP", "1") != "0"
+        self._core_args = (stats_interval, warm_up)
+        self._envs: list[dict[str, str]] = [{}]
+        # A core process that dies is started again in place (engine_process only); else the
+        # engine stays dead and a server exits so that its supervisor restarts it.
+        self.restart_on_failure = restart_on_failure and self.engine_process
+        self._restarts: deque[float] = deque()
+        self._restarting: set[int] = set()
+        self._stopping = False
         self._live: dict[str, _Live] = {}
+        # Admission bookkeeping (event loop and reader threads): requests with no output yet.
+        self._admit_lock = threading.Lock()
+        self._num_waiting = 0
+        self._waiting_tokens = 0
+        self._prefill_window: deque[tuple[float, int]] = deque()  # (time, prompt tokens) of recent steps
+        self._kv_tokens = [0] * dp
         self._load = [0] * dp  # requests in flight per engine
         self._snapshots: list[SchedulerStats] = [SchedulerStats() for _ in range(dp)]
         self._dead: BaseException | None = None
         self._ready_info: dict[str, Any] = {}
         self._cores: list[_ThreadCore | _ProcessCore] = []
+        # CPUs on no engine's cores, for the front end to pin itself to (cpu.serving_layout); None:
+        # none to spare, or the engine runs in this process.
+        self.frontend_cpus: list[int] | None = None
         try:
             if self.engine_process:
-                from armserve.cpu import data_parallel_envs
+                from armserve.cpu import serving_layout
 
                 src = model_loader.resolve_model_path(config.model)  # a wrong path fails before any spawn
-                for i, env in enumerate(data_parallel_envs(dp)):
+                envs, self.frontend_cpus = serving_layout(dp, config.tensor_parallel_size or 1)
+                self._envs = envs
+                for i, env in enumerate(envs):
                     self._cores.append(_ProcessCore(config, self._handler(i), stats_interval, warm_up, env, i))
                 # The tokenizer loads here while the cores load the model.
                 self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
@@ -414,6 +463,9 @@ class AsyncLLM:
             raise
         self.max_model_len: int = self._ready_info["max_model_len"]
         self.config.max_model_len = self.max_model_len
+        self.max_waiting_requests: int = config.max_waiting_requests or WAITING_REQUESTS_PER_SEQ * config.max_num_seqs * dp
+        # (0 when a backend does not report its cache: then only the request bound applies)
+        self.max_waiting_tokens: int = config.max_waiting_tokens or sum(self._kv_tokens)
 
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         """Attach a logger (e.g. Prometheus); call before submitting requests."""
@@ -448,11 +500,15 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         arrival_time: float | None = None,
+        deadline: float | None = None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine has accepted it.
 
-        Raises the engine's `ValueError` (naming the problem) if the request is invalid, and
-        `EngineDeadError` if the engine is not running.
+        Raises the engine's `ValueError` (naming the problem) if the request is invalid,
+        `EngineOverloadedError` at once if the waiting queue is full (`max_waiting_requests`,
+        `max_waiting_tokens`), and `EngineDeadError` if the engine is not running. With a
+        `deadline` (seconds from now) a request not finished by then is aborted and its stream
+        raises `RequestTimeoutError`.
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
@@ -463,11 +519,17 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
+        with self._admit_lock:
+            self._admit(len(ids))
+            self._num_waiting += 1
+            self._waiting_tokens += len(ids)
         engine = min(range(len(self._cores)), key=self._load.__getitem__)
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()
         self._live[request_id] = _Live(stream, text, ids, engine, accepted)
         self._load[engine] += 1
+        if deadline is not None:
+            loop.call_later(deadline, self._expire, request_id, stream, deadline)
         self._cores[engine].send(AddCommand(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
                                             arrival_time or time.time()))
         try:
@@ -494,6 +556,76 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    def _admit(self, num_tokens: int) -> None:
+        """EngineOverloadedError if a request of `num_tokens` prompt tokens would pass a bound
+        (call under the admission lock). A lone prompt is let in whatever its size: it fits
+        max_model_len, which the engine checks."""
+        full = None
+        if self._num_waiting >= self.max_waiting_requests:
+            full = f"{self._num_waiting} requests are waiting (max_waiting_requests {self.max_waiting_requests})"
+        elif self.max_waiting_tokens and self._num_waiting and \
+                self._waiting_tokens + num_tokens > self.max_waiting_tokens:
+            full = (f"{self._waiting_tokens} prompt tokens are waiting and this request adds {num_tokens} "
+                    f"(max_waiting_tokens {self.max_waiting_tokens})")
+        if full is not None:
+            raise EngineOverloadedError(f"the server is overloaded: {full}; retry later", self._retry_after())
+
+    def _retry_after(self) -> int:
+        """Seconds until the waiting prompt tokens are likely prefilled, at the recent prefill
+        rate (1-60; 1 when there is no recent rate to go by)."""
+        window = list(self._prefill_window)
+        if len(window) < 2 or window[-1][0] <= window[0][0]:
+            return 1
+        rate = sum(t for _, t in window[1:]) / (window[-1][0] - window[0][0])
+        return max(1, min(60, math.ceil(self._waiting_tokens / rate))) if rate > 0 else 1
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests sent to the engines and not yet finished (all of them, waiting or running)."""
+        return len(self._live)
+
+    @property
+    def num_waiting_requests(self) -> int:
+        """Requests admitted that have no output yet."""
+        return self._num_waiting
+
+    def fail_unfinished(self, error: RequestFailedError) -> None:
+        """Abort every unfinished request; each caller's stream (or add_request) raises `error`.
+        The engines keep running."""
+        by_engine: dict[int, list[str]] = {}
+        deliveries: list[tuple[RequestStream, Any]] = []
+        for rid in list(self._live):
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            by_engine.setdefault(live.engine, []).append(rid)
+            self._forget(rid)
+            if live.accepted is not None:
+                fut, live.accepted = live.accepted, None
+                try:
+                    fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
+                except RuntimeError:
+                    pass
+            else:
+                deliveries.append((live.stream, error))
+        for engine, rids in by_engine.items():
+            self._cores[engine].send(AbortCommand(rids))
+        _deliver(deliveries)
+
+    def _expire(self, request_id: str, stream: RequestStream, seconds: float) -> None:
+        """The deadline of `request_id` passed (event loop): abort it, tell its reader."""
+        live = self._live.get(request_id)
+        if live is None or live.stream is not stream:
+            return  # finished (or the id was reused by a later request)
+        self._cores[live.engine].send(AbortCommand([request_id]))
+        self._forget(request_id)
+        error = RequestTimeoutError(f"the request did not finish within its deadline of {seconds:g} s")
+        if live.accepted is not None:
+            fut, live.accepted = live.accepted, None
+            _resolve(fut, error)
+        else:
+            stream._put(error)
+
     def abort(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (thread-safe); their KV blocks are freed before the next step."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -507,6 +639,7 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine cores; unfinished requests end with `EngineDeadError`."""
+        self._stopping = True
         for c in self._cores:
             c.stop(timeout)
         if self._dead is None:
@@ -526,6 +659,8 @@ class AsyncLLM:
                 live = self._live.get(out.request_id)
                 if live is None:
                     continue
+                if live.waiting:
+                    self._unwait(live)
                 out.prompt, out.prompt_token_ids = live.prompt, live.prompt_token_ids
                 if out.finished:
                     self._forget(out.request_id)
@@ -548,17 +683,92 @@ class AsyncLLM:
             self._record(engine, msg[1], msg[2])
         elif kind == "ready":
             self._ready_info = msg[1]
+            self._kv_tokens[engine] = msg[1].get("kv_cache_tokens", 0)
         elif kind == "dead":
-            if self._dead is None:
-                self._fail_all(EngineDeadError(msg[1] if len(self._cores) == 1 else f"engine {engine}: {msg[1]}"))
+            why = msg[1] if len(self._cores) == 1 else f"engine {engine}: {msg[1]}"
+            if self._stopping:
+                if self._dead is None:
+                    self._fail_all(EngineDeadError(why))
+            elif self.restart_on_failure and self._may_restart():
+                self._fail_engine(engine, EngineDeadError(why))
+                self._restarting.add(engine)
+                threading.Thread(target=self._restart, args=(engine, why), name="armserve-engine-restart",
+                                 daemon=True).start()
+            elif self._dead is None:
+                self._fail_all(EngineDeadError(why))
+
+    @property
+    def restarting(self) -> bool:
+        """True while a dead engine core is being started again (`restart_on_failure`)."""
+        return bool(self._restarting)
+
+    def _may_restart(self) -> bool:
+        # NOTE: a core that dies again and again (a model that crashes every step) is given up
+        # on, so the server exits and its supervisor sees the failure.
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > 300:
+            self._restarts.popleft()
+        if len(self._restarts) >= 3:
+            logger.error("the engine core died 3 times within 5 minutes: not restarting it again")
+            return False
+        self._restarts.append(now)
+        return True
+
+    def _restart(self, engine: int, why: str) -> None:
+        """Start engine core `engine` again (a thread of its own: loading takes seconds)."""
+        logger.error("engine core %d died (%s): restarting it", engine, why)
+        try:
+            core = _ProcessCore(self.config, self._handler(engine), *self._core_args, self._envs[engine], engine)
+            self._cores[engine] = core
+            core.start()
+        except BaseException as e:  # noqa: BLE001 - any failure leaves the engine dead
+            logger.error("restarting engine core %d failed: %s", engine, e)
+            self._restarting.discard(engine)
+            self._fail_all(EngineDeadError(f"{why}; restarting it failed: {e}"))
+            return
+        self._restarting.discard(engine)
+        if not self._restarting:
+            self._dead = None
+        logger.info("engine core %d is serving again", engine)
+
+    def _fail_engine(self, engine: int, error: EngineDeadError) -> None:
+        """Fail the requests of one dead engine core; new requests are refused until it is back."""
+        self._dead = error
+        deliveries: list[tuple[RequestStream, Any]] = []
+        for rid in list(self._live):
+            live = self._live.get(rid)
+            if live is None or live.engine != engine:
+                continue
+            self._forget(rid)
+            if live.accepted is not None:
+                try:
+                    live.accepted.get_loop().call_soon_threadsafe(_resolve, live.accepted, error)
+                except RuntimeError:
+                    pass
+            else:
+                deliveries.append((live.stream, error))
+        _deliver(deliveries)
+
+    def _unwait(self, live: _Live) -> None:
+        with self._admit_lock:
+            if live.waiting:
+                live.waiting = False
+                self._num_waiting -= 1
+                self._waiting_tokens -= len(live.prompt_token_ids)
 
     def _forget(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:
             self._load[live.engine] -= 1
+            self._unwait(live)
 
     def _record(self, engine: int, snap: SchedulerStats, it: IterationStats) -> None:
         self._snapshots[engine] = snap
+        if it.num_prompt_tokens:
+            now = time.monotonic()
+            self._prefill_window.append((now, it.num_prompt_tokens))
+            while self._prefill_window and now - self._prefill_window[0][0] > 30:
+                self._prefill_window.popleft()
         for sl in self._stat_loggers:
             try:
                 sl.record(snap, it, engine)
@@ -574,6 +784,7 @@ class AsyncLLM:
             live = self._live.pop(rid, None)
             if live is None:
                 continue
+            self._unwait(live)
             if live.accepted is not None:
                 try:
                     live.accepted.get_loop().call_soon_threadsafe(_resolve, live.accepted, error)

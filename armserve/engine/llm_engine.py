@@ -70,11 +70,15 @@ def validate_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max
             f"the prompt ({n} tokens) plus max_tokens ({params.max_tokens}) is {n + params.max_tokens}, "
             f"more than max_model_len {max_model_len}"
         )
-    total = n + (params.max_tokens if params.max_tokens is not None else max_model_len - n)
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
+    total = n + max_tokens
     if -(-total // block_size) * sequences > num_blocks:
+        what = f"{sequences} x ({n} prompt + {max_tokens} max_tokens)" if sequences > 1 else \
+            f"{n} prompt + {max_tokens} max_tokens"
         raise RequestError(
-            f"the request needs up to {total * sequences} tokens of KV cache, more than the whole cache holds "
-            f"({num_blocks * block_size} tokens); raise kv_cache_space"
+            f"the request needs up to {what} = {total * sequences} tokens of KV cache, more than the whole cache "
+            f"holds ({num_blocks * block_size} tokens); lower {'n or ' if sequences > 1 else ''}max_tokens, or "
+            "raise kv_cache_space"
         )
 
 
@@ -240,8 +244,10 @@ class LLMEngine:
         leaving the engine untouched."""
         params, request_id = check_request_args(params, output_kind, request_id, self._parents, self._ids)
         text, ids = self.tokenize_prompt(prompt)
+        # NOTE: all n completions counted: a request whose children could never all be in the cache
+        # at once would run them a few at a time, holding the engine for many times its length.
         validate_prompt(ids, params, self.model_config.vocab_size, self.max_model_len, self.kv.num_blocks,
-                        self.kv.block_size)
+                        self.kv.block_size, params.n)
         compiled = None
         if params.structured_outputs is not None:
             compiled = self.structured.compile(params.structured_outputs)  # ValueError naming the problem

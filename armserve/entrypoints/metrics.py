@@ -98,6 +98,8 @@ class PrometheusMetrics:
         "request_generation_tokens": ("Generated tokens per request.", _TOKEN_BUCKETS),
     }
 
+    REJECTION_REASONS = ("overloaded", "body_too_large", "body_timeout", "draining")
+
     def __init__(self, model_name: str, num_engines: int = 1) -> None:
         disable_created_metrics()  # the *_created series only double the size of a scrape
         self.registry = r = CollectorRegistry()
@@ -126,6 +128,12 @@ class PrometheusMetrics:
         self.http_latency = Histogram("armserve:http_request_duration_seconds",
                                       "HTTP request duration (whole stream for SSE).", ["method", "handler"],
                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("armserve:requests_rejected",
+                                "Requests refused before reaching the engine, by reason: overloaded (429), "
+                                "body_too_large (413), body_timeout (408), draining (503 while shutting down).",
+                                ["reason"], registry=r)
+        for reason in self.REJECTION_REASONS:  # zeros from the start
+            self.rejected.labels(reason=reason)
 
     def _engine(self, engine: int) -> _EngineSeries:
         e = self._engines.get(engine)
@@ -167,6 +175,9 @@ class PrometheusMetrics:
                 h["request_queue_time_seconds"].observe(f.queue_time)
             if f.time_per_output_token is not None:
                 h["time_per_output_token_seconds"].observe(f.time_per_output_token)
+
+    def record_rejection(self, reason: str) -> None:
+        self.rejected.labels(reason=reason).inc()
 
     def record_http(self, method: str, handler: str, status: int, seconds: float) -> None:
         self.http_requests.labels(method=method, handler=handler, status=str(status)).inc()

@@ -25,8 +25,9 @@ class APIError(Exception):
     """An error returned to the client in OpenAI's JSON shape."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
-             503: "service_unavailable"}
+             405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable",
+             504: "timeout_error"}
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)

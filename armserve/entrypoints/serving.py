@@ -9,19 +9,21 @@ as SSE chunks ending in `data: [DONE]`.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
 
 from fastapi import Request
 from pydantic import ValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from armserve.prompts import PromptError, encode_text, render_chat
-from armserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from armserve.prompts import PromptError, PromptTooLongError, encode_text, render_chat
+from armserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestFailedError, RequestStream
 from armserve.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -38,6 +40,13 @@ logger = logging.getLogger("armserve")
 
 # JSON has no -inf; a token the model rules out gets this instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
+
+# Request bodies at least this large are templated and tokenized on a worker thread, so that the
+# event loop keeps answering /health and streaming everyone else's tokens meanwhile (a 2 MB
+# prompt takes ~2 s to tokenize); smaller ones stay inline, where a thread hop costs more than it saves.
+OFF_LOOP_BODY_BYTES = 32 * 1024
+
+_T = TypeVar("_T")
 
 
 def _dumps(obj: Any) -> str:
@@ -111,7 +120,8 @@ class OpenAIServing:
     """Turns validated API requests into engine requests and engine outputs into responses."""
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], reasoning_parser: str | None = None,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> None:
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 request_timeout: float | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
@@ -124,6 +134,29 @@ class OpenAIServing:
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.enable_auto_tool_choice = enable_auto_tool_choice
+        # Seconds a request may take from arrival to its last token (None: no deadline).
+        self.request_timeout = request_timeout
+        # NOTE: the worker has a tokenizer of its own: the event loop's keeps tokenizing small
+        # requests meanwhile, and one Rust tokenizer is not meant to be used by two threads at once.
+        self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="armserve-tokenize")
+        self._prep_tokenizer = copy.deepcopy(self.tokenizer)
+
+    async def prepare(self, raw: Request | None, fn: Callable[[Any], _T]) -> _T:
+        """`fn(tokenizer)` (templating and tokenizing), on a worker thread when the request body is
+        large or of unknown size."""
+        size = raw.headers.get("content-length") if raw is not None else None
+        if size is not None and size.isdigit() and int(size) < OFF_LOOP_BODY_BYTES:
+            return fn(self.tokenizer)
+        return await asyncio.get_running_loop().run_in_executor(self._prep_pool, fn, self._prep_tokenizer)
+
+    def too_long(self, e: PromptTooLongError, param: str) -> APIError:
+        return APIError(
+            f"This model's maximum context length is {self.engine.max_model_len} tokens, but the prompt has at "
+            f"least {e.num_tokens} tokens. Shorten the prompt.", 400, param, "context_length_exceeded")
+
+    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
+        """`engine.add_request` with the server's deadline."""
+        return await self.engine.add_request(request_id, prompt, params, deadline=self.request_timeout)
 
     # ---- shared checks -------------------------------------------------------------------
 
@@ -163,17 +196,21 @@ class OpenAIServing:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        tokenizer: Any = None,
     ) -> list[int]:
         """Token ids of a conversation rendered with the chat template (armserve/prompts.py); a 400
-        naming the message on bad input."""
-        if not (chat_template or self.tokenizer.chat_template):
+        naming the message on bad input. `tokenizer`: another copy of the model's (a worker's)."""
+        tokenizer = tokenizer or self.tokenizer
+        if not (chat_template or tokenizer.chat_template):
             raise APIError("this model has no chat template; start the server with --chat-template "
                            "or use /v1/completions", 400, "messages")
         convo = [m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m for m in messages]
         try:
-            return render_chat(self.tokenizer, convo, tools=tools, add_generation_prompt=add_generation_prompt,
+            return render_chat(tokenizer, convo, tools=tools, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
-                               chat_template_kwargs=chat_template_kwargs)
+                               chat_template_kwargs=chat_template_kwargs, max_tokens=self.engine.max_model_len)
+        except PromptTooLongError as e:
+            raise self.too_long(e, "messages") from None
         except PromptError as e:
             raise APIError(str(e), 400, "messages") from None
 
@@ -213,12 +250,13 @@ class OpenAIServing:
         model = self.model_name(body.model)
         params = body.to_sampling_params()
         mode, tools = self.tool_setup(body, params)
-        ids = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                               body.chat_template, body.chat_template_kwargs, tools)
+        ids = await self.prepare(raw, lambda tok: self.render_chat(
+            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
+            body.chat_template_kwargs, tools, tok))
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         self.check_length(len(ids), params.max_tokens, "messages", max_param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.engine.add_request(rid, ids, params)
+        stream = await self.add_request(rid, ids, params)
         created = int(time.time())
         tool = (mode, body.forced_function)
         if body.stream:
@@ -320,8 +358,8 @@ class OpenAIServing:
                 final = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                          "choices": [], "usage": _usage(num_prompt, sum(num_tokens), cached)}
                 yield _sse(final)
-        except EngineDeadError as e:
-            yield _sse(APIError(str(e), 503).body())
+        except RequestFailedError as e:
+            yield _sse(APIError(str(e), e.status).body())
         finally:
             stream.close()
         yield "data: [DONE]\n\n"
@@ -362,10 +400,10 @@ class OpenAIServing:
                 str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()), 400) from None
         params = chat.to_sampling_params()
         mode, tools = self.tool_setup(chat, params)
-        ids = self.render_chat(chat.messages, tools=tools)
+        ids = await self.prepare(raw, lambda tok: self.render_chat(chat.messages, tools=tools, tokenizer=tok))
         self.check_length(len(ids), params.max_tokens, "input", "max_output_tokens")
         rid = f"resp_{uuid.uuid4().hex}"
-        stream = await self.engine.add_request(rid, ids, params)
+        stream = await self.add_request(rid, ids, params)
         base = {
             "id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.instructions, "tools": body.tools or [],
@@ -482,8 +520,8 @@ class OpenAIServing:
             final_obj = self._response_object(base, items, finish, num_prompt, num_output, cached)
             yield event("response.completed" if final_obj["status"] == "completed" else "response.incomplete",
                         response=final_obj)
-        except EngineDeadError as e:
-            yield event("error", code="engine_dead", message=str(e), param=None)
+        except RequestFailedError as e:
+            yield event("error", code="timeout" if e.status == 504 else "engine_dead", message=str(e), param=None)
         finally:
             stream.close()
 
@@ -493,24 +531,30 @@ class OpenAIServing:
         body.warn_ignored_fields()
         model = self.model_name(body.model)
         params = body.to_sampling_params()
-        prompts: list[tuple[str, list[int]]] = []
-        for p in body.prompts():
-            if isinstance(p, str):
-                try:
-                    ids = encode_text(self.tokenizer, p)
-                except PromptError as e:
-                    raise APIError(str(e), 400, "prompt") from None
-                prompts.append((p, ids))
-            else:
-                prompts.append((self._decode_prompt(p), list(p)))
-            self.check_length(len(prompts[-1][1]), params.max_tokens, "prompt", "max_tokens")
+
+        def tokenize(tok: Any) -> list[tuple[str, list[int]]]:
+            prompts: list[tuple[str, list[int]]] = []
+            for p in body.prompts():
+                if isinstance(p, str):
+                    try:
+                        ids = encode_text(tok, p, max_tokens=self.engine.max_model_len)
+                    except PromptTooLongError as e:
+                        raise self.too_long(e, "prompt") from None
+                    except PromptError as e:
+                        raise APIError(str(e), 400, "prompt") from None
+                    prompts.append((p, ids))
+                else:
+                    prompts.append((self._decode_prompt(p), list(p)))
+                self.check_length(len(prompts[-1][1]), params.max_tokens, "prompt", "max_tokens")
+            return prompts
+
+        prompts = await self.prepare(raw, tokenize)
         rid = f"cmpl-{uuid.uuid4().hex}"
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
                 sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                streams.append(await self.engine.add_request(sub_id, {"prompt": text, "prompt_token_ids": ids},
-                                                             params))
+                streams.append(await self.add_request(sub_id, {"prompt": text, "prompt_token_ids": ids}, params))
         except BaseException:
             for s in streams:  # one bad prompt in a batch: leave nothing running
                 s.close()
@@ -615,8 +659,8 @@ class OpenAIServing:
             if include_usage:
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": _usage(num_prompt, sum(num_tokens), sum(cached))})
-        except EngineDeadError as e:
-            yield _sse(APIError(str(e), 503).body())
+        except RequestFailedError as e:
+            yield _sse(APIError(str(e), e.status).body())
         finally:
             for s in streams:
                 s.close()
