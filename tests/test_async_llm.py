@@ -8,13 +8,20 @@ import json
 import multiprocessing
 import os
 import signal
+import time
 
 import pytest
 
 from armserve import LLM, SamplingParams
 from armserve.config import EngineConfig
 from armserve.cpu import allowed_cpus, data_parallel_envs, physical_cores
-from armserve.engine.async_llm import AsyncLLM, EngineDeadError, engine_process_default
+from armserve.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestTimeoutError,
+    engine_process_default,
+)
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,",
            "The best way to learn", "Hello, my name is"]
@@ -222,3 +229,57 @@ def test_a_servers_steps_carry_at_most_its_token_budget(tiny_llama, budget):
         llm.shutdown()
     assert LLM(tiny_llama, kv_cache_space=0.02, max_model_len=512).llm_engine.config.max_num_batched_tokens \
         == OFFLINE_MAX_NUM_BATCHED_TOKENS
+
+
+def test_a_deadline_aborts_the_request_and_frees_its_blocks(smollm2_gguf):
+    """`deadline`: a request not finished in time ends with RequestTimeoutError, its KV blocks
+    freed; others keep being served. (SmolLM2: 400 tokens take seconds even on a fast core.)"""
+    llm = AsyncLLM(EngineConfig(model=smollm2_gguf, kv_cache_space=0.05, max_model_len=1024), log_stats=False,
+                   engine_process=False)
+    try:
+        async def main() -> int:
+            stream = await llm.add_request(None, "Once upon a time", SamplingParams(max_tokens=400, ignore_eos=True),
+                                           deadline=0.5)
+            got = 0
+            with pytest.raises(RequestTimeoutError, match="deadline of 0.5 s"):
+                async for out in stream:
+                    got += len(out.outputs[0].token_ids)
+            return got
+
+        got = asyncio.run(main())
+        assert got < 400
+        deadline = time.monotonic() + 30
+        while llm.scheduler_stats.kv_blocks_used or llm.num_unfinished_requests:
+            assert time.monotonic() < deadline, "the expired request kept its blocks"
+            time.sleep(0.05)
+        out = asyncio.run(_collect(llm, ["Hello"], SamplingParams(max_tokens=4, ignore_eos=True)))
+        assert len(out[0][0]) == 4
+    finally:
+        llm.shutdown()
+
+
+def test_admission_bounds_refuse_with_retry_after(tiny_llama):
+    """Past max_waiting_requests (requests with no output yet) new requests are refused at once."""
+    llm = AsyncLLM(_config(tiny_llama, max_waiting_requests=3, max_num_seqs=1), log_stats=False,
+                   engine_process=False)
+    try:
+        async def main():
+            # One slot: while this long request runs, everything sent after it waits.
+            first = await llm.add_request(None, PROMPTS[0], SamplingParams(max_tokens=480, ignore_eos=True))
+            await first.get()
+            params = SamplingParams(max_tokens=8, ignore_eos=True)
+            results = await asyncio.gather(*(llm.add_request(None, p, params) for p in PROMPTS[1:]),
+                                           return_exceptions=True)
+            refused = [r for r in results if isinstance(r, EngineOverloadedError)]
+            streams = [r for r in results if not isinstance(r, BaseException)]
+            for s in [first, *streams]:
+                async for _ in s:
+                    pass
+            return refused, streams
+
+        refused, streams = asyncio.run(main())
+        assert len(streams) == 3 and len(refused) == 2
+        assert all(e.status == 429 and e.retry_after >= 1 and "max_waiting_requests 3" in str(e) for e in refused)
+        assert llm.num_waiting_requests == 0 and llm.num_unfinished_requests == 0
+    finally:
+        llm.shutdown()
