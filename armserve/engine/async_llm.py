@@ -519,11 +519,15 @@ class AsyncLLM:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
+        # (a data-parallel engine being restarted takes nothing new meanwhile)
+        serving = [i for i in range(len(self._cores)) if i not in self._restarting]
+        if not serving:
+            raise EngineDeadError("the engine is restarting")
+        engine = min(serving, key=self._load.__getitem__)
         with self._admit_lock:
             self._admit(len(ids))
             self._num_waiting += 1
             self._waiting_tokens += len(ids)
-        engine = min(range(len(self._cores)), key=self._load.__getitem__)
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()
         self._live[request_id] = _Live(stream, text, ids, engine, accepted)
@@ -727,13 +731,14 @@ class AsyncLLM:
             self._fail_all(EngineDeadError(f"{why}; restarting it failed: {e}"))
             return
         self._restarting.discard(engine)
-        if not self._restarting:
-            self._dead = None
+        self._dead = None
         logger.info("engine core %d is serving again", engine)
 
     def _fail_engine(self, engine: int, error: EngineDeadError) -> None:
-        """Fail the requests of one dead engine core; new requests are refused until it is back."""
-        self._dead = error
+        """Fail the requests of one dead engine core. The other data-parallel engines go on
+        serving; with none left, new requests are refused until it is back."""
+        if len(self._restarting | {engine}) == len(self._cores):
+            self._dead = error
         deliveries: list[tuple[RequestStream, Any]] = []
         for rid in list(self._live):
             live = self._live.get(rid)
