@@ -30,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "'|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly)")
     p.add_argument("--backend", default="torch", choices=["torch", "openvino"],
                    help="torch: armserve's own engine; openvino: OpenVINO GenAI's continuous-batching pipeline "
-                        "(pip install armserve[openvino]; the model is exported to OpenVINO IR once)")
+                        "(pip install armserve[openvino], and python -m armserve.engine.openvino_backend --install-exporter "
+                        "for the exporter; the model is exported to OpenVINO IR once)")
     p.add_argument("--quantization", "-q", default=None,
                    help="none: dequantize a quantized checkpoint; int8/int4: weight compression when the "
                         "openvino backend exports the model (default: as the checkpoint is)")

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import random
+import shlex
 import shutil
 import subprocess
 import sys
@@ -42,13 +43,29 @@ from armserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("armserve")
 
-INSTALL_HINT = "the openvino backend needs its extra: pip install armserve[openvino]"
+# The exporter (optimum-intel and its transformers < 5.6) lives in an environment of its own,
+# made for the running environment by `python -m armserve.engine.openvino_backend --install-exporter`
+# (see `install_exporter`). NOTE: the `openvino` extra holds only the runtime: optimum-intel
+# declares torchvision (a CUDA build beside the CPU torch breaks `import transformers`) and pins
+# transformers < 5.6, so it cannot share this environment.
+# The hints name this interpreter, so they install into the environment that asked.
+_PY = shlex.quote(sys.executable or "python3")
+INSTALL_EXPORTER = f"{_PY} -m armserve.engine.openvino_backend --install-exporter"
+INSTALL_HINT = (f"the openvino backend needs its extra: {_PY} -m pip install armserve[openvino] "
+                f"(and, to export Hugging Face folders to OpenVINO IR, its exporter: {INSTALL_EXPORTER})")
+EXPORTER_HINT = f"exporting to OpenVINO IR needs the exporter's environment: {INSTALL_EXPORTER}"
 IR_FILE = "openvino_model.xml"
 # OpenVINO's CPU plugin pages its KV cache in blocks of 32 tokens.
 OV_CPU_BLOCK_SIZE = 32
-# Where scripts/setup.sh puts the export environment when this one's transformers is newer
-# than optimum-intel supports (see `export_python`).
-DEFAULT_EXPORT_ENV = os.path.join(os.path.expanduser("~"), ".cache", "armserve", "openvino-export-env")
+# The exporter's environments, one per Python environment that serves (`export_env_dir`).
+EXPORT_ENVS = os.path.join(os.path.expanduser("~"), ".cache", "armserve", "openvino-export-envs")
+# What the exporter's environment adds to the serving one: optimum-intel (installed --no-deps, see
+# `install_exporter`) and its other requirements, with the transformers it supports. The
+# OpenVINO pins are the `openvino` extra's (pyproject.toml), so an IR is written by the runtime
+# that reads it; packages the serving environment already has (torch, openvino) are not installed again.
+EXPORTER_NO_DEPS = ["optimum-intel==2.2.0"]
+EXPORTER_REQUIREMENTS = ["optimum==2.3.0", "nncf==3.4.0", "transformers>=5.0,<5.6", "huggingface-hub>=0.23.2,<1.22",
+                         "requests>=2.33,<3", "setuptools", "openvino==2026.4.1", "openvino-tokenizers==2026.4.1.0"]
 
 
 def import_openvino_genai():
@@ -92,19 +109,86 @@ def int4_group_size(folder: str) -> int:
     return g
 
 
-def export_python() -> str:
-    """The Python that runs the export: $ARMSERVE_OPENVINO_EXPORT_PYTHON, else the export
-    environment scripts/setup.sh makes (`DEFAULT_EXPORT_ENV`), else this interpreter.
+def export_env_dir(prefix: str | None = None) -> str:
+    """The exporter's environment for the Python environment at `prefix` (default: this one,
+    sys.prefix): one per environment, since it sees that environment's packages (`install_exporter`)."""
+    prefix = os.path.realpath(prefix or sys.prefix)
+    tag = hashlib.sha256(prefix.encode()).hexdigest()[:10]
+    return os.path.join(EXPORT_ENVS, f"{os.path.basename(prefix) or 'python'}-{tag}")
 
-    NOTE: optimum-intel supports transformers < 5.6 while armserve runs any transformers 5.x; a
-    machine with a newer transformers keeps it and exports in a venv of its own (system site
-    packages plus an older transformers), so serving never depends on the exporter's pins.
+
+def _env_python(env: str) -> str:
+    return os.path.join(env, "Scripts", "python.exe") if os.name == "nt" else os.path.join(env, "bin", "python")
+
+
+def export_python() -> str:
+    """The Python that runs the export: $ARMSERVE_OPENVINO_EXPORT_PYTHON, else the exporter's
+    environment made for this environment (`install_exporter`), else this interpreter.
+
+    NOTE: optimum-intel supports transformers < 5.6 while armserve runs any transformers 5.x; the
+    export runs in an environment of its own (this environment's packages plus optimum-intel and
+    an older transformers), so serving never depends on the exporter's pins.
     """
     env = os.environ.get("ARMSERVE_OPENVINO_EXPORT_PYTHON")
     if env:
         return env
-    venv = os.path.join(DEFAULT_EXPORT_ENV, "bin", "python")
-    return venv if os.path.isfile(venv) else sys.executable
+    python = _env_python(export_env_dir())
+    return python if os.path.isfile(python) else sys.executable
+
+
+def install_exporter(quiet: bool = True) -> str:
+    """Make (or bring up to date) the exporter's environment for this Python environment; returns
+    its python.
+
+    A venv made by this interpreter, without system site packages, whose .pth file adds this
+    environment's site-packages *after* its own: it sees torch, openvino and the rest as they are
+    here (so pip installs none of them again, and never a torch of its own), while its own
+    optimum-intel, transformers < 5.6 and huggingface-hub < 1.22 come first. (A
+    `--system-site-packages` venv would see the base interpreter's packages, not a virtualenv's.)
+    optimum-intel goes in with --no-deps: it declares torchvision, which the export never imports
+    and which pip would take as a CUDA build that breaks `import transformers`.
+    """
+    import site
+    import venv
+
+    env = export_env_dir()
+    python = _env_python(env)
+    marker = os.path.join(env, "armserve-export-env.json")
+    want = {"for_prefix": os.path.realpath(sys.prefix), "python": sys.version.split()[0]}
+    try:
+        with open(marker) as f:
+            fresh = json.load(f) != want
+    except (OSError, ValueError):
+        fresh = True
+    print(f"armserve: the OpenVINO exporter's environment for {sys.prefix}: {env}", flush=True)
+    venv.EnvBuilder(clear=fresh, symlinks=os.name != "nt", with_pip=False).create(env)
+    purelib = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
+    dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        dirs.append(site.getusersitepackages())
+    # site.addsitedir appends, and runs those folders' own .pth files (editable installs and the like).
+    with open(os.path.join(purelib, "armserve-serving-env.pth"), "w") as f:
+        f.write("".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+    have_pip = subprocess.run([python, "-c", "import pip"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL).returncode == 0
+    if not have_pip:  # a serving environment without pip (uv's venvs): the exporter gets its own
+        subprocess.run([python, "-m", "ensurepip", "--default-pip"], check=True, stdout=subprocess.DEVNULL)
+    pip = [python, "-m", "pip", "install", *(["-q"] if quiet else []),
+           # pip's post-install check would look at the serving environment's packages too (an
+           # xgrammar without triton, say), which the export never imports: the import below is
+           # the check that counts.
+           "--no-warn-conflicts"]
+    subprocess.run([*pip, *EXPORTER_REQUIREMENTS], check=True)
+    subprocess.run([*pip, "--no-deps", *EXPORTER_NO_DEPS], check=True)
+    check = ("import transformers, optimum.intel; from optimum.exporters.openvino import main_export; "
+             "v = tuple(int(x) for x in transformers.__version__.split('.')[:2]); "
+             "assert v < (5, 6), transformers.__version__; print(transformers.__version__)")
+    version = subprocess.run([python, "-c", check], check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
+    with open(marker, "w") as f:
+        json.dump(want, f)
+    print(f"armserve: the OpenVINO exporter is ready ({python}, transformers {version})", flush=True)
+    return python
 
 
 def cache_root() -> str:
@@ -144,7 +228,7 @@ def export_ir(folder: str, fmt: str, trust_remote_code: bool = False) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
         if "No module named 'optimum" in proc.stdout:
-            raise ImportError(f"{INSTALL_HINT} (the exporter, optimum-intel, is missing from {python})")
+            raise ImportError(f"{EXPORTER_HINT} (optimum-intel is missing from {python})")
         raise RuntimeError(f"exporting {folder} to OpenVINO IR failed ({' '.join(cmd)}):\n{tail}")
     os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
     logger.info("exported %s to OpenVINO IR in %.0f s", folder, time.time() - t0)
@@ -544,3 +628,15 @@ class OpenVINOEngine:
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
                 "prompt_tokens_total": self.num_prompt_tokens_total,
                 "generation_tokens_total": self.num_generation_tokens_total}
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m armserve.engine.openvino_backend",
+                                 description="The OpenVINO backend's exporter environment.")
+    ap.add_argument("--install-exporter", action="store_true", required=True,
+                    help="make (or update) the exporter's environment for this Python environment")
+    ap.add_argument("--verbose", action="store_true", help="show pip's progress")
+    args = ap.parse_args()
+    install_exporter(quiet=not args.verbose)
