@@ -151,6 +151,8 @@ def _add_serving_commands(sub) -> None:
                    help="larger request bodies get 413 before they are read (default: 32 MiB)")
     s.add_argument("--body-read-timeout", type=float, default=None, metavar="SECONDS",
                    help="a request body stalled this long gets 408 (default: 30)")
+    s.add_argument("--header-read-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a connection whose request headers take longer is closed (default: 30)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM, refuse new requests and let those in flight finish for up to this long, "
                         "then end the rest with an error (default: 30)")

@@ -95,7 +95,8 @@ def _clen(reply: bytes) -> int:
 def small_queue_server(tiny_llama, tmp_path_factory):
     """Two running slots and a queue of two: the fifth concurrent request must be refused."""
     srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.002", "--max-num-seqs", "2", "--max-waiting-requests", "2",
-                                     "--max-request-body-bytes", "1000000", "--body-read-timeout", "1"],
+                                     "--max-request-body-bytes", "1000000", "--body-read-timeout", "1",
+                                     "--header-read-timeout", "1"],
                         str(tmp_path_factory.mktemp("admission") / "server.log"))
     yield srv
     srv.stop()
@@ -185,6 +186,17 @@ def test_a_stalled_body_is_408(small_queue_server):
     status, reply = _raw_http(srv.port, head, read_timeout=60)
     assert status == 408, reply[:300]
     assert time.monotonic() - t0 < 30  # the flag says 1 s
+    assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
+
+
+def test_headers_that_never_finish_get_the_connection_closed(small_queue_server):
+    """Slowloris: a request whose headers never complete must not hold its connection forever."""
+    srv = small_queue_server
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        t0 = time.monotonic()
+        assert s.recv(100) == b""  # closed by the server (the flag says 1 s)
+        assert time.monotonic() - t0 < 20
     assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 200
 
 

@@ -58,6 +58,51 @@ class ServerLimits:
     max_request_body_bytes: int = 32 * 1024 * 1024
     # A body whose next part takes longer than this to arrive is answered 408.
     body_read_timeout: float = 30.0
+    # A connection whose request line and headers are not complete this long after they began is
+    # closed (slowloris: headers sent a byte at a time hold a connection forever otherwise).
+    header_read_timeout: float = 30.0
+
+
+def http_protocol(timeout: float) -> type:
+    """uvicorn's httptools protocol, closing a connection whose headers take longer than `timeout`
+    s to arrive (uvicorn has no such timeout of its own)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(timeout, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            logger.info("closing a connection whose request headers took over %g s", timeout)
+            self.transport.close()
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._header_timer is None:
+                self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
 
 
 class _Refused(StarletteHTTPException):
@@ -507,7 +552,8 @@ def run_server(args: argparse.Namespace) -> int:
             pin_process(engine.frontend_cpus)
             logger.info("the HTTP front end runs on CPU(s) %s, apart from the engine's",
                         ",".join(map(str, engine.frontend_cpus)))
-        given = {"max_request_body_bytes": args.max_request_body_bytes, "body_read_timeout": args.body_read_timeout}
+        given = {"max_request_body_bytes": args.max_request_body_bytes, "body_read_timeout": args.body_read_timeout,
+                 "header_read_timeout": args.header_read_timeout}
         limits = ServerLimits(**{k: v for k, v in given.items() if v is not None})
         app = build_app(engine, names, metrics, api_key, args.reasoning_parser,
                         access_log=not args.disable_access_log, allowed_origins=args.allowed_origins,
@@ -517,7 +563,8 @@ def run_server(args: argparse.Namespace) -> int:
         # NOTE: uvicorn's own graceful timeout only bounds the connections still open after the drain
         # (ArmServer.drain) has ended every request.
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                http=http_protocol(limits.header_read_timeout))
         shown_host = f"[{args.host}]" if ":" in args.host else args.host
         logger.info("serving %s as %s on http://%s:%d (API key %s)", model, ", ".join(names), shown_host,
                     args.port, "required" if api_key else "off")
