@@ -116,6 +116,16 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tor
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 2048
 SERVING_MAX_NUM_BATCHED_TOKENS = 512
 
+# Structured-output grammars (engine/structured_output.py) compile in worker processes, each
+# compile killed past its budget (the request fails with a ValueError / HTTP 400 naming "too
+# complex"): a 10,000-property JSON schema otherwise compiles for 10+ minutes on one core and
+# grows the engine by 1.4 GB. A 1,000-property schema compiles in 1.2 s on SmolLM2's 49k vocab.
+# Each is overridable by the environment variable in its comment (read when an engine starts).
+GRAMMAR_COMPILE_TIMEOUT = 30.0  # seconds per compile (0: none); ARMSERVE_GRAMMAR_COMPILE_TIMEOUT
+GRAMMAR_COMPILE_MEMORY_MB = 1024  # address space a compile may add (0: none); ARMSERVE_GRAMMAR_COMPILE_MEMORY_MB
+GRAMMAR_COMPILE_WORKERS = 2  # concurrent compiles (processes); ARMSERVE_GRAMMAR_COMPILE_WORKERS
+GRAMMAR_CACHE_MB = 256  # compiled grammars kept (xgrammar's memory_size_bytes); ARMSERVE_GRAMMAR_CACHE_MB
+
 
 @dataclass(slots=True)
 class EngineConfig:

@@ -33,7 +33,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -154,8 +153,8 @@ class EngineCore:
         self.stats_interval = stats_interval
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
-        self._compiling: dict[str, bool] = {}  # request id -> aborted while its grammar compiles
-        self._compile_pool: ThreadPoolExecutor | None = None
+        # request id -> its wait on a grammar compile (StructuredOutputManager.compile_async)
+        self._compiling: dict[str, Any] = {}
 
     def put(self, command: Any) -> None:
         """Queue a command (any thread)."""
@@ -185,8 +184,10 @@ class EngineCore:
             logger.exception("engine loop crashed; failing all requests")
             why = f"the engine crashed: {type(e).__name__}: {e}"
         finally:
-            if self._compile_pool is not None:
-                self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            structured = getattr(self.engine, "structured", None)
+            if structured is not None:
+                structured.close()  # kills the compile workers; waiting compiles are not answered
+            self._compiling.clear()
             self._tracked.clear()
             self.emit(("dead", why))
 
@@ -210,10 +211,10 @@ class EngineCore:
             if isinstance(cmd, AddCommand):
                 self._add(cmd)
             elif isinstance(cmd, _CompileDone):
-                aborted = self._compiling.pop(cmd.command.request_id, False)
-                if cmd.error is not None or aborted:
-                    err = cmd.error or ValueError("the request was aborted while its grammar compiled")
-                    self.emit(("accepted", cmd.command.request_id, portable_error(err)))
+                if self._compiling.pop(cmd.command.request_id, None) is None:
+                    continue  # aborted: answered when the abort cancelled the compile
+                if cmd.error is not None:
+                    self.emit(("accepted", cmd.command.request_id, portable_error(cmd.error)))
                 else:
                     self._add(cmd.command)
             else:
@@ -223,14 +224,20 @@ class EngineCore:
         so = cmd.params.structured_outputs
         # (a backend without structured outputs refuses the request in add_request)
         if so is not None and not cmd.compiled and self.engine.structured is not None:
-            # NOTE: compiled off the loop, so a large schema (0.1-1 s) never stalls the steps; the
-            # engine then finds the grammar in its cache.
-            if self._compile_pool is None:
-                self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="armserve-grammar")
+            # NOTE: compiled off the loop (in the manager's worker processes, within a time and
+            # memory budget), so a large schema never stalls the steps nor, past its budget, the
+            # other requests' grammars; the engine then finds the grammar in its cache. A cache
+            # hit (or a bounded inline compile) returns None and the request is added now.
             cmd.compiled = True
-            self._compiling[cmd.request_id] = False
-            self._compile_pool.submit(self._compile, cmd)
-            return
+            try:
+                handle = self.engine.structured.compile_async(so, lambda _, err, cmd=cmd: self.inbox.put(
+                    _CompileDone(cmd, err)))
+            except Exception as e:  # an invalid inline grammar, xgrammar missing
+                self.emit(("accepted", cmd.request_id, portable_error(e)))
+                return
+            if handle is not None:
+                self._compiling[cmd.request_id] = handle
+                return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, output_kind="delta")
         except Exception as e:  # validation errors name the problem; the engine is untouched
@@ -239,18 +246,13 @@ class EngineCore:
         self._tracked[cmd.request_id] = _Tracked(cmd.params.n, len(cmd.prompt["prompt_token_ids"]))
         self.emit(("accepted", cmd.request_id, None))
 
-    def _compile(self, cmd: AddCommand) -> None:
-        error = None
-        try:
-            self.engine.structured.compile(cmd.params.structured_outputs)
-        except Exception as e:
-            error = e
-        self.inbox.put(_CompileDone(cmd, error))
-
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            if rid in self._compiling:
-                self._compiling[rid] = True
+            handle = self._compiling.pop(rid, None)
+            if handle is not None:
+                # Its worker is killed unless another request waits on the same grammar.
+                self.engine.structured.cancel(handle)
+                self.emit(("accepted", rid, ValueError("the request was aborted while its grammar compiled")))
         live = [rid for rid in request_ids if rid in self._tracked]
         if not live:
             return
