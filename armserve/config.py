@@ -20,6 +20,10 @@ _DTYPES = {
 
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 
+# A server queues at most this many requests per running slot (max_num_seqs) before it answers 429:
+# enough to keep the batch full while clients back off, never an unbounded backlog.
+WAITING_REQUESTS_PER_SEQ = 4
+
 # Weight compression the openvino backend applies when it exports a model (optimum-intel's
 # --weight-format); the torch backend quantizes offline (`armserve quantize`).
 OPENVINO_QUANTIZATIONS = ("int8", "int4")
@@ -167,6 +171,12 @@ class EngineConfig:
     # "torch": armserve's own engine; "openvino": OpenVINO GenAI's continuous-batching pipeline
     # (the `openvino` extra; engine/openvino_backend.py). engine/backend.py lists both.
     backend: str = "torch"
+    # Admission control of a server (AsyncLLM): past either bound a new request is refused at once
+    # (HTTP 429 with Retry-After) instead of queueing without end. Waiting: sent to an engine, no
+    # output yet. None: WAITING_REQUESTS_PER_SEQ x max_num_seqs requests (per engine), and as many
+    # prompt tokens as the engines' KV caches hold.
+    max_waiting_requests: int | None = None
+    max_waiting_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_space is None:
@@ -197,6 +207,10 @@ class EngineConfig:
             raise ConfigError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        for name in ("max_waiting_requests", "max_waiting_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1, got {value}")
         resolve_dtype(self.dtype)  # fail early on an unknown dtype
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; expected {' or '.join(BACKENDS)}")
