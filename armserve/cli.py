@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch: armserve's own engine; openvino: OpenVINO GenAI's continuous-batching pipeline "
                         "(pip install armserve[openvino], and python -m armserve.engine.openvino_backend --install-exporter "
                         "for the exporter; the model is exported to OpenVINO IR once)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a structured-output grammar that does not compile in this time fails its request "
+                        "(400, too complex; default: $ARMSERVE_GRAMMAR_COMPILE_TIMEOUT or 30; 0: no limit)")
     p.add_argument("--quantization", "-q", default=None,
                    help="none: dequantize a quantized checkpoint; int8/int4: weight compression when the "
                         "openvino backend exports the model (default: as the checkpoint is)")
@@ -60,6 +63,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         tensor_parallel_size=args.tensor_parallel_size,
         backend=args.backend,
         quantization=args.quantization,
+        grammar_compile_timeout=args.grammar_compile_timeout,
     )
 
 

@@ -177,6 +177,9 @@ class EngineConfig:
     # prompt tokens as the engines' KV caches hold.
     max_waiting_requests: int | None = None
     max_waiting_tokens: int | None = None
+    # Seconds a structured-output grammar may take to compile before its request fails with "too
+    # complex" (None: GRAMMAR_COMPILE_TIMEOUT or $ARMSERVE_GRAMMAR_COMPILE_TIMEOUT; 0: no limit).
+    grammar_compile_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_space is None:

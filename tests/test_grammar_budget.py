@@ -160,9 +160,14 @@ def test_compile_cache_is_bounded_in_bytes_and_entries(tokenizer_dir, monkeypatc
 @pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "core-thread"])
 def test_engine_bomb_is_refused_others_served_abort_kills_no_leaks(tiny_llama, monkeypatch, engine_process):
     budget = 5.0
-    monkeypatch.setenv("ARMSERVE_GRAMMAR_COMPILE_TIMEOUT", str(budget))
+    extra = {}
+    if engine_process:
+        monkeypatch.setenv("ARMSERVE_GRAMMAR_COMPILE_TIMEOUT", str(budget))
+    else:  # the engine argument (--grammar-compile-timeout) instead of the environment
+        monkeypatch.setenv("ARMSERVE_GRAMMAR_COMPILE_TIMEOUT", "600")
+        extra = {"grammar_compile_timeout": budget}
     monkeypatch.setenv("ARMSERVE_GRAMMAR_COMPILE_WORKERS", "2")
-    llm = AsyncLLM(EngineConfig(model=tiny_llama, kv_cache_space=0.02, max_model_len=512), log_stats=False,
+    llm = AsyncLLM(EngineConfig(model=tiny_llama, kv_cache_space=0.02, max_model_len=512, **extra), log_stats=False,
                    engine_process=engine_process)
     workers: set[int] = set()
     try:

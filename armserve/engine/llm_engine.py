@@ -186,7 +186,8 @@ class LLMEngine:
         self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
         self.vocab_size = hf.vocab_size
         # xgrammar's tokenizer info and compiler are built on the first structured request.
-        self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids,
+                                                  compile_timeout=config.grammar_compile_timeout)
         self.runner.structured = self.structured
         self._parents: dict[str, _ParentRequest] = {}
         self._child_to_parent: dict[str, tuple[_ParentRequest, _Completion]] = {}

@@ -362,7 +362,8 @@ class StructuredOutputManager:
         try:
             import xgrammar as xgr
         except ImportError:
-            raise ValueError("structured outputs need xgrammar: pip install 'armserve[structured]'") from None
+            raise ValueError("structured outputs need xgrammar: pip install --no-deps 'xgrammar>=0.2.8,<0.3' "
+                             "'apache-tvm-ffi>=0.1.11' (no-deps: its wheel declares triton, for GPUs)") from None
         return xgr
 
     def _get_compiler(self):
