@@ -596,11 +596,17 @@ class AsyncLLM:
     def fail_unfinished(self, error: RequestFailedError) -> None:
         """Abort every unfinished request; each caller's stream (or add_request) raises `error`.
         The engines keep running."""
+        for engine, rids in self._fail_requests(error).items():
+            self._cores[engine].send(AbortCommand(rids))
+
+    def _fail_requests(self, error: RequestFailedError, engine: int | None = None) -> dict[int, list[str]]:
+        """End the unfinished requests (of `engine`, or all) with `error`: each caller's stream,
+        or its pending add_request, raises it. Returns their ids by engine."""
         by_engine: dict[int, list[str]] = {}
         deliveries: list[tuple[RequestStream, Any]] = []
         for rid in list(self._live):
             live = self._live.get(rid)
-            if live is None:
+            if live is None or (engine is not None and live.engine != engine):
                 continue
             by_engine.setdefault(live.engine, []).append(rid)
             self._forget(rid)
@@ -609,12 +615,11 @@ class AsyncLLM:
                 try:
                     fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
                 except RuntimeError:
-                    pass
+                    pass  # that event loop is closed
             else:
                 deliveries.append((live.stream, error))
-        for engine, rids in by_engine.items():
-            self._cores[engine].send(AbortCommand(rids))
         _deliver(deliveries)
+        return by_engine
 
     def _expire(self, request_id: str, stream: RequestStream, seconds: float) -> None:
         """The deadline of `request_id` passed (event loop): abort it, tell its reader."""
@@ -739,20 +744,7 @@ class AsyncLLM:
         serving; with none left, new requests are refused until it is back."""
         if len(self._restarting | {engine}) == len(self._cores):
             self._dead = error
-        deliveries: list[tuple[RequestStream, Any]] = []
-        for rid in list(self._live):
-            live = self._live.get(rid)
-            if live is None or live.engine != engine:
-                continue
-            self._forget(rid)
-            if live.accepted is not None:
-                try:
-                    live.accepted.get_loop().call_soon_threadsafe(_resolve, live.accepted, error)
-                except RuntimeError:
-                    pass
-            else:
-                deliveries.append((live.stream, error))
-        _deliver(deliveries)
+        self._fail_requests(error, engine)
 
     def _unwait(self, live: _Live) -> None:
         with self._admit_lock:
@@ -784,21 +776,7 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._dead = error
-        deliveries: list[tuple[RequestStream, Any]] = []
-        for rid in list(self._live):
-            live = self._live.pop(rid, None)
-            if live is None:
-                continue
-            self._unwait(live)
-            if live.accepted is not None:
-                try:
-                    live.accepted.get_loop().call_soon_threadsafe(_resolve, live.accepted, error)
-                except RuntimeError:
-                    pass
-            else:
-                deliveries.append((live.stream, error))
-        self._load = [0] * len(self._load)
-        _deliver(deliveries)
+        self._fail_requests(error)
 
 
 def _deliver(deliveries: list[tuple[RequestStream, Any]]) -> None:
