@@ -30,7 +30,6 @@ run along the input dimension, which the row-parallel split would have to cut; n
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -40,7 +39,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -354,31 +353,6 @@ def load_model_shard(config, group, rank: int, world: int) -> tuple[nn.Module, t
 
 
 # ---- the workers ----------------------------------------------------------------------------
-
-
-@dataclass
-class StepInputs:
-    """What a worker needs to run one step as rank 0 does: the token rows, the attention layout
-    (numpy arrays on the kernel path, the PyTorch path's metadata object otherwise) and the rows
-    `compute_logits` is called on, in order (each a list of row indices)."""
-
-    input_ids: Any
-    positions: Any
-    kernel: tuple | None  # (slot_mapping, num_decodes, q_start, q_len, context_len, block_tables)
-    metadata: Any  # AttentionMetadata (PyTorch path) or None
-    logit_rows: list[list[int]]
-
-
-def step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, md, logit_rows: list[list[int]]) -> bytes:
-    """rank 0: one step's inputs as bytes for the workers' pipes."""
-    if md.kernel_batch is not None:
-        q_start, q_len, ctx, tables = md.kernel_batch._keepalive
-        kernel = (md.slot_mapping.numpy(), md.num_decodes, q_start.numpy(), q_len.numpy(), ctx.numpy(),
-                  tables.numpy())
-        msg = StepInputs(input_ids.numpy(), positions.numpy(), kernel, None, logit_rows)
-    else:
-        msg = StepInputs(input_ids.numpy(), positions.numpy(), None, md, logit_rows)
-    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str | None, log_level: int) -> None:

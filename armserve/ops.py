@@ -492,6 +492,25 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     return out
 
 
+# The KV cache layout the attention kernels index (drawn in layers/attention.py's docstring).
+KEY_TILE = 16  # keys per transposed K tile; block sizes are multiples of it
+
+
+def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype = torch.float32) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's K cache, V cache and int8 scales for a cache of `dtype` (see
+    layers/attention.py's docstring; bfloat16 pairs neighbours for the bf16 dot instructions)."""
+    if block_size % KEY_TILE:
+        raise ValueError(f"block_size must be a multiple of {KEY_TILE}, got {block_size}")
+    nb, hk, bs, hd, t = num_blocks, num_kv_heads, block_size, head_dim, KEY_TILE
+    scales = (nb, hk, bs)
+    if dtype == torch.bfloat16:
+        if hd % 2:
+            raise ValueError(f"a bfloat16 cache needs an even head_dim, got {hd}")
+        return (nb, hk, bs // t, hd // 2, t, 2), (nb, hk, bs // 2, hd, 2), scales
+    return (nb, hk, bs // t, hd, t), (nb, hk, bs, hd), scales
+
+
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     """(kv heads, head_dim, block size) of caches in the kernels' block layout (layers/attention.py);
     the kernels index raw memory, so anything else is refused."""
@@ -504,8 +523,6 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int
 @functools.lru_cache(maxsize=64)
 def _cache_geometry(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int, int]:
     """`_check_cache` for one pair of shapes, worked out once (it runs for every layer of every step)."""
-    from armserve.layers.attention import kv_cache_shapes
-
     ok = len(v_shape) in (4, 5)
     if ok:
         nb, hk = v_shape[:2]

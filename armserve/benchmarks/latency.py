@@ -16,7 +16,7 @@ from typing import Any
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from armserve.cli import add_engine_args
+    from armserve.engine_args import add_engine_args
 
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: bundled SmolLM2)")
     p.add_argument("--input-lens", default="32,128,512", help="comma-separated prompt lengths in tokens")
@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from armserve.benchmarks import roofline as rl
-    from armserve.cli import engine_kwargs
+    from armserve.engine_args import engine_kwargs
     from armserve.llm import LLM
     from armserve.model_loader import bundled_model_path
     from armserve.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ import time
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
-    from armserve.cli import add_engine_args
+    from armserve.engine_args import add_engine_args
 
     p.add_argument("--model", default=None, help="HF folder or GGUF file (default: bundled SmolLM2)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
 
     from armserve.benchmarks import roofline as rl
     from armserve.benchmarks.datasets import file_requests, random_requests
-    from armserve.cli import engine_kwargs
+    from armserve.engine_args import engine_kwargs
     from armserve.llm import LLM
     from armserve.model_loader import bundled_model_path
     from armserve.sampling_params import SamplingParams

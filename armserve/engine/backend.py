@@ -21,7 +21,7 @@ from armserve.outputs import RequestOutput
 from armserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from armserve.engine.core import SchedulerStats
+    from armserve.engine.stats import SchedulerStats
     from armserve.engine.structured_output import StructuredOutputManager
 
 PromptType = str | list[int] | dict[str, Any]

@@ -37,55 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from armserve.config import EngineConfig
+from armserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from armserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from armserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("armserve")
 
 DEFAULT_STATS_INTERVAL = 5.0  # seconds between stats lines while busy
-
-
-# ---- statistics handed to stat loggers -------------------------------------------------------
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """A snapshot of the engine's state after a step."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    prefix_cache_queries: int = 0  # cumulative, in tokens
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0  # cumulative
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-@dataclass(slots=True)
-class FinishedRequestStats:
-    """One request's life, recorded when it finishes or is aborted."""
-
-    finish_reason: str  # "stop", "length" or "abort"
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    e2e_latency: float
-    queue_time: float | None
-    time_per_output_token: float | None  # mean over the request's decode, None with < 2 tokens
-
-
-@dataclass(slots=True)
-class IterationStats:
-    """What happened since the previous record: tokens, first tokens, finished requests."""
-
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_tokens: list[float] = field(default_factory=list)
-    finished: list[FinishedRequestStats] = field(default_factory=list)
 
 
 # ---- commands sent to the core ---------------------------------------------------------------

@@ -439,7 +439,7 @@ class LLMEngine:
 
     def scheduler_stats(self):
         """The engine's state now, as the stat loggers receive it (engine/core.py: SchedulerStats)."""
-        from armserve.engine.core import SchedulerStats
+        from armserve.engine.stats import SchedulerStats
 
         kv = self.kv
         return SchedulerStats(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import pickle
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,8 +22,6 @@ from armserve.engine.sampler import (
 from armserve import ops
 from armserve.engine.scheduler import SchedulerOutput
 from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs, graph_batch
-from armserve.distributed import StepInputs as TPStepInputs
-from armserve.distributed import step_inputs as tp_step_inputs
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
 
 
@@ -103,6 +103,34 @@ def prefault_kv_cache(cache: torch.Tensor) -> None:
     took = time.perf_counter() - t
     if took > 1.0:
         _log.info("KV cache of %.1f GiB paged in in %.1f s (ARMSERVE_KV_PREFAULT=0 skips this)", nbytes / 2**30, took)
+
+
+# ---- tensor parallelism: one step's inputs for ranks 1..N-1 (armserve/distributed.py) ----------
+
+
+@dataclass
+class TPStepInputs:
+    """What a worker needs to run one step as rank 0 does: the token rows, the attention layout
+    (numpy arrays on the kernel path, the PyTorch path's metadata object otherwise) and the rows
+    `compute_logits` is called on, in order (each a list of row indices)."""
+
+    input_ids: Any
+    positions: Any
+    kernel: tuple | None  # (slot_mapping, num_decodes, q_start, q_len, context_len, block_tables)
+    metadata: Any  # AttentionMetadata (PyTorch path) or None
+    logit_rows: list[list[int]]
+
+
+def tp_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, md, logit_rows: list[list[int]]) -> bytes:
+    """rank 0: one step's inputs as bytes for the workers' pipes."""
+    if md.kernel_batch is not None:
+        q_start, q_len, ctx, tables = md.kernel_batch._keepalive
+        kernel = (md.slot_mapping.numpy(), md.num_decodes, q_start.numpy(), q_len.numpy(), ctx.numpy(),
+                  tables.numpy())
+        msg = TPStepInputs(input_ids.numpy(), positions.numpy(), kernel, None, logit_rows)
+    else:
+        msg = TPStepInputs(input_ids.numpy(), positions.numpy(), None, md, logit_rows)
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 @dataclass

@@ -611,7 +611,7 @@ class OpenVINOEngine:
     def scheduler_stats(self):
         """Requests and KV cache use as the pipeline reports them. NOTE: the pipeline does not
         report prefix-cache hits or preemptions; those counters stay 0."""
-        from armserve.engine.core import SchedulerStats
+        from armserve.engine.stats import SchedulerStats
 
         m = self.pipe.get_metrics()
         usage = m.cache_usage / 100.0  # the pipeline reports percent

@@ -522,7 +522,7 @@ def run_server(args: argparse.Namespace) -> int:
     if the engine dies."""
     import uvicorn
 
-    from armserve.cli import engine_kwargs
+    from armserve.engine_args import engine_kwargs
     from armserve.config import EngineConfig
     from armserve.entrypoints.reasoning import ReasoningParser
     from armserve.entrypoints.tool_parsers import get_tool_parser

@@ -30,24 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from armserve import ops
+from armserve.ops import KEY_TILE, kv_cache_shapes  # the kernels' cache layout, described above
 
 
-KEY_TILE = 16  # keys per transposed K tile; block sizes are multiples of it
-
-
-def kv_cache_shapes(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                    dtype: torch.dtype = torch.float32) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """Shapes of one layer's K cache, V cache and int8 scales for a cache of `dtype` (see the module
-    docstring; bfloat16 pairs neighbours for the bf16 dot instructions)."""
-    if block_size % KEY_TILE:
-        raise ValueError(f"block_size must be a multiple of {KEY_TILE}, got {block_size}")
-    nb, hk, bs, hd, t = num_blocks, num_kv_heads, block_size, head_dim, KEY_TILE
-    scales = (nb, hk, bs)
-    if dtype == torch.bfloat16:
-        if hd % 2:
-            raise ValueError(f"a bfloat16 cache needs an even head_dim, got {hd}")
-        return (nb, hk, bs // t, hd // 2, t, 2), (nb, hk, bs // 2, hd, 2), scales
-    return (nb, hk, bs // t, hd, t), (nb, hk, bs, hd), scales
 
 
 def _slot_index(cache: torch.Tensor, slots: torch.Tensor, key: bool | None) -> tuple:

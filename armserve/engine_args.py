@@ -1,0 +1,94 @@
+"""Engine and sampling arguments on the command line (vLLM's flag names), shared by every
+command that loads a model: `armserve generate / serve / bench`, and the server's runner."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one engine step may carry (prompts longer are prefilled in chunks); default "
+                        "512 for a server (time to first token under load), 2048 offline (throughput)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    p.add_argument("--kv-cache-space", type=float, default=None,
+                   help="KV cache size in GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the model dtype) or int8 (8-bit cache with per-token-per-head scales)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step module by module (no replayed decode step graphs)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many ranks, each a process on its own cores (one "
+                        "'|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly)")
+    p.add_argument("--backend", default="torch", choices=["torch", "openvino"],
+                   help="torch: armserve's own engine; openvino: OpenVINO GenAI's continuous-batching pipeline "
+                        "(pip install armserve[openvino], and python -m armserve.engine.openvino_backend --install-exporter "
+                        "for the exporter; the model is exported to OpenVINO IR once)")
+    p.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a structured-output grammar that does not compile in this time fails its request "
+                        "(400, too complex; default: $ARMSERVE_GRAMMAR_COMPILE_TIMEOUT or 30; 0: no limit)")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="none: dequantize a quantized checkpoint; int8/int4: weight compression when the "
+                        "openvino backend exports the model (default: as the checkpoint is)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    template = args.chat_template
+    if template:
+        import os
+
+        if os.path.isfile(template):
+            with open(template) as f:
+                template = f.read()
+    return dict(
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_space=args.kv_cache_space,
+        kv_cache_dtype=args.kv_cache_dtype,
+        seed=args.seed,
+        enforce_eager=args.enforce_eager,
+        chat_template=template,
+        tensor_parallel_size=args.tensor_parallel_size,
+        backend=args.backend,
+        quantization=args.quantization,
+        grammar_compile_timeout=args.grammar_compile_timeout,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--n", type=int, default=1)
+
+
+def sampling_params(args: argparse.Namespace):
+    from armserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
