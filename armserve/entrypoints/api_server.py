@@ -369,20 +369,23 @@ def build_app(
         return await serving.responses(body, raw)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
         serving.model_name(body.model)
-        tok = engine.tokenizer
-        if body.messages is not None:
-            add_gen = body.add_generation_prompt and not body.continue_final_message
-            ids = serving.render_chat(body.messages, add_gen, body.continue_final_message, None,
-                                      body.chat_template_kwargs)
-        else:
-            try:
-                ids = encode_text(tok, body.prompt, "prompt", body.add_special_tokens)
-            except PromptError as e:
-                raise APIError(str(e), 400, "prompt") from None
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
-                "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+        def count(tok: Any) -> dict[str, Any]:  # (the whole prompt: /tokenize counts past max_model_len too)
+            if body.messages is not None:
+                add_gen = body.add_generation_prompt and not body.continue_final_message
+                ids = serving.render_chat(body.messages, add_gen, body.continue_final_message, None,
+                                          body.chat_template_kwargs, tokenizer=tok, limit=False)
+            else:
+                try:
+                    ids = encode_text(tok, body.prompt, "prompt", body.add_special_tokens)
+                except PromptError as e:
+                    raise APIError(str(e), 400, "prompt") from None
+            return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
+                    "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+        return await serving.prepare(raw, count)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:

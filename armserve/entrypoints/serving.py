@@ -197,9 +197,11 @@ class OpenAIServing:
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         tokenizer: Any = None,
+        limit: bool = True,
     ) -> list[int]:
         """Token ids of a conversation rendered with the chat template (armserve/prompts.py); a 400
-        naming the message on bad input. `tokenizer`: another copy of the model's (a worker's)."""
+        naming the message on bad input, or past max_model_len tokens when `limit`. `tokenizer`:
+        another copy of the model's (a worker's)."""
         tokenizer = tokenizer or self.tokenizer
         if not (chat_template or tokenizer.chat_template):
             raise APIError("this model has no chat template; start the server with --chat-template "
@@ -208,7 +210,8 @@ class OpenAIServing:
         try:
             return render_chat(tokenizer, convo, tools=tools, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
-                               chat_template_kwargs=chat_template_kwargs, max_tokens=self.engine.max_model_len)
+                               chat_template_kwargs=chat_template_kwargs,
+                               max_tokens=self.engine.max_model_len if limit else None)
         except PromptTooLongError as e:
             raise self.too_long(e, "messages") from None
         except PromptError as e:
