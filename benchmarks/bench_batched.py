@@ -114,7 +114,9 @@ def run_client(py: str, tokenizer: str, url: str, out_dir: str, name: str, input
     run, and no run repeats another's (with one seed for all, each run's prompts began with the
     previous run's, and prefix caching served those prefills from the cache)."""
     seed = zlib.crc32(f"{input_len}-{output_len}-{num_prompts}-{concurrency}".encode()) % 1_000_000
-    client = os.path.join(out_dir, "vllm_bench_serve.py")
+    # The wrapper lives beside the peers' installs, not in out_dir: results keep only results.
+    client = os.path.join(peers.PEERS_DIR, "vllm_bench_serve.py")
+    os.makedirs(peers.PEERS_DIR, exist_ok=True)
     with open(client, "w") as f:
         f.write(CLIENT)
     load = load_average()
