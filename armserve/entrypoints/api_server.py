@@ -236,6 +236,28 @@ class ServerMiddleware:
         return None
 
 
+def _with_body_schemas(app: FastAPI, bodies: dict[str, type]) -> None:
+    """/openapi.json with the request-body schema of each POST route in `bodies` (routes that read
+    their body themselves have none otherwise)."""
+    default = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default()
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[model.__name__] = js
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message naming the bad field(s), and the first field as `param`."""
     parts: list[str] = []
@@ -356,20 +378,27 @@ def build_app(
     async def retrieve_model(model: str) -> dict[str, Any]:
         return model_card(serving.model_name(model))
 
+    # NOTE: the routes parse their bodies themselves (serving.parse: large ones off the event
+    # loop); _with_body_schemas puts each body's schema in /openapi.json all the same.
+    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+              "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest}
+    _with_body_schemas(app, bodies)
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await serving.chat(body, raw)
+    async def chat_completions(raw: Request) -> Response:
+        return await serving.chat(await serving.parse(raw, ChatCompletionRequest), raw)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Response:
-        return await serving.completion(body, raw)
+    async def completions(raw: Request) -> Response:
+        return await serving.completion(await serving.parse(raw, CompletionRequest), raw)
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, raw: Request) -> Response:
-        return await serving.responses(body, raw)
+    async def responses(raw: Request) -> Response:
+        return await serving.responses(await serving.parse(raw, ResponsesRequest), raw)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, raw: Request) -> dict[str, Any]:
+    async def tokenize(raw: Request) -> dict[str, Any]:
+        body = await serving.parse(raw, TokenizeRequest)
         serving.model_name(body.model)
 
         def count(tok: Any) -> dict[str, Any]:  # (the whole prompt: /tokenize counts past max_model_len too)
