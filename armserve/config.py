@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -228,6 +228,13 @@ class EngineConfig:
                 "(or 'int8'/'int4' with backend='openvino')"
             )
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
+
+    def for_serving(self) -> "EngineConfig":
+        """This configuration as a server runs it (`AsyncLLM`: `armserve serve`, Ray Serve): the
+        serving step budget when none is given (SERVING_MAX_NUM_BATCHED_TOKENS says why)."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        return replace(self, max_num_batched_tokens=max(SERVING_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs))
 
     def finalize(self, model_max_len: int) -> None:
         """Fill the limits that depend on the model, once it is known."""

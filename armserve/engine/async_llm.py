@@ -27,10 +27,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Callable, Protocol, Sequence
 
-from armserve.config import SERVING_MAX_NUM_BATCHED_TOKENS, WAITING_REQUESTS_PER_SEQ, EngineConfig
+from armserve.config import WAITING_REQUESTS_PER_SEQ, EngineConfig
 from armserve.engine.core import (
     DEFAULT_STATS_INTERVAL,
     AbortCommand,
@@ -399,9 +399,7 @@ class AsyncLLM:
     ) -> None:
         from armserve import model_loader
 
-        if config.max_num_batched_tokens is None:  # a server's budget (config.py says why)
-            config = replace(
-                config, max_num_batched_tokens=max(SERVING_MAX_NUM_BATCHED_TOKENS, config.max_num_seqs))
+        config = config.for_serving()
         self.config = config
         if stats_interval is None:
             stats_interval = float(os.environ.get("ARMSERVE_LOG_STATS_INTERVAL", DEFAULT_STATS_INTERVAL))
