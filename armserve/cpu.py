@@ -117,6 +117,12 @@ def data_parallel_envs(data_parallel_size: int) -> list[dict[str, str]]:
 FRONTEND_RESERVE_MIN_CORES = 4
 
 
+def _split(cores: list[int], n: int) -> list[str]:
+    """`cores` in n equal consecutive groups, as core lists (`0,1,2`); a remainder is left unused."""
+    per = len(cores) // n
+    return [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n)]
+
+
 def serving_layout(data_parallel_size: int, tensor_parallel_size: int = 1,
                    allowed: list[int] | None = None) -> tuple[list[dict[str, str]], list[int] | None]:
     """Where a server's engine processes and its front end run: (each engine process's environment
@@ -146,8 +152,7 @@ def serving_layout(data_parallel_size: int, tensor_parallel_size: int = 1,
     reserved = _core_key(cores[-1])
     front = [c for c in allowed if _core_key(c) == reserved]
     rest = cores[:-1]
-    per = len(rest) // ranks
-    groups = [",".join(str(c) for c in rest[i * per:(i + 1) * per]) for i in range(ranks)]
+    groups = _split(rest, ranks)
     envs = [{"ARMSERVE_THREADS_BIND": "|".join(groups[i * tensor_parallel_size:(i + 1) * tensor_parallel_size])}
             for i in range(data_parallel_size)]
     return envs, front
@@ -178,8 +183,7 @@ def core_groups(n: int, what: str = "tensor_parallel_size", unit: str = "rank") 
         if len(cores) < n:
             raise ValueError(f"{what} {n} needs at least one core per {unit}; "
                              f"this process may use {len(cores)} ({cores})")
-        per = len(cores) // n
-        groups = [",".join(str(c) for c in cores[i * per:(i + 1) * per]) for i in range(n)]
+        groups = _split(cores, n)
     return groups
 
 

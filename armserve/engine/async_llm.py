@@ -607,17 +607,23 @@ class AsyncLLM:
             if live is None or (engine is not None and live.engine != engine):
                 continue
             by_engine.setdefault(live.engine, []).append(rid)
-            self._forget(rid)
-            if live.accepted is not None:
-                fut, live.accepted = live.accepted, None
-                try:
-                    fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
-                except RuntimeError:
-                    pass  # that event loop is closed
-            else:
-                deliveries.append((live.stream, error))
+            self._end(rid, live, error, deliveries)
         _deliver(deliveries)
         return by_engine
+
+    def _end(self, request_id: str, live: _Live, error: RequestFailedError,
+             deliveries: list[tuple[RequestStream, Any]]) -> None:
+        """Forget one request and hand `error` to its caller: its pending add_request now, or its
+        stream through `deliveries` (for `_deliver`)."""
+        self._forget(request_id)
+        if live.accepted is not None:
+            fut, live.accepted = live.accepted, None
+            try:
+                fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
+            except RuntimeError:
+                pass  # that event loop is closed
+        else:
+            deliveries.append((live.stream, error))
 
     def _expire(self, request_id: str, stream: RequestStream, seconds: float) -> None:
         """The deadline of `request_id` passed (event loop): abort it, tell its reader."""
@@ -625,13 +631,10 @@ class AsyncLLM:
         if live is None or live.stream is not stream:
             return  # finished (or the id was reused by a later request)
         self._cores[live.engine].send(AbortCommand([request_id]))
-        self._forget(request_id)
-        error = RequestTimeoutError(f"the request did not finish within its deadline of {seconds:g} s")
-        if live.accepted is not None:
-            fut, live.accepted = live.accepted, None
-            _resolve(fut, error)
-        else:
-            stream._put(error)
+        deliveries: list[tuple[RequestStream, Any]] = []
+        self._end(request_id, live, RequestTimeoutError(
+            f"the request did not finish within its deadline of {seconds:g} s"), deliveries)
+        _deliver(deliveries)
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (thread-safe); their KV blocks are freed before the next step."""

@@ -177,15 +177,13 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         messages = obj.get("messages")
         if isinstance(messages, list) and len(messages) > limit:
-            raise APIError(f"This model's maximum context length is {limit} tokens, but the conversation has "
-                           f"{len(messages)} messages, each at least one token. Shorten the conversation.", 400,
-                           "messages", "context_length_exceeded")
+            raise self.context_error(f"the conversation has {len(messages)} messages, each at least one token. "
+                                     "Shorten the conversation.", "messages")
         prompt = obj.get("prompt")
         prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
         for p in prompts:
             if isinstance(p, list) and len(p) > limit:
-                raise APIError(f"This model's maximum context length is {limit} tokens, but the prompt has {len(p)} "
-                               "tokens. Shorten the prompt.", 400, "prompt", "context_length_exceeded")
+                raise self.context_error(f"the prompt has {len(p)} tokens. Shorten the prompt.", "prompt")
 
     async def prepare(self, raw: Request | None, fn: Callable[[Any], _T]) -> _T:
         """`fn(tokenizer)` (templating and tokenizing), on a worker thread when the request body is
@@ -195,10 +193,13 @@ class OpenAIServing:
             return fn(self.tokenizer)
         return await asyncio.get_running_loop().run_in_executor(self._prep_pool, fn, self._prep_tokenizer)
 
+    def context_error(self, but: str, param: str) -> APIError:
+        """The 400 of a request that cannot fit max_model_len; `but` says why, then what to do."""
+        return APIError(f"This model's maximum context length is {self.engine.max_model_len} tokens, but {but}",
+                        400, param, "context_length_exceeded")
+
     def too_long(self, e: PromptTooLongError, param: str) -> APIError:
-        return APIError(
-            f"This model's maximum context length is {self.engine.max_model_len} tokens, but the prompt has at "
-            f"least {e.num_tokens} tokens. Shorten the prompt.", 400, param, "context_length_exceeded")
+        return self.context_error(f"the prompt has at least {e.num_tokens} tokens. Shorten the prompt.", param)
 
     async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
         """`engine.add_request` with the server's deadline."""
@@ -221,18 +222,12 @@ class OpenAIServing:
     def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> None:
         limit = self.engine.max_model_len
         if num_prompt >= limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens, but the prompt has {num_prompt} "
-                "tokens, which leaves no room to generate. Shorten the prompt.",
-                400, prompt_param, "context_length_exceeded",
-            )
+            raise self.context_error(f"the prompt has {num_prompt} tokens, which leaves no room to generate. "
+                                     "Shorten the prompt.", prompt_param)
         if max_tokens is not None and num_prompt + max_tokens > limit:
-            raise APIError(
-                f"This model's maximum context length is {limit} tokens, but {num_prompt + max_tokens} were "
-                f"requested ({num_prompt} in the prompt, {max_tokens} for the completion). Lower {max_param} "
-                "or shorten the prompt.",
-                400, max_param, "context_length_exceeded",
-            )
+            raise self.context_error(f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
+                                     f"{max_tokens} for the completion). Lower {max_param} or shorten the prompt.",
+                                     max_param)
 
     def render_chat(
         self,
