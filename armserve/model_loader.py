@@ -15,26 +15,7 @@ from torch import nn
 
 from armserve import gguf_quants
 from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
-from armserve.models import get_model_class
-
-# GGUF `general.architecture` / transformers model_type -> architecture class name
-_MODEL_TYPE_TO_ARCH = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "gemma3": "Gemma3ForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2moe": "Qwen2MoeForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3moe": "Qwen3MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-}
-# llama.cpp permutes q/k rows of these GGUF architectures for its rotary layout.
-_GGUF_PERMUTED_ARCHS = {"llama", "mistral"}
+from armserve.models import UnsupportedArchitectureError, get_model_class, gguf_model_class, model_type_class
 
 _GGUF_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -157,94 +138,48 @@ def load_config(src: ModelSource):
     from transformers import AutoConfig
 
     try:
-        own = _gguf_own_config(src) if src.is_gguf else None
-        if own is not None:
-            return own
         if src.is_gguf:
-            with _transformers_reads_shared_gguf(src):
-                config = AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
+            config = _gguf_config(src)
         else:
             config = AutoConfig.from_pretrained(src.folder)
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        if isinstance(e, UnsupportedArchitectureError):
+            raise
         what = src.gguf_file or "config.json"
         raise ModelLoadError(f"cannot read the model config from {what} in {src.folder}: {e}") from e
-    if src.is_gguf:
-        config = _gguf_moe_config(_gguf_reader(os.path.join(src.folder, src.gguf_file)), config)
-    archs = getattr(config, "architectures", None) or []
-    if not archs:
-        arch = _MODEL_TYPE_TO_ARCH.get(config.model_type)
-        if arch is None:
-            get_model_class(f"<model_type {config.model_type}>")  # raises with the supported list
-        config.architectures = [arch]
+    if not getattr(config, "architectures", None):
+        config.architectures = [model_type_class(config.model_type).architectures[0]]
     return config
 
 
-def _gguf_own_config(src: ModelSource):
-    """The config of a GGUF architecture transformers cannot read (llama.cpp's `deepseek2`), built
-    by its model file from the header; None for the others."""
+def _gguf_config(src: ModelSource):
+    """The config of a GGUF file, made by the `gguf_config` of the family that names the file's
+    `general.architecture` (transformers' reading of the header, completed or replaced)."""
+    from transformers import AutoConfig
+
     reader = _gguf_reader(os.path.join(src.folder, src.gguf_file))
-    if _gguf_arch(reader) != "deepseek2":
-        return None
-    from gguf import GGUFValueType
+    cls = gguf_model_class(_gguf_field(reader, "general.architecture") or "")
 
-    from armserve.models.deepseek import config_from_gguf
+    def read():
+        with _transformers_reads_shared_gguf(src):
+            return AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
 
-    def field(key: str):
-        if key == "tokenizer.ggml.tokens_count":
-            f = reader.fields.get("tokenizer.ggml.tokens")
-            return len(f.data) if f else None
-        f = reader.fields.get(key)
-        if f is not None and f.types and f.types[0] == GGUFValueType.STRING:
-            return bytes(f.parts[f.data[0]]).decode()
-        return _gguf_field(reader, key)
-
-    return config_from_gguf(field, {t.name for t in reader.tensors})
-
-
-def _gguf_arch(reader) -> str:
-    """The file's `general.architecture` (llama.cpp's name: llama, qwen2moe, ...), or ""."""
-    f = reader.fields.get("general.architecture")
-    return bytes(f.parts[f.data[0]]).decode() if f else ""
+    tensors = {t.name: t.data for t in reader.tensors}
+    return cls.gguf_config(lambda key: _gguf_field(reader, key), tensors, read)
 
 
 def _gguf_field(reader, key: str):
-    """A scalar metadata value of the GGUF file, or None."""
+    """A metadata value of the GGUF file: a string, a number, an array's length; None if absent."""
+    from gguf import GGUFValueType
+
     f = reader.fields.get(key)
-    if f is None or not f.data:
+    if f is None or not f.types:
         return None
-    return f.parts[f.data[0]].tolist()[0]
-
-
-def _gguf_moe_config(reader, config):
-    """What transformers' GGUF config leaves out for Mixture-of-Experts files: llama.cpp writes
-    Mixtral as a `llama` file with an expert count (-> a Mixtral config), and the experts' (and
-    Qwen2-MoE's shared expert's) widths under `expert_feed_forward_length` and
-    `expert_shared_feed_forward_length`. llama.cpp renormalises Qwen3-MoE's top-k weights and
-    not Qwen2-MoE's."""
-    arch = _gguf_arch(reader)
-    experts = _gguf_field(reader, f"{arch}.expert_count")
-    if not experts:
-        return config
-    used = _gguf_field(reader, f"{arch}.expert_used_count")
-    if config.model_type == "llama":
-        from transformers import MixtralConfig
-
-        values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
-        config = MixtralConfig(**values)
-        config.num_local_experts, config.num_experts_per_tok = int(experts), int(used)
-        config.architectures = ["MixtralForCausalLM"]
-        return config
-    width = _gguf_field(reader, f"{arch}.expert_feed_forward_length")
-    if width:
-        config.moe_intermediate_size = int(width)
-    shared = _gguf_field(reader, f"{arch}.expert_shared_feed_forward_length")
-    if shared:
-        config.shared_expert_intermediate_size = int(shared)
-    if arch == "qwen3moe":
-        config.norm_topk_prob = True
-    elif arch == "qwen2moe":
-        config.norm_topk_prob = False
-    return config
+    if f.types[0] == GGUFValueType.ARRAY:
+        return len(f.data)
+    if f.types[0] == GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode()
+    return f.parts[f.data[0]].tolist()[0] if f.data else None
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
@@ -374,18 +309,18 @@ _GGUF_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up
 _GGUF_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
 
-def _iter_gguf(path: str, config, keep_quantized: bool = True, cls: type | None = None
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: str, config, cls: type, keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """The GGUF file's tensors under Hugging Face names (the model class's `gguf_block_names` on
-    top of Llama's), q/k rows un-permuted where llama.cpp permuted them, norm weights back from
-    llama.cpp's 1 + w where the family stores them so (`gguf_norm_offset`)."""
+    top of llama.cpp's standard ones), q/k rows un-permuted where llama.cpp permuted them
+    (`gguf_permuted_qk`), norm weights back from llama.cpp's 1 + w where the family stores them so
+    (`gguf_norm_offset`)."""
     try:
         reader = _gguf_reader(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
-    permute = _gguf_arch(reader) in _GGUF_PERMUTED_ARCHS
-    block_names = {**_GGUF_BLOCK_NAMES, **(getattr(cls, "gguf_block_names", None) or {})}
-    norm_offset = float(getattr(cls, "gguf_norm_offset", 0.0))
+    permute = cls.gguf_permuted_qk
+    block_names = {**_GGUF_BLOCK_NAMES, **cls.gguf_block_names}
+    norm_offset = float(cls.gguf_norm_offset)
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     has_output = any(t.name == "output.weight" for t in reader.tensors)
@@ -491,7 +426,7 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         torch.set_default_dtype(prev)
     qcfg = armserve_quantization(config)
     if src.is_gguf:
-        weights = _iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=not dequantize, cls=cls)
+        weights = _iter_gguf(os.path.join(src.folder, src.gguf_file), config, cls, keep_quantized=not dequantize)
     else:
         weights = _iter_safetensors(src.folder, qcfg is not None, dequantize)
     expected = model.expected_weights()

@@ -43,7 +43,7 @@ def _float_weights(src: model_loader.ModelSource, config):
     if src.is_gguf:
         # the family's own GGUF names (Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA) come with its class
         cls = get_model_class(config.architectures[0])
-        return model_loader._iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=False, cls=cls)
+        return model_loader._iter_gguf(os.path.join(src.folder, src.gguf_file), config, cls, keep_quantized=False)
     if model_loader.armserve_quantization(config):
         raise ValueError(f"{src.path} is already quantized by armserve")
     return model_loader._iter_safetensors(src.folder)
