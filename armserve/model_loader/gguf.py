@@ -130,9 +130,10 @@ def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d // n_head // 2, 2, *rest).transpose(1, 2).reshape(d, *rest)
 
 
-# GGUF tensors that feed a linear layer (so may stay quantized); token_embd too, as a tied lm_head.
-_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output",
-                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_q_a", "attn_q_b", "attn_kv_a_mqa"}
+# GGUF tensors that feed a linear layer (so may stay quantized; attn_qkv: q/k/v fused, as some
+# families store them); token_embd too, as a tied lm_head.
+_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output",
+           "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_q_a", "attn_q_b", "attn_kv_a_mqa"}
 # MoE experts stacked in one GGUF tensor [experts, rows, cols] -> one expert's projection
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 
