@@ -33,32 +33,24 @@ def _collect() -> tuple[dict[str, type[nn.Module]], dict[str, type[nn.Module]], 
 MODEL_REGISTRY, MODEL_TYPES, GGUF_ARCHITECTURES = _collect()
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
-    """The class of a config.json `architectures` name."""
+def _lookup(table: dict[str, type[nn.Module]], key: str, what: str) -> type[nn.Module]:
     try:
-        return MODEL_REGISTRY[architecture]
+        return table[key]
     except KeyError:
         raise UnsupportedArchitectureError(
-            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
-        ) from None
+            f"{what} {key!r} is not supported; supported: {', '.join(sorted(table))}") from None
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class of a config.json `architectures` name."""
+    return _lookup(MODEL_REGISTRY, architecture, "architecture")
 
 
 def model_type_class(model_type: str) -> type[nn.Module]:
     """The class of a transformers `model_type` (a config with no `architectures`, as from GGUF)."""
-    try:
-        return MODEL_TYPES[model_type]
-    except KeyError:
-        raise UnsupportedArchitectureError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(sorted(MODEL_TYPES))}"
-        ) from None
+    return _lookup(MODEL_TYPES, model_type, "model_type")
 
 
 def gguf_model_class(gguf_architecture: str) -> type[nn.Module]:
     """The class whose `gguf_config` reads a GGUF file of this `general.architecture`."""
-    try:
-        return GGUF_ARCHITECTURES[gguf_architecture]
-    except KeyError:
-        raise UnsupportedArchitectureError(
-            f"GGUF architecture {gguf_architecture!r} is not supported; supported: "
-            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
-        ) from None
+    return _lookup(GGUF_ARCHITECTURES, gguf_architecture, "GGUF architecture")
