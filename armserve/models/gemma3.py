@@ -73,6 +73,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 text model (`Gemma3ForCausalLM`, model_type gemma3_text); weight names as Llama's
     plus the extra norms, so the Llama loader fills it."""
 
+    architectures, model_types, gguf_architectures = ("Gemma3ForCausalLM",), ("gemma3", "gemma3_text"), ("gemma3",)
     gguf_block_names = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
@@ -101,3 +102,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return nn.ModuleList(
             Gemma3DecoderLayer(config, types[i], windows[i]) for i in range(config.num_hidden_layers)
         )
+
+
+MODELS = (Gemma3ForCausalLM,)

@@ -8,7 +8,7 @@ Projections are fused at load time: q/k/v into `qkv_proj`, gate/up into `gate_up
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -190,10 +190,35 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias = False
     qk_norm = False
-    # GGUF tensor name (after `blk.N.`) -> this family's name, where it differs from Llama's
-    # (model_loader.GGUF_BLOCK_NAMES); llama.cpp stores Llama's q/k rows permuted for its rotary.
+
+    # ---- what checkpoints call this class (models/__init__.py collects every family's MODELS) ----
+    architectures: tuple[str, ...] = ("LlamaForCausalLM",)  # config.json `architectures`
+    model_types: tuple[str, ...] = ("llama",)  # transformers `model_type` (GGUF configs name no architecture)
+    gguf_architectures: tuple[str, ...] = ("llama",)  # llama.cpp `general.architecture`, read by gguf_config
+    # GGUF layout: tensor name (after `blk.N.`) -> this family's name where it differs from
+    # llama.cpp's standard names (model_loader/gguf.py); whether llama.cpp's converter permuted the
+    # q/k rows for its rotary (undone at load); what it added to the norm weights.
     gguf_block_names: dict[str, str] = {}
     gguf_permuted_qk = True
+    gguf_norm_offset = 0.0
+
+    @classmethod
+    def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):
+        """The transformers config of a GGUF file of one of `gguf_architectures`: `read()` is
+        transformers' own reading of its header, `field(key)` a header value (an array's length;
+        None if absent), `tensors` the file's tensors by name. llama.cpp writes Mixtral as a
+        `llama` file with an expert count, read here as a Mixtral config."""
+        config = read()
+        experts = field("llama.expert_count")
+        if not experts or config.model_type != "llama":
+            return config
+        from transformers import MixtralConfig
+
+        values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**values)
+        config.num_local_experts, config.num_experts_per_tok = int(experts), int(field("llama.expert_used_count"))
+        config.architectures = ["MixtralForCausalLM"]
+        return config
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -383,10 +408,13 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: Llama with a sliding attention window (from `config.sliding_window`)."""
 
+    architectures, model_types, gguf_architectures = ("MistralForCausalLM",), ("mistral",), ("mistral",)
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on the q/k/v projections."""
 
+    architectures, model_types, gguf_architectures = ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)
     qkv_bias = True
     gguf_permuted_qk = False
 
@@ -395,6 +423,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with an RMSNorm over each head of q and k (before RoPE), no q/k/v bias unless
     the config's attention_bias, and head_dim from the config."""
 
+    architectures, model_types, gguf_architectures = ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)
     qk_norm = True
     gguf_block_names = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
     gguf_permuted_qk = False
@@ -402,3 +431,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config) -> None:
         self.qkv_bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config)
+
+
+MODELS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)

@@ -9,6 +9,8 @@ Checkpoint names: Mixtral's `block_sparse_moe.{gate, experts.E.w1/w2/w3}` are re
 
 from __future__ import annotations
 
+from typing import Any, Callable, Mapping
+
 import torch
 from torch import nn
 
@@ -60,6 +62,8 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral attention, every layer sparse; top-k of the softmax, renormalised."""
 
+    # (llama.cpp writes Mixtral as a `llama` file: LlamaForCausalLM.gguf_config makes its config)
+    architectures, model_types, gguf_architectures = ("MixtralForCausalLM",), ("mixtral",), ()
     norm_topk_prob = True
     # (the stacked experts ffn_{gate,up,down}_exps are split per expert by the loader)
     gguf_block_names = {"ffn_gate_inp": "mlp.gate"}
@@ -93,11 +97,31 @@ class Qwen2MoeForCausalLM(MixtralForCausalLM):
     softmax renormalised only with `norm_topk_prob`; a shared expert of
     `shared_expert_intermediate_size` scaled by sigmoid(shared_expert_gate(x))."""
 
+    architectures, model_types, gguf_architectures = ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)
     qkv_bias = True
     gguf_permuted_qk = False
     gguf_block_names = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
                         "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                         "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+    gguf_norm_topk_prob = False  # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's
+
+    @classmethod
+    def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):
+        """transformers' reading of the header plus what it leaves out: the experts' and the
+        shared expert's widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`)
+        and llama.cpp's top-k renormalisation."""
+        config = read()
+        arch = field("general.architecture")
+        if not field(f"{arch}.expert_count"):
+            return config
+        width = field(f"{arch}.expert_feed_forward_length")
+        if width:
+            config.moe_intermediate_size = int(width)
+        shared = field(f"{arch}.expert_shared_feed_forward_length")
+        if shared:
+            config.shared_expert_intermediate_size = int(shared)
+        config.norm_topk_prob = cls.gguf_norm_topk_prob
+        return config
 
     def num_experts(self, config) -> int:
         return config.num_experts
@@ -112,10 +136,15 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     """Qwen3-MoE: Qwen3 attention (per-head q/k norms, bias only with `attention_bias`), no shared
     expert."""
 
+    architectures, model_types, gguf_architectures = ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)
     qk_norm = True
     gguf_block_names = {"ffn_gate_inp": "mlp.gate", "attn_q_norm": "self_attn.q_norm",
                         "attn_k_norm": "self_attn.k_norm"}
+    gguf_norm_topk_prob = True
 
     def __init__(self, config) -> None:
         self.qkv_bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config)
+
+
+MODELS = (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)
