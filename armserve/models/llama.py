@@ -59,8 +59,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=getattr(config, "o_bias", False),
-                                        input_cols=self.qkv_proj.q_cols)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "o_bias", False), input_cols=self.qkv_proj.q_cols)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, rope or rope_parameters(config)
         )

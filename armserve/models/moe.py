@@ -31,9 +31,10 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = Linear(config.hidden_size, num_experts)
         self.experts = nn.ModuleList(LlamaMLP(config, intermediate_size, reduce=False) for _ in range(num_experts))
-        self.shared_expert = LlamaMLP(config, shared_intermediate_size, reduce=False) if shared_intermediate_size else None
-        self.group = get_parallel_context().group  # (None on one rank)
-        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared_intermediate_size else None
+        shared = shared_intermediate_size
+        self.shared_expert = LlamaMLP(config, shared, reduce=False) if shared else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
+        self.group = get_parallel_context().group  # sums the experts' partial outputs (None on one rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x, torch.float32), self.top_k, self.norm_topk_prob)
