@@ -213,10 +213,17 @@ def test_tp2_quantized_equals_tp1(tiny_llama, tiny_checkpoints, tmp_path, kind):
 
 
 class _PartialSums:
-    """A collective that leaves each rank's partial sum (a test adds them up itself)."""
+    """A collective that leaves each rank's partial sum (a test adds them up itself) and keeps what
+    a rank sends to a gather."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def gather(self, x: torch.Tensor) -> None:
+        self.sent.append(x)
 
 
 def _tiny_llama_rank(world: int, rank: int, weights: list, **cfg):
@@ -246,8 +253,8 @@ def _sums_close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def test_quantized_parallel_layers_add_up_to_the_whole():
     """Two ranks' w4 / int8 layers hold half of each weight, still quantized, and their parts add
     up to one rank's layer: q heads split and the one KV head shared (column-parallel), o_proj
-    and down_proj by input columns (row-parallel, partial sums), gate_up by width, and an LM head
-    of 31 rows as 16 + 15 and a zero row of padding."""
+    and down_proj by input columns (row-parallel, partial sums), gate_up by width, an int8 LM head
+    of 31 rows as 16 + 15, its logits gathered zero-padded to equal widths and cut back to 31."""
     torch.manual_seed(0)
     p = "model.layers.0."
     shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (16, 64), "self_attn.v_proj": (16, 64),
@@ -272,8 +279,10 @@ def test_quantized_parallel_layers_add_up_to_the_whole():
     assert (mlp0.gate_up_proj.out_features, mlp0.down_proj.in_features) == (128, 64)
     assert _sums_close(mlp0(x) + mlp1(x), mlp(x))
     head0, head1 = r0.lm_head(x), r1.lm_head(x)
-    assert head0.shape == head1.shape == (5, 16) and not head1[:, 15].any()
-    torch.testing.assert_close(torch.cat([head0, head1[:, :15]], dim=1), whole.lm_head(x), rtol=0, atol=0)
+    assert head0.shape == (5, 16) and head1.shape == (5, 15)
+    torch.testing.assert_close(torch.cat([head0, head1], dim=1), whole.lm_head(x), rtol=0, atol=0)
+    assert r1.compute_logits(x) is None  # rank 1 sends its share, zero-padded to rank 0's width
+    torch.testing.assert_close(r1.tp.group.sent[0], torch.cat([head1, torch.zeros(5, 1)], dim=1), rtol=0, atol=0)
 
 
 def test_quantized_split_inside_a_group_is_refused():

@@ -14,7 +14,7 @@ The Megatron-style split of a decoder over N ranks (distributed.py runs them):
     gate_up_proj  ColumnParallelLinear: its slice of the intermediate width, of gate and of up
     down_proj     RowParallelLinear; all-reduce (an MoE block: every expert split the same way,
                   one all-reduce of the block's output; the router is replicated)
-    embed_tokens  VocabEmbedding: equal shares of the vocabulary (the last zero-padded); a rank
+    embed_tokens  VocabEmbedding: shares of ceil(vocab / N) rows (the last one shorter); a rank
                   looks up the ids it holds, zeros elsewhere; all-reduce
     lm_head       ParallelLMHead: the same vocabulary shares (a tied head is the embedding's);
                   logits gathered on rank 0 (`ParallelContext.gather_logits`), None elsewhere
@@ -26,7 +26,6 @@ Every rank adds the partial sums in rank order, so all hold bit-identical activa
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -52,7 +51,8 @@ class ParallelContext:
         the other ranks: None. One rank: `logits` as they are."""
         if self.world == 1:
             return logits
-        full = self.group.gather(logits.float().contiguous())
+        per = -(-vocab // self.world)  # the gather takes equal widths: the last share zero-padded
+        full = self.group.gather(F.pad(logits.float(), (0, per - logits.shape[1])).contiguous())
         return None if full is None else full[:, :vocab]
 
 
@@ -83,20 +83,6 @@ def share(n: int, rank: int, world: int) -> tuple[int, int]:
     return a, b - a
 
 
-def _pad_rows(t, rows: int):
-    """`t` (a float tensor or a QuantizedTensor) with zero rows appended up to `rows`."""
-    if t.shape[0] == rows:
-        return t
-
-    def pad(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
-
-    if isinstance(t, torch.Tensor):
-        return pad(t)
-    # a zero code with a zero scale (and offset) is a zero weight
-    return dataclasses.replace(t, codes=pad(t.codes), scales=pad(t.scales), szp=None if t.szp is None else pad(t.szp))
-
-
 @dataclass
 class Split:
     """Which part of its checkpoint tensors a layer of this rank holds.
@@ -105,24 +91,17 @@ class Split:
             layer is filled from, in the order of its output rows ("all" for a layer filled from
             one tensor; "q"/"k"/"v" or 0/1 for a fused one)
     cols:   (first, count) of the input columns kept (row-parallel); None: all
-    pad:    zero rows after the last tensor's (the vocabulary's last share)
     reduce: the group whose all-reduce sums the output (row-parallel); None: no collective
     """
 
     in_features: int
     rows: list[tuple[Any, int, int, int]]
     cols: tuple[int, int] | None = None
-    pad: int = 0
     reduce: Any = None
-
-    @property
-    def local_in(self) -> int:
-        return self.in_features if self.cols is None else self.cols[1]
 
     def sizes(self) -> list[tuple[Any, int]]:
         """(shard id, rows held) in output order (a QuantizedLinear's shards)."""
-        last = len(self.rows) - 1
-        return [(s, n + (self.pad if i == last else 0)) for i, (s, _, _, n) in enumerate(self.rows)]
+        return [(s, n) for s, _, _, n in self.rows]
 
     def _index(self, shard: Any) -> int:
         for i, r in enumerate(self.rows):
@@ -132,16 +111,14 @@ class Split:
 
     def take(self, shard: Any, t):
         """This rank's part of checkpoint tensor `t` (float or QuantizedTensor; weight or bias) of
-        `shard`: its rows, its input columns, zero padding."""
+        `shard`: its rows and its input columns."""
         i = self._index(shard)
         _, full, first, n = self.rows[i]
         expected = (full, self.in_features)[: len(t.shape)]
         if tuple(t.shape) != expected:
             raise ValueError(f"has shape {tuple(t.shape)}, expected {expected}")
         part = t if n == full else t.narrow(0, first, n)
-        if self.cols is not None and len(t.shape) == 2:
-            part = part.narrow(1, *self.cols)
-        return _pad_rows(part, n + self.pad) if self.pad and i == len(self.rows) - 1 else part
+        return part.narrow(1, *self.cols) if self.cols is not None and len(t.shape) == 2 else part
 
     def load(self, param: torch.Tensor, shard: Any, t: torch.Tensor) -> None:
         """Copy this rank's part of float tensor `t` of `shard` into its rows of `param`."""
@@ -166,7 +143,8 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, split: Split | None = None) -> None:
         super().__init__()
         self.split = split or Split(in_features, [("all", out_features, 0, out_features)])
-        self.in_features, self.out_features = self.split.local_in, sum(n for _, n in self.split.sizes())
+        self.in_features = in_features if self.split.cols is None else self.split.cols[1]
+        self.out_features = sum(n for *_, n in self.split.rows)
         self.weight = _param(self.out_features, self.in_features)
         self.bias = _param(self.out_features) if bias else None
         self.packed: torch.Tensor | None = None
@@ -253,12 +231,10 @@ class RowParallelLinear(Linear):
 
 
 def _vocab_split(vocab: int, hidden: int, tp: ParallelContext) -> Split:
-    """Rows [rank * per, (rank + 1) * per) of a [vocab, hidden] table, per = ceil(vocab / world),
-    the last share zero-padded to per rows (the logits gather takes equal widths)."""
+    """Rows [rank * per, (rank + 1) * per) of a [vocab, hidden] table, per = ceil(vocab / world)."""
     per = -(-vocab // tp.world)
     start = min(vocab, tp.rank * per)
-    n = min(vocab, start + per) - start
-    return Split(hidden, [("all", vocab, start, n)], pad=per - n)
+    return Split(hidden, [("all", vocab, start, min(vocab, start + per) - start)])
 
 
 class ParallelLMHead(Linear):
@@ -279,10 +255,10 @@ class VocabEmbedding(nn.Module):
         self.split = _vocab_split(vocab_size, hidden_size, tp)
         self.start = self.split.rows[0][2]
         self.group = tp.group if tp.world > 1 else None
-        self.weight = _param(self.split.sizes()[0][1], hidden_size)
+        self.weight = _param(self.split.rows[0][3], hidden_size)
 
     def weight_loader(self, name: str, tensor: torch.Tensor, shard: Any = "all") -> None:
-        """Copy this rank's rows of the checkpoint table (zero padding after the last)."""
+        """Copy this rank's rows of the checkpoint table."""
         self.split.load(self.weight, shard, tensor)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
