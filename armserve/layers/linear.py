@@ -109,7 +109,7 @@ class Split:
                 return i
         raise ValueError(f"has no shard {shard!r} (expected one of {[r[0] for r in self.rows]})")
 
-    def take(self, shard: Any, t):
+    def take(self, shard: Any, t: Any) -> Any:
         """This rank's part of checkpoint tensor `t` (float or QuantizedTensor; weight or bias) of
         `shard`: its rows and its input columns."""
         i = self._index(shard)
