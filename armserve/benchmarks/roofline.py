@@ -163,7 +163,7 @@ def describe(roof: dict[str, Any]) -> str:
 def module_weight_bytes(model) -> int:
     """`weight_bytes_per_token` for a loaded torch module (an untied input embedding left out)."""
     params = dict(model.named_parameters())  # tied tensors appear once
-    # Prepacked dense weights (models/llama.py Linear.finalize) replace their parameter; a tied
+    # Prepacked dense weights (layers/linear.py Linear.finalize) replace their parameter; a tied
     # head's packed copy is what decode reads instead of the table.
     packed = {n + ".weight": m.packed for n, m in model.named_modules() if getattr(m, "packed", None) is not None}
     tied_head = getattr(model, "tied_head", None)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
 
+from armserve.layers.linear import ParallelContext, parallel_context
 from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
 from armserve.model_loader import gguf, safetensors
 from armserve.model_loader.source import ModelLoadError, ModelSource, bundled_model_path, resolve_model_path
@@ -108,19 +109,20 @@ def checkpoint_weights(src: ModelSource, config, dequantize: bool = False
 
 
 def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None,
-               prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
+               parallel: ParallelContext | None = None) -> nn.Module:
     """Build the model for `config` in `dtype` and fill it from the checkpoint.
 
     Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K, `armserve quantize` output) stay
-    quantized unless `quantization == "none"`. `prepare` sees the filled model before its
-    weights are packed for the kernels (tensor parallelism splits it there).
+    quantized unless `quantization == "none"`. `parallel`: the tensor-parallel rank to build (its
+    layers keep only their part of each weight, layers/linear.py); None: the whole model.
     """
     dequantize = quantization == "none"
     cls = get_model_class(config.architectures[0])
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = cls(config)
+        with parallel_context(parallel):
+            model = cls(config)
     finally:
         torch.set_default_dtype(prev)
     expected = model.expected_weights()
@@ -131,8 +133,6 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         raise ModelLoadError(
             f"checkpoint {src.path} is missing {len(missing)} weight(s), e.g. {shown}"
         )
-    if prepare is not None:
-        prepare(model)
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             module.finalize()  # repack into the kernel layout once

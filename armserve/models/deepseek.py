@@ -30,10 +30,11 @@ from torch import nn
 
 from armserve.layers.fused_moe import fused_experts, select_experts
 from armserve.layers.layernorm import RMSNorm
+from armserve.layers.linear import Linear
 from armserve.layers.mla import MLAAttention
 from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters, yarn_mscale
-from armserve.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from armserve.models.moe import SparseMoeBlock
 
 
@@ -146,6 +147,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
     }
+    supports_tp = False  # Multi-head Latent Attention's shared latent cache is not split over ranks
 
     @classmethod
     def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):

@@ -18,7 +18,8 @@ from torch import nn
 from armserve import ops
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.rotary_embedding import rope_parameters
-from armserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, VocabEmbedding, layer_sliding_windows
+from armserve.layers.linear import VocabEmbedding
+from armserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_sliding_windows
 
 
 def _layer_rope(config, layer_type: str) -> dict:
@@ -83,6 +84,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     }
     gguf_permuted_qk = False
     gguf_norm_offset = 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+    supports_tp = False  # not tested under tensor parallelism yet
 
     def __init__(self, config) -> None:
         super().__init__(config)

@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 from armserve.layers.fused_moe import fused_experts, select_experts
-from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Linear, layer_sliding_windows
+from armserve.layers.linear import Linear, get_parallel_context
+from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_sliding_windows
 
 
 class SparseMoeBlock(nn.Module):
     """Router (`gate`), `num_experts` gated MLPs of `intermediate_size`, top-k per token
     (renormalised with `norm_topk_prob`); with `shared_intermediate_size`, Qwen2-MoE's shared
-    expert added after a sigmoid gate."""
+    expert added after a sigmoid gate. Under tensor parallelism every expert is split as a dense
+    MLP is and the block's output summed over the ranks once; the router is replicated."""
 
     def __init__(self, config, num_experts: int, top_k: int, intermediate_size: int, norm_topk_prob: bool,
                  shared_intermediate_size: int = 0) -> None:
@@ -30,9 +32,11 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = Linear(config.hidden_size, num_experts)
-        self.experts = nn.ModuleList(LlamaMLP(config, intermediate_size) for _ in range(num_experts))
-        self.shared_expert = LlamaMLP(config, shared_intermediate_size) if shared_intermediate_size else None
-        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared_intermediate_size else None
+        self.experts = nn.ModuleList(LlamaMLP(config, intermediate_size, reduce=False) for _ in range(num_experts))
+        shared = shared_intermediate_size
+        self.shared_expert = LlamaMLP(config, shared, reduce=False) if shared else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
+        self.group = get_parallel_context().group  # sums the experts' partial outputs (None on one rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x, torch.float32), self.top_k, self.norm_topk_prob)
@@ -40,7 +44,8 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             scale = torch.sigmoid(self.shared_expert_gate(x, torch.float32))
             out += scale * self.shared_expert(x).float()
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 def sparse_layer(config, i: int) -> bool:
@@ -67,6 +72,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     norm_topk_prob = True
     # (the stacked experts ffn_{gate,up,down}_exps are split per expert by the loader)
     gguf_block_names = {"ffn_gate_inp": "mlp.gate"}
+    supports_tp = True  # SparseMoeBlock: each expert split as Llama's MLP, the router replicated
 
     def num_experts(self, config) -> int:
         return config.num_local_experts
