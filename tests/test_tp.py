@@ -75,6 +75,24 @@ def test_tp2_uneven_split(tokenizer_dir):
     assert two.llm_engine.runner.kv_cache.shape[3] == 1
 
 
+def test_tp2_phi3_equals_tp1(tokenizer_dir):
+    """A family added in one file (models/phi3.py, whose checkpoint fuses q/k/v and gate/up) splits
+    over ranks with no tensor-parallel code of its own: the same greedy tokens as TP=1, with LongRoPE
+    on part of each head and a tied head split by vocabulary."""
+    from conftest import CACHE, make_tiny_checkpoint
+    from test_phi3 import ORIGINAL, _longrope
+
+    folder = make_tiny_checkpoint(os.path.join(CACHE, "tiny-phi3-longrope"), "Phi3ForCausalLM", tokenizer_dir,
+                                  perturb_norms=True, tie_word_embeddings=True,
+                                  original_max_position_embeddings=ORIGINAL, rope_parameters=_longrope(1))
+    one, two = tp_pair(folder)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(one.get_tokenizer())]
+    assert token_lists(two.generate(prompts, GREEDY, use_tqdm=False)) == \
+        token_lists(one.generate(prompts, GREEDY, use_tqdm=False))
+    a1, a2 = one.llm_engine.model.layers[0].self_attn, two.llm_engine.model.layers[0].self_attn
+    assert a2.num_heads == a1.num_heads // 2
+
+
 def test_tp2_chunked_prefill_preemption_and_prefix_caching(tiny_llama):
     """Under TP=2: prompts chunked into 16-token steps through a 10-block cache (preempting)
     give the tokens each prompt gets alone at TP=1; prefix-cache hits change nothing either."""
