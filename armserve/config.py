@@ -39,9 +39,9 @@ class ConfigError(ValueError):
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bfloat16 natively (AVX512-BF16/AMX on x86, BF16 on ARM) and the
     kernel variant in use does too: a forced variant (`ARMSERVE_ISA=avx2`) stands for its CPUs."""
-    from armserve import ops
+    from armserve import kernels
 
-    native = ops.native_bf16()
+    native = kernels.native_bf16()
     if native is not None:
         return native
     cap = ""

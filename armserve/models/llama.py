@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from armserve import ops
+from armserve import kernels
 from armserve.layers.activation import get_act_and_mul
 from armserve.layers.attention import Attention, key_channel_rms
 from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor, quantize_weight_int8
@@ -43,22 +43,22 @@ class Linear(nn.Module):
 
     def finalize(self) -> None:
         """Repack the weight into the kernel layout once (process_weights_after_loading)."""
-        if ops.use_kernel("dense_pack", self.weight):
-            pack = ops.pack_f32 if self.weight.dtype == torch.float32 else ops.pack_bf16
+        if kernels.use_kernel("dense_pack", self.weight):
+            pack = kernels.pack_f32 if self.weight.dtype == torch.float32 else kernels.pack_bf16
             self.packed = pack(self.weight.data)
             self.weight = None  # the packed copy is the weight now
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.packed is not None:
-            out = ops.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
+            out = kernels.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
             if self.bias is not None:
-                out = ops.add_bias(out, self.bias) if ops.use_kernel("small", out) else out.add_(self.bias)
+                out = kernels.add_bias(out, self.bias) if kernels.use_kernel("small", out) else out.add_(self.bias)
             return out
         # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
         # the weight near copy speed and PyTorch's bf16 GEMM does not.
-        if ops.use_kernel("gemv", x):
-            out = ops.gemv(x, self.weight)
-            out = out if self.bias is None else ops.add_bias(out, self.bias)
+        if kernels.use_kernel("gemv", x):
+            out = kernels.gemv(x, self.weight)
+            out = out if self.bias is None else kernels.add_bias(out, self.bias)
         else:
             out = F.linear(x, self.weight, self.bias)
         return out if out_dtype is None else out.to(out_dtype)
@@ -83,8 +83,8 @@ class VocabEmbedding(nn.Module):
         self.weight = _param(vocab_size, hidden_size)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if ops.use_kernel("embedding", self.weight) and input_ids.dim() == 1:
-            return ops.embedding(input_ids, self.weight)
+        if kernels.use_kernel("embedding", self.weight) and input_ids.dim() == 1:
+            return kernels.embedding(input_ids, self.weight)
         return F.embedding(input_ids, self.weight)
 
 
@@ -226,12 +226,12 @@ class LlamaForCausalLM(nn.Module):
             return head(hidden, torch.float32)
         if self.lm_head is None:  # tied to the embedding table (not packed: not bfloat16, or no kernels)
             w = self.embed_tokens.weight
-            if ops.use_kernel("gemv", hidden):
-                return ops.cast(ops.gemv(hidden, w), torch.float32)
+            if kernels.use_kernel("gemv", hidden):
+                return kernels.cast(kernels.gemv(hidden, w), torch.float32)
             return F.linear(hidden, w).float()
         logits = self.lm_head(hidden)
         # the kernels' cast: a decode step then stays kernel calls only (engine/step_graph.py)
-        return ops.cast(logits, torch.float32) if ops.use_kernel("small", logits) else logits.float()
+        return kernels.cast(logits, torch.float32) if kernels.use_kernel("small", logits) else logits.float()
 
     def process_weights_after_loading(self) -> None:
         """Prepack every bfloat16 / float32 dense weight for the GEMM kernel, once. A head tied
@@ -240,7 +240,7 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()
-        if self.lm_head is None and ops.use_kernel("dense_pack", self.embed_tokens.weight):
+        if self.lm_head is None and kernels.use_kernel("dense_pack", self.embed_tokens.weight):
             vocab, hidden = self.embed_tokens.weight.shape
             head = Linear(hidden, vocab)
             head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
