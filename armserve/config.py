@@ -86,7 +86,7 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
 
 
 # KV cache element types. "auto" stores K/V in the model dtype; "int8" stores symmetric int8 with
-# one float32 scale per (token, kv head) (layers/attention.py: quantize_kv_ref).
+# one float32 scale per (token, kv head) (kernels/reference.py: quantize_kv_ref).
 KV_CACHE_DTYPES = ("auto", "int8")
 # vLLM's fp8 names, refused with their own message rather than "unknown".
 _FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")

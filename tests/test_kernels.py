@@ -278,7 +278,6 @@ def test_paged_attention_threads_split_long_decode(isa):
 def test_engine_greedy_equal_on_every_isa(tiny_llama):
     """Whole-model check: every variant (and the PyTorch path) yields transformers' tokens."""
     from armserve import LLM, SamplingParams
-    from armserve.engine import model_runner
 
     llm = LLM(tiny_llama, dtype="float32", kv_cache_space=0.02)
     p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)

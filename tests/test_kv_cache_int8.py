@@ -225,8 +225,6 @@ def test_int8_prefix_cache_hits_keep_their_scales(tiny_llama):
 
 
 def test_int8_same_tokens_on_every_isa_and_the_torch_path(tiny_llama, int8_reference):
-    from armserve.engine import model_runner
-
     prompts, alone = int8_reference
     llm = tiny(tiny_llama, kv_cache_dtype="int8")
     runner = llm.llm_engine.runner

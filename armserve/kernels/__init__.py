@@ -12,19 +12,20 @@ An op that can fall back decides for itself (`use_kernel`), so a layer makes one
 hold every kernel variant this CPU runs to its reference.
 """
 
-from armserve.kernels.attention import (
-    KEY_TILE, AttnBatch, kv_cache_shapes, make_attn_batch, paged_attention, paged_attention_i8, reshape_and_cache,
+# The package API: callers write `kernels.rms_norm(...)`.
+from armserve.kernels.attention import (  # noqa: F401
+    KEY_TILE, kv_cache_shapes, make_attn_batch, paged_attention, paged_attention_i8, reshape_and_cache,
     reshape_and_cache_i8,
 )
-from armserve.kernels.dispatch import KERNEL_OPS, QDENSE_MIN_ROWS, SMALL_OP_ROWS, gemv_limit, use_kernel
-from armserve.kernels.elementwise import (
+from armserve.kernels.dispatch import KERNEL_OPS, QDENSE_MIN_ROWS, SMALL_OP_ROWS, use_kernel  # noqa: F401
+from armserve.kernels.elementwise import (  # noqa: F401
     act_and_mul, add_bias, argmax, cast, embedding, mul_cols, rms_norm, rms_norm_heads_, rotary,
 )
-from armserve.kernels.gemm import (
+from armserve.kernels.gemm import (  # noqa: F401
     dense, fused_moe, gemm_bf16, gemm_f32, gemv, pack_bf16, pack_f32, packed_bf16_shape, packed_f32_shape, qgemm,
     qgemm_dense, quantize_act,
 )
-from armserve.kernels.library import (
+from armserve.kernels.library import (  # noqa: F401
     KernelError, amx_available, available, bf16_dot, bind_threads, cpu_features, dense_f32_isa, dense_isa, isa,
     load_error, native_bf16, openmp_library, openmp_runtimes, qgemm_isa, select_isa, set_amx, set_bf16_dot,
     supported_isas, thread_cores,

@@ -6,9 +6,12 @@ Every kernel call goes through `call`; inside `recording()` it is also appended 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from armserve.kernels import library
 
@@ -72,9 +75,7 @@ _recording: Recording | None = None  # the one `recording()` open, if any
 
 def call(name: str, *args) -> None:
     """Call kernel `name`; while a step is being recorded, also append the call to the recording."""
-    lib = library._lib if library._lib is not None else library.load()
-    if lib is None:
-        raise library.KernelError(f"C++ kernels unavailable: {library._load_error}")
+    lib = library._lib if library._lib is not None else library.required()
     getattr(lib, name)(*args)
     if _recording is not None:
         _recording.record(name, args)
@@ -91,52 +92,47 @@ _GRAPH_SAFE_OPS = _GRAPH_ALLOC_OPS | {
 _GRAPH_SAFE_IF_VIEW = {"contiguous", "reshape", "flatten"}
 
 
-def recording():
+class _Guard(TorchDispatchMode):
+    """Sees every aten op while a step is recorded: keeps what allocates, notes what computes."""
+
+    def __init__(self, rec: Recording) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _GRAPH_ALLOC_OPS:
+            self.rec.keep.append(out)
+        elif name in _GRAPH_SAFE_IF_VIEW:
+            if out.data_ptr() != args[0].data_ptr():
+                self.rec.keep.append(out)
+                self.rec.errors.append(f"aten::{name} copied")
+        elif name not in _GRAPH_SAFE_OPS:
+            self.rec.errors.append(f"aten::{name}")
+        return out
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
     """Context manager recording this thread's kernel calls into a `Recording` (engine/step_graph.py).
 
     The calls still run, so the step being recorded computes as usual. Every tensor allocated
     inside is kept (the recording's pointers refer to them); a PyTorch op that computes is noted
     in `errors`, since a replay would not run it.
     """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Guard(TorchDispatchMode):
-        def __init__(self, rec: Recording) -> None:
-            super().__init__()
-            self.rec = rec
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = func.overloadpacket.__name__
-            if name in _GRAPH_ALLOC_OPS:
-                self.rec.keep.append(out)
-            elif name in _GRAPH_SAFE_IF_VIEW:
-                if out.data_ptr() != args[0].data_ptr():
-                    self.rec.keep.append(out)
-                    self.rec.errors.append(f"aten::{name} copied")
-            elif name not in _GRAPH_SAFE_OPS:
-                self.rec.errors.append(f"aten::{name}")
-            return out
-
-    class _Capture:
-        def __enter__(self) -> Recording:
-            global _recording
-            if library.load() is None:
-                raise NotCapturable(f"C++ kernels unavailable: {library._load_error}")
-            if _recording is not None:
-                raise NotCapturable("a step is already being recorded")
-            self.rec = Recording()
-            self.guard = _Guard(self.rec)
-            self.guard.__enter__()
-            _recording = self.rec
-            return self.rec
-
-        def __exit__(self, *exc) -> None:
-            global _recording
+    global _recording
+    if library.load() is None:
+        raise NotCapturable(f"C++ kernels unavailable: {library.load_error()}")
+    if _recording is not None:
+        raise NotCapturable("a step is already being recorded")
+    rec = Recording()
+    with _Guard(rec):
+        _recording = rec
+        try:
+            yield rec
+        finally:
             _recording = None
-            self.guard.__exit__(*exc)
-
-    return _Capture()
 
 
 def run_graph(rec: Recording) -> None:
@@ -151,4 +147,4 @@ def run_graph(rec: Recording) -> None:
 
 def graph_team_replays() -> int:
     """How many replays so far ran as one parallel region of several threads (csrc/graph.cpp)."""
-    return int(library.load().armserve_graph_team_replays())
+    return int(library.required().armserve_graph_team_replays())

@@ -90,7 +90,7 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
             return False
         return dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= QDENSE_MIN_ROWS and library.bf16_dot()
     if op == "gemv":
-        return x.dim() == 2 and dtype in DTYPE_CODES and x.shape[0] <= gemv_limit(dtype)
+        return x.dim() == 2 and dtype in DTYPE_CODES and x.shape[0] <= _gemv_limit(library.kernel_generation, dtype)
     if op == "small":
         return x.dim() == 2 and x.shape[0] <= SMALL_OP_ROWS and dtype in DTYPE_CODES
     if op == "argmax":
@@ -100,15 +100,10 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     raise ValueError(f"unknown kernel op {op!r}; one of {', '.join(KERNEL_OPS)}")
 
 
-def gemv_limit(dtype: torch.dtype) -> int:
-    """The most rows the skinny matmul takes for weights of `dtype` on the selected variant."""
-    return _gemv_limit(library.kernel_generation, dtype)
-
-
 @functools.lru_cache(maxsize=16)
 def _gemv_limit(generation: int, dtype: torch.dtype) -> int:
-    """`gemv_limit`, worked out once per kernel choice (`generation` changes with the variant and
-    the bf16-dot switch)."""
+    """The most rows the skinny matmul takes for weights of `dtype` on the selected variant, worked
+    out once per kernel choice (`library.kernel_generation`)."""
     variant = library.isa()
     if dtype == torch.float32:
         # No widening: on x86 the kernel beat PyTorch's sgemv up to 4 tokens (AVX2 and

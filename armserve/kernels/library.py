@@ -21,8 +21,8 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
 _loaded = False
-# Bumped whenever a kernel choice changes (ISA, bf16 dot, AMX): step-graph recordings and the
-# choices cached from them (dispatch.gemv_limit) made before are stale.
+# Bumped whenever a kernel choice changes (ISA, bf16 dot, AMX): step-graph recordings and cached
+# choices (the gemv row limit, dispatch.py) made before are stale.
 kernel_generation = 0
 
 
@@ -126,11 +126,17 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
-def select_isa(name: str) -> str:
-    """Switch every kernel to variant `name` (or `auto`); returns the variant now in use."""
+def required() -> ctypes.CDLL:
+    """The library, or KernelError saying why it is unavailable."""
     lib = load()
     if lib is None:
         raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    return lib
+
+
+def select_isa(name: str) -> str:
+    """Switch every kernel to variant `name` (or `auto`); returns the variant now in use."""
+    lib = required()
     global kernel_generation
     rc = lib.armserve_select_isa(name.encode())
     kernel_generation += 1
@@ -159,28 +165,29 @@ def load_error() -> str | None:
     return _load_error
 
 
+def _variant(query: str) -> str:
+    lib = load()
+    return getattr(lib, query)().decode() if lib is not None else "torch"
+
+
 def isa() -> str:
     """The variant in use, or "torch" when the kernels are off."""
-    lib = load()
-    return lib.armserve_isa().decode() if lib is not None else "torch"
+    return _variant("armserve_isa")
 
 
 def qgemm_isa() -> str:
     """The quantized-GEMM variant that goes with the current kernel variant."""
-    lib = load()
-    return lib.armserve_qgemm_isa().decode() if lib is not None else "torch"
+    return _variant("armserve_qgemm_isa")
 
 
 def dense_isa() -> str:
     """The dense bf16 GEMM variant in use (follows the kernel variant and the bf16-dot switch)."""
-    lib = load()
-    return lib.armserve_dense_isa().decode() if lib is not None else "torch"
+    return _variant("armserve_dense_isa")
 
 
 def dense_f32_isa() -> str:
     """The dense float32 GEMM variant in use (follows the kernel variant)."""
-    lib = load()
-    return lib.armserve_dense_f32_isa().decode() if lib is not None else "torch"
+    return _variant("armserve_dense_f32_isa")
 
 
 def supported_isas() -> list[str]:
@@ -214,9 +221,7 @@ def set_bf16_dot(on: bool) -> bool:
     """Allow (on) or forbid the bf16 dot instructions (tests, comparisons); returns the previous
     setting, to restore. They are used only while the CPU and the selected variant have them, so
     `bf16_dot()` may stay False after `set_bf16_dot(True)`."""
-    lib = load()
-    if lib is None:
-        raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    lib = required()
     global kernel_generation
     before = bool(lib.armserve_bf16_dot_wanted())
     kernel_generation += 1
@@ -241,9 +246,7 @@ def set_amx(on: bool) -> bool:
     """Allow (on, the default) or forbid AMX tiles in the dense bf16 GEMM (tests, comparisons;
     `ARMSERVE_AMX=0` at start-up); returns the previous setting, to restore. AMX is used only with
     the avx512 variant and the bf16 dot instruction allowed, from 3 rows (see `dense_isa()`)."""
-    lib = load()
-    if lib is None:
-        raise KernelError(f"C++ kernels unavailable: {_load_error}")
+    lib = required()
     global kernel_generation
     before = bool(lib.armserve_amx_wanted())
     kernel_generation += 1
