@@ -2,8 +2,9 @@
 
 An op runs its C++ kernel when the library is loaded and the input is one the kernel takes (and,
 for the matmuls, one it is faster on); otherwise its PyTorch reference (kernels/reference.py).
-The op functions ask here themselves; a caller asks only where it must choose before the op runs
-(prepack a weight at load, build the attention step for the kernels, fuse a layer's experts).
+The op functions that can fall back ask here themselves; a caller asks where it must choose before
+the op runs (prepack a weight at load, build the attention step for the kernels, fuse a layer's
+experts) or falls back in its own way (F.linear with the bias around the skinny matmul).
 """
 
 from __future__ import annotations
