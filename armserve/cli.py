@@ -108,7 +108,7 @@ def _add_serving_commands(sub) -> None:
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.ray_address:
         return _cmd_serve_ray(args)
-    from armserve.entrypoints.api_server import run_server  # FastAPI only when serving
+    from armserve.entrypoints.server_process import run_server  # FastAPI only when serving
 
     return run_server(args)
 

@@ -1,31 +1,22 @@
 """Tensor parallelism on one machine: one model split over N ranks, each a process on its own cores
 (its own NUMA node on a big machine), one scheduler.
 
-    rank 0 (the engine's process)                        rank 1..N-1 (spawned workers)
-    -----------------------------                        -----------------------------
+    rank 0 (the engine's process)                      rank 1..N-1 (spawned workers)
+    -----------------------------                      -----------------------------
+    load_model(..., ParallelContext(0, N, group))      load_model(..., ParallelContext(r, N, group))
     scheduler -> ModelRunner.execute(step)
         _prepare -> step inputs ──── pipe (numpy) ────►  the same inputs
-        model forward  ◄═══ all-reduce after attention and MLP (shared memory) ═══►  model forward
-        compute_logits ◄═══ gather of the vocabulary shards ═══  compute_logits
+        model forward  ◄═══ all-reduce: embedding, each row-parallel layer ═══►  model forward
+        compute_logits ◄═══ gather of the LM head's vocabulary shares ═══  compute_logits
         sample (rank 0 only)
 
-Megatron-style split (`shard_model`), applied to the loaded weights before they are packed:
-
-    qkv_proj      column-parallel by heads: rank r keeps its query heads and their KV heads
-                  (a KV head shared by several ranks when there are fewer KV heads than ranks)
-    o_proj        row-parallel (its input columns of those heads); outputs summed by all-reduce
-    gate_up_proj  column-parallel (its slice of the intermediate width, of gate and of up)
-    down_proj     row-parallel; all-reduce (an MoE block: every expert split the same way, one
-                  all-reduce of the block's output; the router is replicated)
-    embed_tokens  split by vocabulary: a rank looks up the ids it holds, zeros elsewhere; all-reduce
-    lm_head       split by vocabulary (a tied head is the embedding's shard); logits gathered on rank 0
-    KV cache      each rank caches only its KV heads, in the same blocks (the scheduler's block ids)
+Each rank builds only its part of the model: its layers are the parallel layers of
+layers/linear.py (the split is drawn there) and its weights are cut as they load, quantized
+ones (w4a8, GGUF blocks) included, which stay quantized.
 
 Collectives go through `ShmGroup` (csrc/shm_comm.cpp: one shared-memory region, a spin-then-yield
 barrier, rank-ordered sums so all ranks hold bit-identical results) or, with
 `ARMSERVE_TP_COMM=gloo` or without the C++ kernels, torch.distributed's gloo backend.
-Quantized checkpoints are dequantized under tensor parallelism (a quantized weight's blocks
-run along the input dimension, which the row-parallel split would have to cut; not done yet).
 """
 
 from __future__ import annotations
@@ -39,20 +30,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from armserve import kernels
 
 logger = logging.getLogger("armserve")
-
-# Model classes whose layers `shard_model` knows (attention: LlamaAttention; MLP: LlamaMLP or
-# SparseMoeBlock).
-TP_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Slots hold at most this much; larger all-reduces and gathers go in pieces.
@@ -192,178 +175,21 @@ def make_comm_spec(world: int, slot_bytes: int, kind: str | None = None) -> Comm
     raise ValueError(f"ARMSERVE_TP_COMM must be shm or gloo, got {kind!r}")
 
 
-# ---- splitting a loaded model -----------------------------------------------------------------
-
-
-def _share(n: int, rank: int, world: int) -> tuple[int, int]:
-    """(first, count) of rank's part of n items split as evenly as possible (the first ranks get
-    the smaller parts): a model whose heads or width the rank count does not divide still splits."""
-    a, b = n * rank // world, n * (rank + 1) // world
-    if b <= a:
-        raise ValueError(f"tensor_parallel_size {world} leaves rank {rank} none of {n}")
-    return a, b - a
-
-
-def _keep_rows(linear: nn.Module, ranges: list[tuple[int, int]]) -> None:
-    """Keep output rows [a, a + n) for each (a, n) of a float Linear (column-parallel)."""
-    w = linear.weight.data
-    linear.weight = nn.Parameter(torch.cat([w[a:a + n] for a, n in ranges]).contiguous(), requires_grad=False)
-    if linear.bias is not None:
-        b = linear.bias.data
-        linear.bias = nn.Parameter(torch.cat([b[a:a + n] for a, n in ranges]).contiguous(), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
-
-
-def _keep_cols(linear: nn.Module, start: int, n: int, rank: int) -> None:
-    """Keep input columns [start, start + n) of a float Linear (row-parallel); the bias stays on rank 0
-    only, so the all-reduce adds it once."""
-    linear.weight = nn.Parameter(linear.weight.data[:, start:start + n].contiguous(), requires_grad=False)
-    linear.in_features = n
-    if linear.bias is not None and rank != 0:
-        linear.bias = None
-
-
-def _shard_attention(attn: nn.Module, rank: int, world: int) -> None:
-    """LlamaAttention: this rank's query heads and the KV heads they read."""
-    h, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    group = h // kv
-    if kv >= world:  # whole KV groups per rank (SmolLM2's 3 over 2 ranks: 1 and 2)
-        k0, kn = _share(kv, rank, world)
-        q0, qn = k0 * group, kn * group
-    else:  # fewer KV heads than ranks: the query heads split, each rank keeps the KV head they read
-        if world % kv or h % world:
-            raise ValueError(f"tensor_parallel_size {world} exceeds the {kv} KV heads and does not split "
-                             f"them and the {h} attention heads evenly")
-        q0, qn = _share(h, rank, world)
-        k0, kn = q0 // group, 1
-    q_size, kv_size = h * d, kv * d
-    _keep_rows(attn.qkv_proj, [(q0 * d, qn * d), (q_size + k0 * d, kn * d), (q_size + kv_size + k0 * d, kn * d)])
-    _keep_cols(attn.o_proj, q0 * d, qn * d, rank)
-    attn.num_heads, attn.num_kv_heads = qn, kn
-    attn.q_size, attn.kv_size = qn * d, kn * d
-    inner = attn.attn
-    inner.num_heads, inner.num_kv_heads = qn, kn
-    if inner.key_channel_rms is not None:
-        inner.key_channel_rms = inner.key_channel_rms.view(kv, d)[k0:k0 + kn].reshape(-1).clone()
-
-
-def _shard_mlp(mlp: nn.Module, rank: int, world: int) -> None:
-    """LlamaMLP: this rank's slice of the intermediate width (of gate and of up alike)."""
-    inter = mlp.gate_up_proj.weight.shape[0] // 2
-    i0, n = _share(inter, rank, world)
-    _keep_rows(mlp.gate_up_proj, [(i0, n), (inter + i0, n)])
-    _keep_cols(mlp.down_proj, i0, n, rank)
-
-
-class VocabShardEmbedding(nn.Module):
-    """Rows [start, start + rows) of the embedding table (zero-padded to equal shards): each rank
-    looks up the ids it holds, zeros for the others, and the all-reduce puts the rows together."""
-
-    def __init__(self, weight: torch.Tensor, start: int, group) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.start, self.group = start, group
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        local = input_ids - self.start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out.masked_fill_(outside.unsqueeze(-1), 0)
-        return self.group.all_reduce(out)
-
-
-def _vocab_shard(w: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, int]:
-    """(this rank's rows of a [vocab, hidden] table padded to ceil(vocab / world) rows, first row)."""
-    vocab = w.shape[0]
-    per = -(-vocab // world)
-    start = rank * per
-    part = w[start:min(vocab, start + per)]
-    if part.shape[0] < per:
-        part = torch.cat([part, part.new_zeros(per - part.shape[0], w.shape[1])])
-    return part.contiguous(), start
-
-
-def _all_reduce_output(group) -> Callable:
-    def hook(module, args, out):
-        return group.all_reduce(out)
-    return hook
-
-
-def shard_model(model: nn.Module, group, rank: int, world: int) -> None:
-    """Split a loaded (not yet packed) model in place for `rank` of `world` (see the module
-    docstring) and add its collectives: all-reduce after each attention and MLP, the embedding's
-    all-reduce, and `compute_logits` gathering the full vocabulary on rank 0 (None elsewhere)."""
-    from armserve.layers.quantized_linear import QuantizedLinear
-    from armserve.models.llama import Linear, LlamaAttention, LlamaMLP
-    from armserve.models.moe import SparseMoeBlock
-
-    name = type(model).__name__
-    if name not in TP_ARCHITECTURES:
-        raise ValueError(f"tensor parallelism supports {', '.join(TP_ARCHITECTURES)}; not {name}")
-    if any(isinstance(m, QuantizedLinear) for m in model.modules()):
-        raise ValueError("tensor parallelism needs float weights (load with quantization='none')")
-    for layer in model.layers:
-        if not isinstance(layer.self_attn, LlamaAttention):
-            raise ValueError(f"{name}: layer attention {type(layer.self_attn).__name__} cannot be split")
-        _shard_attention(layer.self_attn, rank, world)
-        mlp = layer.mlp
-        if isinstance(mlp, SparseMoeBlock):
-            for expert in mlp.experts:
-                _shard_mlp(expert, rank, world)
-            if mlp.shared_expert is not None:
-                _shard_mlp(mlp.shared_expert, rank, world)
-        elif isinstance(mlp, LlamaMLP):
-            _shard_mlp(mlp, rank, world)
-        else:
-            raise ValueError(f"{name}: MLP {type(mlp).__name__} cannot be split")
-        layer.self_attn.register_forward_hook(_all_reduce_output(group))
-        mlp.register_forward_hook(_all_reduce_output(group))
-    vocab = model.config.vocab_size
-    table, start = _vocab_shard(model.embed_tokens.weight.data, rank, world)
-    model.embed_tokens = VocabShardEmbedding(table, start, group)
-    if model.lm_head is not None:
-        head = Linear(model.lm_head.in_features, table.shape[0])
-        head.weight = nn.Parameter(_vocab_shard(model.lm_head.weight.data, rank, world)[0], requires_grad=False)
-        model.lm_head = head
-    local_logits = model.compute_logits
-
-    def compute_logits(hidden: torch.Tensor) -> torch.Tensor | None:
-        full = group.gather(local_logits(hidden).float().contiguous())
-        return None if full is None else full[:, :vocab]
-
-    model.compute_logits = compute_logits  # an instance attribute: the class's method stays as it was
-    model.tp_group = group
-
-
-def load_model_shard(config, group, rank: int, world: int) -> tuple[nn.Module, torch.dtype, torch.dtype]:
-    """(this rank's part of the model, its dtype, its KV cache dtype). Every rank reads the whole
-    checkpoint and keeps its part (loading only the part is future work: peak memory is one full
-    copy per rank while loading)."""
-    from armserve import model_loader
-    from armserve.config import resolve_dtype, resolve_kv_cache_dtype
-
-    src = model_loader.resolve_model_path(config.model)
-    hf = model_loader.load_config(src)
-    dtype = resolve_dtype(config.dtype, model_loader.checkpoint_dtype(hf))
-    if config.quantization not in (None, "none", "auto") or model_loader.armserve_quantization(hf) or src.is_gguf:
-        logger.info("tensor parallel: quantized weights of %s are dequantized to %s", config.model,
-                    str(dtype).replace("torch.", ""))
-    model = model_loader.load_model(src, hf, dtype, "none", prepare=lambda m: shard_model(m, group, rank, world))
-    return model, dtype, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
-
-
 # ---- the workers ----------------------------------------------------------------------------
 
 
 def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str | None, log_level: int) -> None:
-    """A tensor-parallel rank > 0: load and split the model, allocate its KV cache shard, then run
-    every step rank 0 sends until the pipe closes."""
+    """A tensor-parallel rank > 0: load its part of the model, allocate its KV cache shard, then
+    run every step rank 0 sends until the pipe closes."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s tp{rank} %(message)s")
     logger.setLevel(log_level)
     group = None
     try:
+        from armserve import model_loader
+        from armserve.config import resolve_dtype, resolve_kv_cache_dtype
         from armserve.cpu import init_threads
         from armserve.engine.model_runner import ModelRunner
+        from armserve.layers.linear import ParallelContext
 
         if bind:
             # A spawned process inherits the affinity of the thread that started it, which may be
@@ -373,7 +199,12 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
             os.sched_setaffinity(0, parse_cpu_list(bind))
         init_threads(bind=bind)
         group = comm.join(rank)
-        model, dtype, cache_dtype = load_model_shard(config, group, rank, world)
+        # (every rank reads the whole checkpoint and keeps its part of each tensor as it loads)
+        src = model_loader.resolve_model_path(config.model)
+        hf = model_loader.load_config(src)
+        dtype = resolve_dtype(config.dtype, model_loader.checkpoint_dtype(hf))
+        model = model_loader.load_model(src, hf, dtype, config.quantization, ParallelContext(rank, world, group))
+        cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         num_blocks = conn.recv()
         runner = ModelRunner(model, num_blocks, config.block_size, dtype, cache_dtype, config.max_model_len,
                              enforce_eager=True)

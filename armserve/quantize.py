@@ -24,7 +24,6 @@ import torch
 
 from armserve import model_loader
 from armserve.layers.quantized_linear import quantize_weight, quantize_weight_int8
-from armserve.models import get_model_class
 
 # Decoder-layer projections that are quantized (MoE experts included: Mixtral names its experts'
 # gate/down/up w1/w2/w3; DeepSeek's shared experts, MLA's q projections and kv down-projection
@@ -40,13 +39,10 @@ SHARD_BYTES = 2 * 2**30
 
 
 def _float_weights(src: model_loader.ModelSource, config):
-    if src.is_gguf:
-        # the family's own GGUF names (Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA) come with its class
-        cls = get_model_class(config.architectures[0])
-        return model_loader._iter_gguf(os.path.join(src.folder, src.gguf_file), config, keep_quantized=False, cls=cls)
     if model_loader.armserve_quantization(config):
         raise ValueError(f"{src.path} is already quantized by armserve")
-    return model_loader._iter_safetensors(src.folder)
+    # (a GGUF file's names mapped by its family: Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA)
+    return model_loader.checkpoint_weights(src, config, dequantize=True)
 
 
 def quantize_model(

@@ -55,7 +55,8 @@ class ArmserveDeployment:
     def __init__(self, model: str, served_model_name: str | None, engine_args: dict[str, Any],
                  server_args: dict[str, Any]) -> None:
         from armserve.engine.async_llm import AsyncLLM
-        from armserve.entrypoints.api_server import build_app, default_served_name
+        from armserve.entrypoints.api_server import build_app
+        from armserve.entrypoints.server_process import default_served_name
         from armserve.entrypoints.metrics import PrometheusMetrics
         from armserve.model_loader import resolve_model_path
 

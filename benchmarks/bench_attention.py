@@ -26,9 +26,7 @@ import argparse
 import itertools
 import os
 import random
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -37,22 +35,15 @@ import torch  # noqa: E402
 
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
+from armserve.benchmarks.roofline import measure_bandwidth  # noqa: E402
+from armserve.benchmarks.timing import seconds_per_call  # noqa: E402
+
 SHAPES = {"SmolLM2 (9q/3kv x 64)": (9, 3, 64), "Qwen2.5-0.5B (14q/2kv x 64)": (14, 2, 64)}
 DECODE = [(1, 128), (8, 128), (32, 128), (64, 128), (1, 1024), (8, 1024), (32, 1024), (64, 1024), (1, 4096),
           (8, 4096), (32, 4096)]
 PREFILL = [1024, 4096]
 CHUNK = 2048
 COLD_BYTES = 256 << 20  # decode: caches cycled through per call, well past any last-level cache
-
-
-def read_bandwidth_gbs() -> float:
-    x = torch.ones(1 << 28)  # 1 GiB of float32
-    best = 0.0
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def make_case(hq: int, hk: int, hd: int, cache: torch.dtype, seqs: list[tuple[int, int]], bs: int = 16,
@@ -109,32 +100,13 @@ def make_case(hq: int, hk: int, hd: int, cache: torch.dtype, seqs: list[tuple[in
     return step, keep
 
 
-def timed(fn, runs: int = 5, min_s: float = 0.05) -> float:
-    fn()
-    n = 1
-    while True:
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        if time.perf_counter() - t > min_s:
-            break
-        n *= 2
-    out = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out.append((time.perf_counter() - t) / n)
-    return statistics.median(out)
-
-
 def prefill_time(hq: int, hk: int, hd: int, cache: torch.dtype, n: int) -> tuple[float, float]:
     """Seconds for an n-token prompt in CHUNK-token chunks, and its (key, query head) pairs."""
     total, pairs = 0.0, 0.0
     for start in range(0, n, CHUNK):
         ql = min(CHUNK, n - start)
         fn, _ = make_case(hq, hk, hd, cache, [(ql, start + ql)])
-        total += timed(fn, runs=3, min_s=0.0)
+        total += seconds_per_call(fn, runs=3, min_s=0.0)
         pairs += hq * (ql * start + ql * (ql + 1) / 2)
     return total, pairs
 
@@ -149,7 +121,7 @@ def main() -> None:
 
     assert kernels.available(), kernels.load_error()
     load0 = load_average()
-    bw = read_bandwidth_gbs()
+    bw = measure_bandwidth("read", 2**30, reps=5, threads=args.threads, stat=max)  # best of 5 over 1 GiB
     lines = ["## Attention kernel: ns per (key, query head) (issue 13)", "",
              f"Machine: {machine_description()}. {args.threads} thread(s), kernel variant `{kernels.isa()}` "
              f"(bf16 dot instruction: {'on' if kernels.bf16_dot() else 'off'}; AMX tiles for prefill rows: "
@@ -169,13 +141,13 @@ def main() -> None:
             pairs = b * c * hq
             for cache in (torch.bfloat16, torch.int8):
                 fn, _ = make_case(hq, hk, hd, cache, [(1, c)] * b, cold=True)
-                t = timed(fn)
+                t = seconds_per_call(fn, runs=5)
                 per_kv = 2 * hd * (2 if cache == torch.bfloat16 else 1) + (8 if cache == torch.int8 else 0)
                 row += [f"{t * 1e6:.0f}", f"{t / pairs * 1e9:.2f}"]
                 if cache == torch.bfloat16:
                     row.append(f"{b * c * hk * per_kv / t / 1e9:.1f}")
             warm, _ = make_case(hq, hk, hd, torch.bfloat16, [(1, c)] * b)
-            row.append(f"{timed(warm) / pairs * 1e9:.2f}")
+            row.append(f"{seconds_per_call(warm, runs=5) / pairs * 1e9:.2f}")
             roof = [2 * hd * 2 / group / bw, (2 * hd + 8) / group / bw]
             row.append(f"{roof[0]:.2f} / {roof[1]:.2f}")
             lines.append("| " + " | ".join(row) + " |")

@@ -32,6 +32,8 @@ import peer_models as pm  # noqa: E402
 import peers  # noqa: E402
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
+from armserve.benchmarks.roofline import measure_matmul_peak  # noqa: E402
+
 RESULTS = os.path.join(HERE, "results", "batched")
 MAX_MODEL_LEN = 4608  # a 4096-token prompt plus its output
 SERVED = "model"  # every server answers to this name
@@ -52,19 +54,18 @@ SYSTEMS = ["armserve", "vllm", "armserve-gguf", "llama.cpp"]
 # The same engine without the server (LLM.generate, `max_num_seqs` = the concurrency): what the
 # server costs at each concurrency (HTTP, tokenizing and streaming in the server process, the
 # messages to and from its engine-core process).
-OFFLINE = """import json, sys, time
+OFFLINE = """import json, sys
 import torch
 torch.set_num_threads(1)
 from armserve import LLM, SamplingParams
+from armserve.benchmarks.timing import timed
 model, c, n, inp, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 llm = LLM(model, dtype="bfloat16", kv_cache_space=1, max_model_len=4608, max_num_seqs=c)
 vocab = llm.get_tokenizer().vocab_size
 prompts = [{"prompt_token_ids": [(97 * i + 7919 * j) % (vocab - 200) + 100 for i in range(inp)]} for j in range(n)]
 sp = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
 llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-t = time.perf_counter()
-outs = llm.generate(prompts, sp, use_tqdm=False)
-dt = time.perf_counter() - t
+outs, dt = timed(lambda: llm.generate(prompts, sp, use_tqdm=False))
 print(json.dumps({"output_throughput": sum(len(o.outputs[0].token_ids) for o in outs) / dt}))
 """
 
@@ -207,20 +208,7 @@ def run_model(model: str, systems: list[str], concurrency: list[int], long_promp
 def bf16_peak_gflops() -> float:
     """This core's practical bfloat16 matmul rate: the best of a few large oneDNN GEMMs on one
     thread (they run at the bf16 dot instruction's limit where the CPU has one)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(1024, 896).to(torch.bfloat16), torch.randn(896, 4864).to(torch.bfloat16)
-        best = 0.0
-        for _ in range(8):
-            t = time.perf_counter()
-            torch.matmul(a, b)
-            best = max(best, 2 * 1024 * 896 * 4864 / (time.perf_counter() - t) / 1e9)
-        return best
-    finally:
-        torch.set_num_threads(before)
+    return measure_matmul_peak("bfloat16", (1024, 896, 4864), reps=8, threads=1, stat=max)
 
 
 def flops_per_output_token(hf: str, prompt: int = 128, output: int = 64) -> float:

@@ -17,12 +17,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
+
+from armserve.benchmarks.roofline import measure_bandwidth  # noqa: E402
+from armserve.benchmarks.timing import request_decode_tok_s  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
 
@@ -38,43 +40,10 @@ def worker(model: str, dtype: str, tokens: int, runs: int) -> None:
     llm = LLM(model, dtype=dtype, kv_cache_space=1, max_model_len=1024, quantization="none")
     p = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
-    samples = []
-    for _ in range(runs):
-        m = llm.generate([PROMPT], p, use_tqdm=False)[0].metrics
-        samples.append((tokens - 1) / (m.last_token_time - m.first_token_time))
+    samples = [request_decode_tok_s(llm.generate([PROMPT], p, use_tqdm=False)[0]) for _ in range(runs)]
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
     print(json.dumps({"samples": samples, "weight_bytes": weight_bytes, "isa": kernels.isa(),
                       "threads": torch.get_num_threads()}), flush=True)
-
-
-def read_bandwidth_gbs(threads: int) -> float:
-    """Bytes read per second by a sum over a 1 GiB tensor (median of 5)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x = torch.ones(2**28)  # 1 GiB of float32
-    x.sum()
-    samples = []
-    for _ in range(5):
-        t = time.perf_counter()
-        x.sum()
-        samples.append(x.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    return statistics.median(samples)
-
-
-def copy_bandwidth_gbs(threads: int) -> float:
-    """Bytes moved (read + written) per second by copying a 1 GiB tensor (median of 5)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    x, y = torch.ones(2**28), torch.empty(2**28)
-    y.copy_(x)
-    samples = []
-    for _ in range(5):
-        t = time.perf_counter()
-        y.copy_(x)
-        samples.append(2 * x.numel() * 4 / (time.perf_counter() - t) / 1e9)
-    return statistics.median(samples)
 
 
 def measure(model: str, dtype: str, isa: str | None, threads: int, tokens: int, runs: int) -> dict:
@@ -107,8 +76,9 @@ def main() -> None:
 
     models = [("SmolLM2-135M (GGUF, dequantized)", smollm2_gguf()), ("TinyLlama-1.1B shape (random)", tinyllama_hf())]
     load0 = load_average()
-    bw = read_bandwidth_gbs(args.threads)
-    copy_bw = copy_bandwidth_gbs(args.threads)
+    # over 1 GiB, median of 5
+    bw = measure_bandwidth("read", 2**30, reps=5, threads=args.threads)
+    copy_bw = measure_bandwidth("copy", 2**30, reps=5, threads=args.threads)
     rows = []
     for label, path in models:
         res: dict[str, list[float]] = {"torch": [], "kernels": []}

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,11 +23,14 @@ import torch  # noqa: E402
 
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
+from armserve.benchmarks.timing import (  # noqa: E402
+    decode_tok_s_by_difference,
+    median_min_max,
+    request_decode_tok_s,
+    timed,
+)
+
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
-
-
-def median_spread(xs: list[float]) -> tuple[float, float, float]:
-    return statistics.median(xs), min(xs), max(xs)
 
 
 class Armserve:
@@ -47,19 +48,15 @@ class Armserve:
     def decode_tps(self, n: int) -> float:
         from armserve import SamplingParams
 
-        out = self.llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                use_tqdm=False)[0]
-        m = out.metrics
-        return (n - 1) / (m.last_token_time - m.first_token_time)
+        return request_decode_tok_s(self.llm.generate(
+            [PROMPT], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0])
 
     def batch_tps(self, n: int, batch: int) -> float:
         from armserve import SamplingParams
 
         prompts = [f"{PROMPT} (story {i})" for i in range(batch)]
-        t = time.perf_counter()
-        outs = self.llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                                 use_tqdm=False)
-        dt = time.perf_counter() - t
+        outs, dt = timed(lambda: self.llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False))
         return sum(len(o.outputs[0].token_ids) for o in outs) / dt
 
 
@@ -87,15 +84,13 @@ class Transformers:
 
     def _gen(self, prompts: list[str], n: int) -> float:
         enc = self.tok(prompts, return_tensors="pt", padding=True)
-        t = time.perf_counter()
         with torch.no_grad():
-            self.model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                pad_token_id=self.tok.pad_token_id)
-        return time.perf_counter() - t
+            return timed(lambda: self.model.generate(**enc, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                                     pad_token_id=self.tok.pad_token_id))[1]
 
     def decode_tps(self, n: int) -> float:
         # Prefill excluded by difference: time(n tokens) - time(1 token) covers n - 1 decode steps.
-        return (n - 1) / (self._gen([PROMPT], n) - self._gen([PROMPT], 1))
+        return decode_tok_s_by_difference(lambda k: self._gen([PROMPT], k), n - 1)
 
     def batch_tps(self, n: int, batch: int) -> float:
         prompts = [f"{PROMPT} (story {i})" for i in range(batch)]
@@ -134,7 +129,7 @@ def main() -> None:
                 dec[s.name].append(s.decode_tps(args.tokens))
                 bat[s.name].append(s.batch_tps(args.tokens, args.batch))
         for s in systems:
-            d, b = median_spread(dec[s.name]), median_spread(bat[s.name])
+            d, b = median_min_max(dec[s.name]), median_min_max(bat[s.name])
             rows.append((dtype, s.name, d, b))
             print(f"{dtype:9s} {s.name:13s} batch-1 decode {d[0]:7.1f} tok/s ({d[1]:.1f}-{d[2]:.1f})   "
                   f"{args.batch} concurrent {b[0]:7.1f} tok/s ({b[1]:.1f}-{b[2]:.1f})", flush=True)

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,31 +22,13 @@ import torch  # noqa: E402
 
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
+from armserve.benchmarks.roofline import measure_bandwidth  # noqa: E402
+from armserve.benchmarks.timing import seconds_per_call  # noqa: E402
+
 
 def timeit(fn, iters: int, runs: int) -> float:
     """Median microseconds per call."""
-    fn()
-    samples = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        samples.append((time.perf_counter() - t) / iters * 1e6)
-    return statistics.median(samples)
-
-
-def copy_bandwidth_gbs(runs: int = 5) -> float:
-    """Memory copy bandwidth: bytes read + written per second for a 512 MiB copy."""
-    n = 512 * 2**20 // 4
-    src = torch.ones(n)
-    dst = torch.empty(n)
-    dst.copy_(src)
-    best = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best.append(2 * n * 4 / (time.perf_counter() - t) / 1e9)
-    return statistics.median(best)
+    return seconds_per_call(fn, runs, iters) * 1e6
 
 
 def attention_cases(dtype: torch.dtype):
@@ -166,11 +146,7 @@ DENSE_ROWS = [1, 4, 8, 16, 32, 64, 128, 512]
 
 def timeit_for(fn, seconds: float, runs: int) -> float:
     """Median microseconds per call, iterations sized so that a run takes about `seconds`."""
-    fn()
-    t = time.perf_counter()
-    fn()
-    iters = max(1, int(seconds / max(time.perf_counter() - t, 1e-7)))
-    return timeit(fn, iters, runs)
+    return seconds_per_call(fn, runs, min_s=seconds) * 1e6
 
 
 def dense_gemm_table(runs: int, seconds: float = 0.05) -> list[str]:
@@ -340,7 +316,7 @@ def main() -> None:
         return
     isas = kernels.supported_isas()
     load0 = load_average()
-    bw = copy_bandwidth_gbs()
+    bw = measure_bandwidth("copy", 512 * 2**20, reps=5, threads=args.threads)
     rows = []
     for label, ref, fast in attention_cases(dtype) + elementwise_cases(dtype) + matmul_cases(dtype):
         t_ref = timeit(ref, args.iters, args.runs)

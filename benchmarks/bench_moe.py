@@ -35,6 +35,8 @@ sys.path.insert(0, HERE)
 import peer_models as pm  # noqa: E402
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
+from armserve.benchmarks import timing  # noqa: E402
+
 SHAPES = {
     # Mixtral-8x7B: 8 experts of 14336, top-2; 2 of its 32 layers.
     "mixtral": dict(title="Mixtral-8x7B shape, 2 of 32 layers", arch="MixtralForCausalLM", config=dict(
@@ -53,21 +55,24 @@ SHAPES = {
 }
 
 # The measurement both engines' workers run (either LLM class: vLLM's and armserve's generate
-# take the same prompts and SamplingParams), printed as one JSON line.
-DECODE = r"""
-import json, statistics, time
+# take the same prompts and SamplingParams), printed as one JSON line. timing.py is run by path:
+# vLLM's interpreter has no armserve to import it from.
+DECODE = f"""
+import json, runpy
 
+timing = runpy.run_path({timing.__file__!r})
+""" + r"""
 
 def decode_tok_s(llm, SamplingParams, n, batch):
     vocab = llm.get_tokenizer().vocab_size
     prompts = [{"prompt_token_ids": [(97 * i + 7919 * j) % (vocab - 200) + 100 for i in range(16)]} for j in range(batch)]
     def run(tokens):
-        t = time.perf_counter()
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
-        return time.perf_counter() - t
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        return timing["timed"](lambda: llm.generate(prompts, params, use_tqdm=False))[1]
     run(4)
-    samples = [batch * n / (run(n + 1) - run(1)) for _ in range(3)]
-    print(json.dumps({"tok_s": statistics.median(samples), "min": min(samples), "max": max(samples)}))
+    samples = [timing["decode_tok_s_by_difference"](run, n, batch) for _ in range(3)]
+    tok_s, lo, hi = timing["median_min_max"](samples)
+    print(json.dumps({"tok_s": tok_s, "min": lo, "max": hi}))
 """
 
 WORKER = DECODE + r"""

@@ -103,6 +103,7 @@ def paired_decode(systems: dict[str, tuple[str, str | None]], threads: int, toke
 import json, torch
 torch.set_num_threads({threads})
 from armserve import LLM, SamplingParams
+from armserve.benchmarks.timing import request_decode_tok_s
 systems = {systems!r}
 llms = {{k: LLM(m, dtype="bfloat16", kv_cache_space=0.25, max_model_len=512, quantization=q)
         for k, (m, q) in systems.items()}}
@@ -113,8 +114,8 @@ names = list(llms)
 out = {{k: [] for k in names}}
 for r in range({pairs}):
     for k in names[r % len(names):] + names[:r % len(names)]:
-        m = llms[k].generate(["Once upon a time, in a land far away"], p, use_tqdm=False)[0].metrics
-        out[k].append(({tokens} - 1) / (m.last_token_time - m.first_token_time))
+        out[k].append(request_decode_tok_s(llms[k].generate(["Once upon a time, in a land far away"], p,
+                                                            use_tqdm=False)[0]))
 print(json.dumps(out))
 """
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))

@@ -210,18 +210,7 @@ def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg_cls = {
-        "LlamaForCausalLM": transformers.LlamaConfig,
-        "MistralForCausalLM": transformers.MistralConfig,
-        "Qwen2ForCausalLM": transformers.Qwen2Config,
-        "Qwen3ForCausalLM": transformers.Qwen3Config,
-        "Gemma3ForCausalLM": transformers.Gemma3TextConfig,
-        "MixtralForCausalLM": transformers.MixtralConfig,
-        "Qwen2MoeForCausalLM": transformers.Qwen2MoeConfig,
-        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
-        "DeepseekV2ForCausalLM": transformers.DeepseekV2Config,
-        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config,
-    }[arch]
+    cfg_cls = getattr(transformers, arch).config_class
     kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     kw.update(overrides)
     config = cfg_cls(**kw)

@@ -1,5 +1,6 @@
 """The serving-benchmark arithmetic on synthetic timings: vLLM `bench serve` definitions of TTFT,
-TPOT, ITL, E2EL, percentiles, goodput and throughput, checked against hand-computed values and numpy."""
+TPOT, ITL, E2EL, percentiles, goodput and throughput, checked against hand-computed values and numpy;
+and the decode-speed definitions every benchmark script shares (armserve/benchmarks/timing.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from armserve.benchmarks.metrics import (RequestResult, calculate_metrics, parse_percentiles, parse_slo,
                                          peak_concurrency, peak_output_throughput, tpot_of)
 from armserve.benchmarks.serve import arrival_intervals
+from armserve.benchmarks.timing import decode_tok_s, decode_tok_s_by_difference, time_per_output_token
 
 
 def req(ttft: float, latency: float, out: int, itl: list[float], prompt: int, start: float = 0.0,
@@ -33,6 +35,15 @@ def test_tpot_excludes_the_first_token() -> None:
     assert tpot_of(req(0.1, 1.0, 10, [], 1)) == pytest.approx(0.1)
     assert tpot_of(req(0.2, 0.65, 4, [], 1)) == pytest.approx(0.15)
     assert tpot_of(req(0.05, 0.05, 1, [], 1)) is None
+
+
+def test_decode_speed_definitions() -> None:
+    assert decode_tok_s(5, 1.0, 3.0) == 2.0  # 4 tokens after the first in 2 s
+    assert decode_tok_s(1, 1.0, 3.0) is None and decode_tok_s(5, 3.0, 3.0) is None
+    assert time_per_output_token(5, 1.0, 3.0) == 0.5 and time_per_output_token(1, 1.0, 3.0) is None
+    # wall time only: 9 tokens take 8 decode steps more than 1 token (2 s), for 4 sequences at once
+    wall = {1: 0.5, 9: 2.5}
+    assert decode_tok_s_by_difference(wall.__getitem__, 8, sequences=4) == 16.0
 
 
 def test_counts_and_throughputs(three_ok_one_failed) -> None:

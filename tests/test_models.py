@@ -155,7 +155,7 @@ def test_gguf_file_is_parsed_once_per_load(smollm2_gguf, monkeypatch):
     import gguf
     from gguf.gguf_reader import GGUFReader
 
-    from armserve import model_loader
+    from armserve.model_loader import gguf as gguf_loader
 
     parses = []
     original_init = GGUFReader.__init__
@@ -169,7 +169,7 @@ def test_gguf_file_is_parsed_once_per_load(smollm2_gguf, monkeypatch):
     llm = LLM(smollm2_gguf, dtype="float32", kv_cache_space=0.05, max_model_len=128)
     assert len(parses) == 1
     assert gguf.GGUFReader is package_reader
-    assert model_loader._GGUF_READER is None
+    assert gguf_loader._READER is None
     assert llm.get_tokenizer().vocab_size == 49152
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

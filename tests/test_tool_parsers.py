@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from armserve.entrypoints.serving import ToolCallStream
-from armserve.entrypoints.tool_parsers import TOOL_PARSERS, get_tool_parser
+from armserve.entrypoints.tool_parsers import TOOL_PARSERS, ToolCallStream, get_tool_parser
 
 
 def calls_of(parser: str, text: str) -> tuple[str | None, list[tuple[str, dict]]]:

@@ -1,7 +1,8 @@
-"""Tensor parallelism (armserve/distributed.py): TP=2 on this 2-core machine (one core per rank)
-gives TP=1's greedy float32 tokens for Llama, Qwen2 and an MoE; chunked prefill, prefix caching
-and preemption still work; the shared-memory all-reduce equals torch.distributed's gloo; a rank
-that dies fails the step instead of hanging it."""
+"""Tensor parallelism (armserve/distributed.py, layers/linear.py): TP=2 on this 2-core machine (one
+core per rank) gives TP=1's greedy float32 tokens for Llama, Qwen2 and an MoE, and for quantized
+checkpoints (w4a8, GGUF blocks), which stay quantized; the parallel layers' parts add up to the
+whole layer; chunked prefill, prefix caching and preemption still work; the shared-memory
+all-reduce equals torch.distributed's gloo; a rank that dies fails the step instead of hanging it."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from armserve import LLM, SamplingParams
 from armserve import cpu
 from armserve.cpu import core_groups
 from armserve.distributed import CommSpec, ShmGroup, TPError, make_comm_spec
+from armserve.layers.linear import Linear, ParallelContext, parallel_context
+from armserve.layers.quantized_linear import QuantizedLinear, quantize_weight, quantize_weight_int8
 
 from test_engine import BLOCK_BYTES_TINY, GREEDY, mixed_prompts, tiny, token_lists
 
@@ -98,6 +101,206 @@ def test_tp2_chunked_prefill_preemption_and_prefix_caching(tiny_llama):
     outs = on.generate(variants, GREEDY, use_tqdm=False)
     assert token_lists(outs) == want
     assert all(o.num_cached_tokens >= 16 for o in outs)
+
+
+def assert_same_greedy(one: LLM, two: LLM, prompts: list, atol: float) -> None:
+    """`two` picks `one`'s greedy tokens, their log-probabilities (and the runner-up's) within
+    `atol`, except at a tie (`one`'s top two within `atol`), which either may break: there the
+    two sequences may part."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=2, ignore_eos=True)
+    for a, b in zip(one.generate(prompts, params, use_tqdm=False), two.generate(prompts, params, use_tqdm=False)):
+        a, b = a.outputs[0], b.outputs[0]
+        for x, y, la, lb in zip(a.token_ids, b.token_ids, a.logprobs, b.logprobs):
+            assert all(abs(la[t].logprob - lb[t].logprob) < atol for t in la.keys() & lb.keys()), (la, lb)
+            if x != y:
+                assert y in la and la[x].logprob - la[y].logprob < atol, (x, y, la, lb)
+                break
+
+
+def linear_kinds(llm: LLM) -> dict[str, str]:
+    """Each linear layer of rank 0's model: its name -> float Linear or QuantizedLinear."""
+    return {n: type(m).__name__ for n, m in llm.llm_engine.model.named_modules()
+            if isinstance(m, (Linear, QuantizedLinear))}
+
+
+def write_llama_gguf(hf_folder: str, path: str) -> None:
+    """A tiny Llama checkpoint as llama.cpp lays out a `llama` GGUF (q/k rows permuted for its
+    rotary), its types mixed as K-quant files mix them: q and the MLP in Q4_0 blocks, v, the
+    output projection and down in Q8_0, k in F32 (int8 beside its quantized q and v), the token
+    table in Q8_0 and no `output` tensor (the LM head is the table, as a quantized GEMM)."""
+    import json
+
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(os.path.join(hf_folder, "config.json")))
+    sd = load_file(os.path.join(hf_folder, "model.safetensors"))
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = GGUFWriter(path, "llama")
+    for key, value in (("context_length", cfg["max_position_embeddings"]), ("embedding_length", cfg["hidden_size"]),
+                       ("block_count", cfg["num_hidden_layers"]), ("feed_forward_length", cfg["intermediate_size"]),
+                       ("attention.head_count", n_head), ("attention.head_count_kv", n_kv),
+                       ("vocab_size", cfg["vocab_size"])):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_float32("llama.rope.freq_base", float(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"]))
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
+
+    def add(name: str, t: torch.Tensor, qtype: Q = Q.F32, heads: int = 0) -> None:
+        if heads:  # llama.cpp's rotary row order
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        a = np.ascontiguousarray(t.float().numpy())
+        w.add_tensor(name, a if qtype == Q.F32 else quantize(a, qtype), raw_dtype=None if qtype == Q.F32 else qtype)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
+    add("output_norm.weight", sd["model.norm.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", sd[p + "self_attn.q_proj.weight"], Q.Q4_0, n_head)
+        add(f"blk.{i}.attn_k.weight", sd[p + "self_attn.k_proj.weight"], Q.F32, n_kv)
+        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], Q.Q8_0)
+        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], Q.Q8_0)
+        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], Q.Q4_0)
+        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], Q.Q4_0)
+        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], Q.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("kind", ["w4a8", "gguf", "moe_gguf"])
+def test_tp2_quantized_equals_tp1(tiny_llama, tiny_checkpoints, tmp_path, kind):
+    """The same quantized weights at TP=2 and TP=1 give the same greedy tokens (logits within
+    float32 rounding, ties allowed), and stay quantized: every layer quantized at TP=1 is a
+    QuantizedLinear at TP=2 too, holding half of it. `armserve quantize` w4a8 (group 32, the LM
+    head int8); a Llama GGUF mixing Q4_0, Q8_0 and a float k beside them, its LM head the Q8_0
+    token table; a Qwen2-MoE GGUF with Q8_0 experts."""
+    from armserve.quantize import quantize_model
+
+    tokenizer = None
+    if kind == "w4a8":
+        path = str(tmp_path / "w4a8")
+        quantize_model(tiny_llama, path, group_size=32, progress=False)
+    elif kind == "gguf":
+        path, tokenizer = str(tmp_path / "llama.gguf"), tiny_llama
+        write_llama_gguf(tiny_llama, path)
+    else:
+        from test_moe import write_moe_gguf
+
+        path, tokenizer = str(tmp_path / "moe.gguf"), tiny_checkpoints["qwen2_moe"]
+        write_moe_gguf(tokenizer, path, expert_type="Q8_0")
+    one, two = (tiny(path, tokenizer=tokenizer, tensor_parallel_size=tp, max_model_len=256) for tp in (1, 2))
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(one.get_tokenizer())]
+    assert_same_greedy(one, two, prompts, atol=1e-4)
+
+    kinds = linear_kinds(one)
+    assert linear_kinds(two) == kinds
+    quantized = [n for n, k in kinds.items() if k == "QuantizedLinear"]
+    if kind == "moe_gguf":  # (the file's attention, routers, shared expert and LM head are float)
+        assert quantized == [n for n in kinds if ".experts." in n] and len(quantized) == 2 * 6 * 2
+    else:
+        assert quantized == list(kinds) and "lm_head" in quantized
+    m1, m2 = one.llm_engine.model, two.llm_engine.model
+    for name in quantized:
+        a, b = m1.get_submodule(name), m2.get_submodule(name)
+        row_parallel = name.endswith(("o_proj", "down_proj"))
+        half = (a.in_features // 2, a.out_features) if row_parallel else (a.in_features, a.out_features // 2)
+        assert (b.in_features, b.out_features) == half, name
+
+
+class _PartialSums:
+    """A collective that leaves each rank's partial sum (a test adds them up itself) and keeps what
+    a rank sends to a gather."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather(self, x: torch.Tensor) -> None:
+        self.sent.append(x)
+
+
+def _tiny_llama_rank(world: int, rank: int, weights: list, **cfg):
+    """A one-layer Llama (4 heads of 16, one KV head) built as `rank` of `world`, filled with
+    `weights`, its quantized layers packed."""
+    from types import SimpleNamespace
+
+    from armserve.models.llama import LlamaForCausalLM
+
+    config = SimpleNamespace(**{**dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
+                                       rms_norm_eps=1e-6, vocab_size=31, hidden_act="silu", rope_theta=10000.0), **cfg})
+    with parallel_context(ParallelContext(rank, world, _PartialSums())):
+        model = LlamaForCausalLM(config)
+    model.load_weights(weights)
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            m.finalize()
+    return model
+
+
+def _sums_close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Equal but for the order of float32 sums."""
+    return bool((got - want).norm() / want.norm() < 1e-6)
+
+
+def test_quantized_parallel_layers_add_up_to_the_whole():
+    """Two ranks' w4 / int8 layers hold half of each weight, still quantized, and their parts add
+    up to one rank's layer: q heads split and the one KV head shared (column-parallel), o_proj
+    and down_proj by input columns (row-parallel, partial sums), gate_up by width, an int8 LM head
+    of 31 rows as 16 + 15, its logits gathered zero-padded to equal widths and cut back to 31."""
+    torch.manual_seed(0)
+    p = "model.layers.0."
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (16, 64), "self_attn.v_proj": (16, 64),
+              "self_attn.o_proj": (64, 64), "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64),
+              "mlp.down_proj": (64, 128)}
+    weights = [(p + n + ".weight", quantize_weight(torch.randn(*shape), 32, symmetric=False))
+               for n, shape in shapes.items()]
+    weights.append(("lm_head.weight", quantize_weight_int8(torch.randn(31, 64))))
+    whole, r0, r1 = _tiny_llama_rank(1, 0, weights), _tiny_llama_rank(2, 0, weights), _tiny_llama_rank(2, 1, weights)
+    assert not any(isinstance(m, Linear) for model in (r0, r1) for m in model.modules())
+    x = torch.randn(5, 64)
+
+    a, a0, a1 = (m.layers[0].self_attn for m in (whole, r0, r1))
+    assert (a0.num_heads, a0.num_kv_heads, a1.num_heads, a1.num_kv_heads) == (2, 1, 2, 1)
+    qkv, qkv0, qkv1 = a.qkv_proj(x), a0.qkv_proj(x), a1.qkv_proj(x)
+    torch.testing.assert_close(torch.cat([qkv0[:, :32], qkv1[:, :32]], dim=1), qkv[:, :64], rtol=0, atol=0)
+    torch.testing.assert_close(qkv0[:, 32:], qkv[:, 64:], rtol=0, atol=0)
+    torch.testing.assert_close(qkv1[:, 32:], qkv[:, 64:], rtol=0, atol=0)
+    h = torch.randn(5, 64)
+    assert _sums_close(a0.o_proj(h[:, :32]) + a1.o_proj(h[:, 32:]), a.o_proj(h))
+    mlp, mlp0, mlp1 = (m.layers[0].mlp for m in (whole, r0, r1))
+    assert (mlp0.gate_up_proj.out_features, mlp0.down_proj.in_features) == (128, 64)
+    assert _sums_close(mlp0(x) + mlp1(x), mlp(x))
+    head0, head1 = r0.lm_head(x), r1.lm_head(x)
+    assert head0.shape == (5, 16) and head1.shape == (5, 15)
+    torch.testing.assert_close(torch.cat([head0, head1], dim=1), whole.lm_head(x), rtol=0, atol=0)
+    assert r1.compute_logits(x) is None  # rank 1 sends its share, zero-padded to rank 0's width
+    torch.testing.assert_close(r1.tp.group.sent[0], torch.cat([head1, torch.zeros(5, 1)], dim=1), rtol=0, atol=0)
+
+
+def test_quantized_split_inside_a_group_is_refused():
+    """A row-parallel split that would cut a quantization group (o_proj's 64 input columns in
+    one group of 64, split at 32) is a clear error naming the weight, not a wrong answer."""
+    w = quantize_weight(torch.randn(64, 64), 64, symmetric=True)
+    with pytest.raises(ValueError, match=r"o_proj.weight cannot be split at input columns 0\.\.32 of 64.*groups of 64"):
+        _tiny_llama_rank(2, 0, [("model.layers.0.self_attn.o_proj.weight", w)])
+
+
+def test_mla_refuses_tensor_parallelism(tiny_checkpoints):
+    from armserve import model_loader
+    from armserve.models.deepseek import DeepseekV2ForCausalLM
+
+    config = model_loader.load_config(model_loader.resolve_model_path(tiny_checkpoints["deepseek_v2"]))
+    with parallel_context(ParallelContext(0, 2, _PartialSums())), \
+            pytest.raises(ValueError, match="DeepseekV2ForCausalLM cannot be split for tensor parallelism"):
+        DeepseekV2ForCausalLM(config)
 
 
 def _collective_rank(rank: int, shm: CommSpec, init_method: str, results) -> None:

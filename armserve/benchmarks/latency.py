@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from typing import Any
 
 
@@ -42,6 +41,7 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from armserve.benchmarks import roofline as rl
+    from armserve.benchmarks.timing import median_min_max, request_decode_tok_s
     from armserve.engine_args import engine_kwargs
     from armserve.llm import LLM
     from armserve.model_loader import bundled_model_path
@@ -76,10 +76,10 @@ def main(args: argparse.Namespace) -> int:
             if i < args.num_iters_warmup:
                 continue
             ttfts.append((m.first_token_time - m.arrival_time) * 1000)
-            speeds.append((len(out.outputs[0].token_ids) - 1) / (m.last_token_time - m.first_token_time))
+            speeds.append(request_decode_tok_s(out))
         row = {"input_len": n, "output_len": args.output_len,
-               "ttft_ms": {"median": statistics.median(ttfts), "min": min(ttfts), "max": max(ttfts)},
-               "decode_tok_s": {"median": statistics.median(speeds), "min": min(speeds), "max": max(speeds)}}
+               "ttft_ms": dict(zip(("median", "min", "max"), median_min_max(ttfts))),
+               "decode_tok_s": dict(zip(("median", "min", "max"), median_min_max(speeds)))}
         pct = 100 * row["decode_tok_s"]["median"] / limit if limit else None
         row["decode_pct_of_bw_limit"] = pct
         rows.append(row)

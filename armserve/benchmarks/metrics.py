@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from armserve.benchmarks.timing import time_per_output_token
+
 # The metrics whose distributions are summarised, and the SLO keys goodput understands.
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_NAMES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -75,9 +77,7 @@ def parse_percentiles(spec: str | Sequence[float]) -> list[float]:
 
 def tpot_of(r: RequestResult) -> float | None:
     """Time per output token after the first, or None for a request with at most one token."""
-    if r.output_tokens > 1:
-        return (r.latency - r.ttft) / (r.output_tokens - 1)
-    return None
+    return time_per_output_token(r.output_tokens, r.ttft, r.latency)
 
 
 def _summary(values: list[float], percentiles: Sequence[float]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""This machine's roofline: memory copy bandwidth and matmul peak, and a model's bandwidth limit.
+"""This machine's roofline: memory bandwidth (read, copy) and matmul peak, and a model's bandwidth
+limit. Every benchmark measures bandwidth and matmul peak here (timing.py times the rest).
 
 Decode at small batch reads every weight once per step, so a step can not be faster than
 `weight bytes / memory bandwidth`; reporting each decode speed as a share of that limit says how
@@ -11,69 +12,62 @@ import json
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 
-def measure_copy_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7, threads: int | None = None) -> float:
-    """Median copy bandwidth in GB/s (1e9 bytes/s), counting bytes read plus bytes written (as STREAM's Copy).
+def measure_bandwidth(kind: str, nbytes: int = 256 * 2**20, reps: int = 7, threads: int | None = None,
+                      stat: Callable[[list[float]], float] = statistics.median) -> float:
+    """Memory bandwidth in GB/s (1e9 bytes/s), `stat` (median; max for the best) of `reps` passes
+    over a float32 buffer of `nbytes`, far larger than any cache, after one untimed pass.
 
-    The buffers are far larger than any cache, so this is DRAM bandwidth with `threads` threads.
+    "read": a sum over it, counting the bytes read (decode's access pattern: weights are only read).
+    "copy": a copy of it, counting bytes read plus bytes written (as STREAM's Copy).
+    `threads`: torch threads for the measurement (default: all cores), restored afterwards.
     """
     import torch
 
+    if kind not in ("read", "copy"):
+        raise ValueError(f"kind must be 'read' or 'copy', not {kind!r}")
     prev = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
         src = torch.ones(nbytes // 4, dtype=torch.float32)
-        dst = torch.empty_like(src)
-        dst.copy_(src)  # fault the pages in before timing
+        if kind == "read":
+            step, moved = src.sum, src.numel() * 4
+        else:
+            dst = torch.empty_like(src)
+            step, moved = (lambda: dst.copy_(src)), 2 * src.numel() * 4
+        step()  # fault the pages in before timing
         rates = []
         for _ in range(reps):
             t = time.perf_counter()
-            dst.copy_(src)
-            rates.append(2 * src.numel() * 4 / (time.perf_counter() - t) / 1e9)
-        return statistics.median(rates)
+            step()
+            rates.append(moved / (time.perf_counter() - t) / 1e9)
+        return stat(rates)
     finally:
         torch.set_num_threads(prev)
 
 
-def measure_read_bandwidth(nbytes: int = 256 * 2**20, reps: int = 7, threads: int | None = None) -> float:
-    """Median read bandwidth in GB/s: a sum over a buffer far larger than any cache (decode's access
-    pattern: weights are only read)."""
+def measure_matmul_peak(dtype: str = "float32", shape: tuple[int, int, int] = (2048, 2048, 2048), reps: int = 5,
+                        threads: int | None = None, stat: Callable[[list[float]], float] = statistics.median) -> float:
+    """GFLOP/s of an (m x k) @ (k x n) matmul in `dtype` (PyTorch's CPU GEMM, `threads` threads, default all
+    cores), `stat` (median; max for the best) of `reps` after a warm-up; `shape` is (m, k, n)."""
     import torch
 
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    try:
-        src = torch.ones(nbytes // 4, dtype=torch.float32)
-        src.sum()
-        rates = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            src.sum()
-            rates.append(src.numel() * 4 / (time.perf_counter() - t) / 1e9)
-        return statistics.median(rates)
-    finally:
-        torch.set_num_threads(prev)
-
-
-def measure_matmul_peak(dtype: str = "float32", n: int = 2048, reps: int = 5, threads: int | None = None) -> float:
-    """Median GFLOP/s of an n x n x n matmul in `dtype` (PyTorch's CPU GEMM, `threads` threads)."""
-    import torch
-
+    m, k, n = shape
     prev = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
         dt = getattr(torch, dtype)
-        a = torch.randn(n, n).to(dt)
-        b = torch.randn(n, n).to(dt)
+        a = torch.randn(m, k).to(dt)
+        b = torch.randn(k, n).to(dt)
         torch.mm(a, b)  # warm-up: packing buffers, thread pool
         rates = []
         for _ in range(reps):
             t = time.perf_counter()
             torch.mm(a, b)
-            rates.append(2 * n**3 / (time.perf_counter() - t) / 1e9)
-        return statistics.median(rates)
+            rates.append(2 * m * k * n / (time.perf_counter() - t) / 1e9)
+        return stat(rates)
     finally:
         torch.set_num_threads(prev)
 
@@ -83,8 +77,8 @@ def measure_roofline(threads: int | None = None) -> dict[str, Any]:
     threads = threads or os.cpu_count() or 1
     return {
         "threads": threads,
-        "read_bandwidth_gbs": measure_read_bandwidth(threads=threads),
-        "copy_bandwidth_gbs": measure_copy_bandwidth(threads=threads),
+        "read_bandwidth_gbs": measure_bandwidth("read", threads=threads),
+        "copy_bandwidth_gbs": measure_bandwidth("copy", threads=threads),
         "matmul_gflops": {dt: measure_matmul_peak(dt, threads=threads) for dt in ("float32", "bfloat16")},
     }
 
@@ -169,7 +163,7 @@ def describe(roof: dict[str, Any]) -> str:
 def module_weight_bytes(model) -> int:
     """`weight_bytes_per_token` for a loaded torch module (an untied input embedding left out)."""
     params = dict(model.named_parameters())  # tied tensors appear once
-    # Prepacked dense weights (models/llama.py Linear.finalize) replace their parameter; a tied
+    # Prepacked dense weights (layers/linear.py Linear.finalize) replace their parameter; a tied
     # head's packed copy is what decode reads instead of the table.
     packed = {n + ".weight": m.packed for n, m in model.named_modules() if getattr(m, "packed", None) is not None}
     tied_head = getattr(model, "tied_head", None)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +35,7 @@ def main(args: argparse.Namespace) -> int:
 
     from armserve.benchmarks import roofline as rl
     from armserve.benchmarks.datasets import file_requests, random_requests
+    from armserve.benchmarks.timing import request_decode_tok_s, timed
     from armserve.engine_args import engine_kwargs
     from armserve.llm import LLM
     from armserve.model_loader import bundled_model_path
@@ -54,13 +54,10 @@ def main(args: argparse.Namespace) -> int:
     prompts = [{"prompt_token_ids": tok.encode(r.prompt, add_special_tokens=False)} for r in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in reqs]
     llm.generate(prompts[:1], params[0].clone(max_tokens=2), use_tqdm=False)  # warm-up
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - t
+    outs, elapsed = timed(lambda: llm.generate(prompts, params, use_tqdm=True))
     n_in = sum(len(p["prompt_token_ids"]) for p in prompts)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    speeds = [(len(o.outputs[0].token_ids) - 1) / (o.metrics.last_token_time - o.metrics.first_token_time)
-              for o in outs if len(o.outputs[0].token_ids) > 1 and o.metrics.last_token_time > o.metrics.first_token_time]
+    speeds = [s for s in map(request_decode_tok_s, outs) if s is not None]
     mean_decode = sum(speeds) / len(speeds) if speeds else 0.0
     res = {"model": model, "num_prompts": len(reqs), "elapsed_s": elapsed, "total_input_tokens": n_in,
            "total_output_tokens": n_out, "requests_per_s": len(reqs) / elapsed,

@@ -19,6 +19,7 @@ from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, 
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.structured_output import StructuredOutputManager
+from armserve.layers.linear import ParallelContext
 from armserve import model_loader
 from armserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from armserve.sampling_params import SamplingParams
@@ -134,10 +135,11 @@ class LLMEngine:
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         tp = config.tensor_parallel_size
         self.tp_workers = None
+        parallel = None  # one rank: the whole model
         if tp > 1:
-            # Ranks 1..tp-1 start loading their shards now, while this process (rank 0) loads its own.
+            # Ranks 1..tp-1 start loading their parts now, while this process (rank 0) loads its own.
             from armserve.cpu import core_groups
-            from armserve.distributed import TPWorkers, load_model_shard, make_comm_spec
+            from armserve.distributed import TPWorkers, make_comm_spec
 
             binds = core_groups(tp)
             hidden = hf.hidden_size
@@ -145,20 +147,20 @@ class LLMEngine:
             comm = make_comm_spec(tp, slot)
             self.tp_workers = TPWorkers(config, comm, binds)  # before this process binds its own threads
             threads = init_threads(bind=binds[0])
-            try:
-                group = comm.join(0)
-                self.model, self.dtype, _ = load_model_shard(config, group, 0, tp)
-            except BaseException:
-                self.tp_workers.close()
-                raise
         else:
             threads = init_threads()
-        self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
-        if config.chat_template:
-            self.tokenizer.chat_template = config.chat_template
-        if tp == 1:
+        try:
+            if self.tp_workers is not None:
+                parallel = ParallelContext(0, tp, comm.join(0))
+            self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
+            if config.chat_template:
+                self.tokenizer.chat_template = config.chat_template
             self.dtype = resolve_dtype(config.dtype, model_loader.checkpoint_dtype(hf))
-            self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
+            self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, parallel)
+        except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
+            raise
 
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         # (under tensor parallelism each rank caches only its share of the KV heads)
@@ -175,7 +177,7 @@ class LLMEngine:
         )
         if self.tp_workers is not None:
             try:
-                self.tp_workers.start(group, num_blocks)
+                self.tp_workers.start(parallel.group, num_blocks)
             except BaseException:
                 self.tp_workers.close()
                 raise

@@ -337,7 +337,7 @@ class ModelRunner:
             return self._execute(out)
         except BaseException:
             # the other ranks may wait in a collective this rank will never reach
-            self.model.tp_group.abort()
+            self.tp_workers.group.abort()
             raise
 
     @torch.inference_mode()

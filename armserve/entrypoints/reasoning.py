@@ -13,7 +13,7 @@ START, END = "<think>", "</think>"
 REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-k:]):
@@ -34,7 +34,9 @@ class ReasoningParser:
         self._buf = ""
         self._strip_newlines = False  # the newline(s) right after </think> are layout, not content
 
-    def feed(self, delta: str) -> tuple[str, str]:
+    def feed(self, delta: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning delta, content delta) of this text delta; `final`: the completion's last, so
+        what was held back goes out too."""
         text = self._buf + delta
         self._buf = ""
         reasoning, content = [], []
@@ -58,7 +60,7 @@ class ReasoningParser:
                     self._state = "content"
                     self._strip_newlines = True
                 else:
-                    k = _partial_suffix(text, END)
+                    k = partial_suffix(text, END)
                     reasoning.append(text[: len(text) - k])
                     self._buf = text[len(text) - k:]
                     text = ""
@@ -68,6 +70,10 @@ class ReasoningParser:
                     self._strip_newlines = not text  # still only newlines: keep stripping
                 content.append(text)
                 text = ""
+        if final:
+            held_reasoning, held_content = self.finish()
+            reasoning.append(held_reasoning)
+            content.append(held_content)
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
@@ -81,6 +87,5 @@ class ReasoningParser:
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """Whole-text parse: (reasoning_content, content), None where there is none."""
-        r1, c1 = self.feed(text)
-        r2, c2 = self.finish()
-        return (r1 + r2) or None, (c1 + c2) or None
+        reasoning, content = self.feed(text, final=True)
+        return reasoning or None, content or None

@@ -10,7 +10,8 @@ Each parser knows one family's output format:
 
 `extract(text)` -> (content, calls). Output that does not parse as that format is plain text
 (no calls), never an error. For streaming, `call_start(text)` says where a call may begin, so
-the text before it can be sent as content while the rest is held back.
+the text before it can be sent as content while the rest is held back; `ToolCallStream` does that
+for one choice of a response.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
+
+from armserve.entrypoints.reasoning import partial_suffix
 
 
 @dataclass
@@ -46,14 +50,6 @@ def _call_from_dict(d: object, args_keys: tuple[str, ...] = ("arguments", "param
     return ToolCall(d["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ToolParser:
     """Base: a format whose calls follow a marker somewhere in the text."""
 
@@ -68,7 +64,7 @@ class ToolParser:
         i = text.find(self.marker)
         if i >= 0:
             return i
-        return len(text) - _partial_suffix(text, self.marker)
+        return len(text) - partial_suffix(text, self.marker)
 
 
 def _content(text: str) -> str | None:
@@ -223,3 +219,74 @@ def get_tool_parser(name: str) -> ToolParser:
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_PARSERS)}")
     return TOOL_PARSERS[name]()
+
+
+class ToolCallStream:
+    """One choice's tool calls, whole (`extract`) or as streamed deltas (`feed`).
+
+    "named": the text is the forced function's arguments (the grammar makes it that object), so
+    its deltas stream as argument fragments after a first delta with the call's id and name.
+    "required": the text is `[{"name": .., "parameters": {..}}, ...]`; held back to the end.
+    "auto": the parser's format; text before a possible call streams as content, the rest is
+    held back until the end and then parsed (text that is no call goes out as content).
+    """
+
+    def __init__(self, mode: str, parser: ToolParser | None, forced_name: str | None) -> None:
+        self.mode = mode
+        self.parser = parser
+        self.forced_name = forced_name
+        self.text = ""
+        self.sent = 0  # characters of `text` sent as content
+        self.called = False
+        self._named_call: ToolCall | None = None
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a whole completion's text."""
+        if self.mode == "named":
+            try:
+                args = json.loads(text)
+            except ValueError:
+                return text, []  # cut short (max_tokens): give the text back as it is
+            return None, [ToolCall(self.forced_name, json.dumps(args, ensure_ascii=False))]  # type: ignore[arg-type]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+                return None, [ToolCall(d["name"], json.dumps(d["parameters"], ensure_ascii=False)) for d in items]
+            except (ValueError, KeyError, TypeError):
+                return text, []
+        assert self.parser is not None
+        return self.parser.extract(text)
+
+    def feed(self, delta: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content delta, tool-call deltas) to send for this text delta."""
+        self.text += delta
+        if self.mode == "named":
+            out = []
+            if self._named_call is None and (delta or final):
+                self._named_call = ToolCall(self.forced_name, "")  # type: ignore[arg-type]
+                self.called = True
+                out.append({"index": 0, "id": self._named_call.id, "type": "function",
+                            "function": {"name": self.forced_name, "arguments": ""}})
+            if delta:
+                out.append({"index": 0, "function": {"arguments": delta}})
+            return "", out
+        if not final:
+            if self.mode == "required":
+                return "", []
+            assert self.parser is not None
+            start = max(self.parser.call_start(self.text), self.sent)
+            content, self.sent = self.text[self.sent:start], start
+            return content, []
+        content, calls = self.extract(self.text)
+        if not calls:
+            rest, self.sent = self.text[self.sent:], len(self.text)
+            return rest, []
+        self.called = True
+        start = self.parser.call_start(self.text) if self.parser is not None else self.sent
+        rest = self.text[self.sent:max(start, self.sent)].rstrip() if content else ""
+        out = []
+        for i, call in enumerate(calls):
+            out.append({"index": i, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}})
+            out.append({"index": i, "function": {"arguments": call.arguments}})
+        return rest, out

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from armserve import kernels
+from armserve.layers.linear import Split
 
 
 @dataclass
@@ -43,6 +44,21 @@ class QuantizedTensor:
         if self.fmt == "w4":
             return self.codes.float() * s - self.szp.repeat_interleave(g, dim=1)
         return self.codes.float() * s
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        """Output rows (dim 0) or input columns (dim 1, whole groups only) [start, start + length),
+        copied, so that the rest can be freed (a tensor-parallel rank keeps its part only)."""
+        g = self.group if dim == 1 else 1
+        if start % g or length % g:
+            raise ValueError(f"cannot be split at input columns {start}..{start + length} of {self.shape[1]}: "
+                             f"not on the boundaries of its quantization groups of {g} columns (use a "
+                             "tensor_parallel_size that splits the layer there, or quantization='none')")
+
+        def cut(t: torch.Tensor, scale: int) -> torch.Tensor:
+            return t.narrow(dim, start // scale, length // scale).clone(memory_format=torch.contiguous_format)
+
+        return QuantizedTensor(self.fmt, cut(self.codes, 1), cut(self.scales, g),
+                               None if self.szp is None else cut(self.szp, g), self.group)
 
 
 def quantize_weight(w: torch.Tensor, group: int, symmetric: bool, search: bool = True) -> QuantizedTensor:
@@ -261,17 +277,33 @@ class _Part:
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ W^T (+ bias) with W quantized; `shards` lists (shard id, rows) of a fused layer."""
+    """y = x @ W^T (+ bias) with W quantized; `shards` lists (shard id, rows) of a fused layer.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, shards: list[tuple[object, int]]) -> None:
+    `split` (layers/linear.py): the part of each checkpoint tensor this tensor-parallel rank
+    holds and the all-reduce of a row-parallel layer, taken over from the float layer this one
+    replaces; by default the whole of each shard, no collective.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, shards: list[tuple[object, int]],
+                 split: Split | None = None) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.shards = shards
+        self.split = split or Split(in_features, [(s, n, 0, n) for s, n in shards])
         self._pending: dict[object, QuantizedTensor] = {}
         self.parts: list[_Part] = []
         self._dequantized: torch.Tensor | None = None
+
+    def weight_loader(self, name: str, tensor: torch.Tensor | QuantizedTensor, shard: object = "all") -> None:
+        """This rank's part of a checkpoint tensor, as Linear.weight_loader; a float weight (a fused
+        layer's shard beside quantized ones, as GGUF files mix types) is quantized to int8 first."""
+        if name == "bias":
+            self.split.load(self.bias, shard, tensor)
+            return
+        part = self.split.take(shard, tensor)
+        self.load_shard(shard, part if isinstance(part, QuantizedTensor) else quantize_weight_int8(part))
 
     def load_shard(self, shard: object, qt: QuantizedTensor) -> None:
         rows = dict(self.shards)[shard]
@@ -332,6 +364,8 @@ class QuantizedLinear(nn.Module):
                 kernels.add_bias(out, self.bias)  # a decode step stays kernel calls only (step_graph.py)
             else:
                 out += self.bias
+        if self.split.reduce is not None:  # row-parallel: add the ranks' partial sums
+            self.split.reduce.all_reduce(out)
         return out.view(*shape[:-1], self.out_features)
 
     def _forward_ref(self, x: torch.Tensor) -> torch.Tensor:

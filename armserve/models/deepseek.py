@@ -23,17 +23,18 @@ files are joined back into kv_b_proj in `load_weights`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from armserve.layers.fused_moe import fused_experts, select_experts
 from armserve.layers.layernorm import RMSNorm
+from armserve.layers.linear import Linear
 from armserve.layers.mla import MLAAttention
 from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters, yarn_mscale
-from armserve.models.llama import Linear, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from armserve.models.moe import SparseMoeBlock
 
 
@@ -131,6 +132,8 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2 (and V2-Lite): MLA, softmax routing, shared experts, dense first layers."""
 
+    # (transformers reads no `deepseek2` GGUF header: gguf_config builds V2's or V3's config)
+    architectures, model_types, gguf_architectures = ("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)
     v3 = False
     # only the MLPs fuse projections; MLA's q_proj is its own
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -144,6 +147,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
         "ffn_down_shexp": "mlp.shared_experts.down_proj",
     }
+    supports_tp = False  # Multi-head Latent Attention's shared latent cache is not split over ranks
+
+    @classmethod
+    def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):
+        return config_from_gguf(field, tensors)
 
     def make_layers(self, config) -> nn.ModuleList:
         interleave = bool(getattr(config, "rope_interleave", True))  # V2 has no flag: always interleaved
@@ -202,12 +210,14 @@ class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3: V2's attention; sigmoid routing with a score-correction bias, grouped top-k,
     renormalised and scaled."""
 
+    architectures, model_types, gguf_architectures = ("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()
     v3 = True
 
 
-def config_from_gguf(field: Callable[[str], Any], tensor_names: set[str]):
+def config_from_gguf(field: Callable[[str], Any], tensors: Mapping[str, Any]):
     """The transformers config of a llama.cpp `deepseek2` GGUF file (transformers reads no such
-    header). `field(key)` is a metadata value or None.
+    header). `field(key)` is a metadata value (an array's length) or None, `tensors` the file's
+    tensors by name.
 
     Newer files describe MLA as llama.cpp runs it (key_length = kv_lora_rank + rope, value_length =
     kv_lora_rank) and put the per-head sizes in key_length_mla / value_length_mla; older ones have
@@ -234,7 +244,7 @@ def config_from_gguf(field: Callable[[str], Any], tensor_names: set[str]):
                            original_max_position_embeddings=int(f("rope.scaling.original_context_length")),
                            mscale=m or 1.0, mscale_all_dim=m or 1.0)
     kw = dict(
-        vocab_size=int(f("vocab_size") or field("tokenizer.ggml.tokens_count") or 0),
+        vocab_size=int(f("vocab_size") or field("tokenizer.ggml.tokens") or 0),
         hidden_size=int(f("embedding_length")), intermediate_size=int(f("feed_forward_length")),
         num_hidden_layers=int(f("block_count")), num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=int(f("context_length")), rms_norm_eps=float(f("attention.layer_norm_rms_epsilon")),
@@ -246,7 +256,7 @@ def config_from_gguf(field: Callable[[str], Any], tensor_names: set[str]):
         routed_scaling_factor=float(f("expert_weights_scale", 1.0)),
         norm_topk_prob=bool(f("expert_weights_norm", False)),
         n_group=groups, topk_group=used_groups, rope_parameters=rope_params,
-        tie_word_embeddings="output.weight" not in tensor_names,
+        tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=field("tokenizer.ggml.bos_token_id"), eos_token_id=field("tokenizer.ggml.eos_token_id"),
     )
     if v3:
@@ -255,3 +265,6 @@ def config_from_gguf(field: Callable[[str], Any], tensor_names: set[str]):
         config = DeepseekV2Config(**kw, topk_method="group_limited_greedy" if groups > 1 else "greedy")
     config.architectures = ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"]
     return config
+
+
+MODELS = (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM)

@@ -18,7 +18,8 @@ from torch import nn
 from armserve import kernels
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.rotary_embedding import rope_parameters
-from armserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, VocabEmbedding, layer_sliding_windows
+from armserve.layers.linear import VocabEmbedding
+from armserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_sliding_windows
 
 
 def _layer_rope(config, layer_type: str) -> dict:
@@ -73,6 +74,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 text model (`Gemma3ForCausalLM`, model_type gemma3_text); weight names as Llama's
     plus the extra norms, so the Llama loader fills it."""
 
+    architectures, model_types, gguf_architectures = ("Gemma3ForCausalLM",), ("gemma3", "gemma3_text"), ("gemma3",)
     gguf_block_names = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
@@ -82,6 +84,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     }
     gguf_permuted_qk = False
     gguf_norm_offset = 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
+    supports_tp = False  # not tested under tensor parallelism yet
 
     def __init__(self, config) -> None:
         super().__init__(config)
@@ -101,3 +104,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return nn.ModuleList(
             Gemma3DecoderLayer(config, types[i], windows[i]) for i in range(config.num_hidden_layers)
         )
+
+
+MODELS = (Gemma3ForCausalLM,)

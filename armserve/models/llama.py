@@ -8,7 +8,7 @@ Projections are fused at load time: q/k/v into `qkv_proj`, gate/up into `gate_up
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -17,51 +17,11 @@ from torch import nn
 from armserve import kernels
 from armserve.layers.activation import get_act_and_mul
 from armserve.layers.attention import Attention, key_channel_rms
-from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor, quantize_weight_int8
 from armserve.layers.layernorm import RMSNorm
+from armserve.layers.linear import (ColumnParallelLinear, Linear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
+                                    VocabEmbedding, get_parallel_context, parallel_context)
+from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor, quantize_weight_int8
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-class Linear(nn.Module):
-    """A plain linear layer whose weight may be filled shard by shard (fused projections).
-
-    After loading, `finalize()` prepacks a bfloat16 or float32 weight for the dense GEMM kernel
-    (every row count, decode to prefill) and drops the row-major copy; float16 keeps the skinny
-    decode kernel and PyTorch's GEMM.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = _param(out_features, in_features)
-        self.bias = _param(out_features) if bias else None
-        self.packed: torch.Tensor | None = None
-
-    def finalize(self) -> None:
-        """Repack the weight into the kernel layout once (process_weights_after_loading)."""
-        if kernels.use_kernel("dense_pack", self.weight):
-            pack = kernels.pack_f32 if self.weight.dtype == torch.float32 else kernels.pack_bf16
-            self.packed = pack(self.weight.data)
-            self.weight = None  # the packed copy is the weight now
-
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        if self.packed is not None:
-            out = kernels.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
-            if self.bias is not None:
-                out = kernels.add_bias(out, self.bias) if kernels.use_kernel("small", out) else out.add_(self.bias)
-            return out
-        # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
-        # the weight near copy speed and PyTorch's bf16 GEMM does not.
-        if kernels.use_kernel("gemv", x):
-            out = kernels.gemv(x, self.weight)
-            out = out if self.bias is None else kernels.add_bias(out, self.bias)
-        else:
-            out = F.linear(x, self.weight, self.bias)
-        return out if out_dtype is None else out.to(out_dtype)
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -75,17 +35,11 @@ def layer_sliding_windows(config) -> list[int | None]:
     return [window] * n
 
 
-class VocabEmbedding(nn.Module):
-    """Token embedding table (left uninitialised until the checkpoint fills it)."""
-
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = _param(vocab_size, hidden_size)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if kernels.use_kernel("embedding", self.weight) and input_ids.dim() == 1:
-            return kernels.embedding(input_ids, self.weight)
-        return F.embedding(input_ids, self.weight)
+def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:
+    """A parameter no layer splits (norms, router biases): the checkpoint tensor as it is."""
+    if param.shape != tensor.shape:
+        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
 
 
 class LlamaAttention(nn.Module):
@@ -97,13 +51,16 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, sliding_window: int | None, bias: bool, qk_norm: bool = False,
                  norm_offset: float = 0.0, rope: dict | None = None, scale: float | None = None) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias=bias)
+        # (this tensor-parallel rank's heads: all of them on one rank)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=getattr(config, "o_bias", False))
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "o_bias", False), input_cols=self.qkv_proj.q_cols)
         self.rotary_emb = RotaryEmbedding(
             self.head_dim, config.max_position_embeddings, rope or rope_parameters(config)
         )
@@ -116,9 +73,10 @@ class LlamaAttention(nn.Module):
     def set_key_channel_rms(self, w_k: torch.Tensor, norm: RMSNorm) -> None:
         """Estimate the key channels' RMS for int8-cache smoothing (Attention.enable_key_smoothing),
         shared within each rotary pair (c, c + rot/2 in the neox layout every model here uses) so
-        that scaling a pair commutes with the rotation."""
+        that scaling a pair commutes with the rotation. `w_k`: the checkpoint's whole k_proj weight."""
         if not self.rotary_emb.is_neox_style:
             return  # no smoothing: the pairing below is the neox one
+        w_k = self.qkv_proj.split.take("k", w_k)  # this rank's KV heads
         if self.k_norm is not None:
             # normalised keys: each head's channels have mean square 1 before the norm's weight
             w = (self.k_norm.weight.data.float() + self.k_norm.offset).abs()
@@ -143,14 +101,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     """down(act(gate(x)) * up(x)), gate and up as one projection; `intermediate_size` overrides
-    the config's (an MoE expert's or shared expert's width)."""
+    the config's (an MoE expert's or shared expert's width); `reduce=False` leaves the sum over
+    tensor-parallel ranks to the caller (an MoE block's experts)."""
 
-    def __init__(self, config, intermediate_size: int | None = None) -> None:
+    def __init__(self, config, intermediate_size: int | None = None, reduce: bool = True) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [inter, inter], bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias, reduce=reduce)
         # (Gemma names it hidden_activation)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         self.act = get_act_and_mul(act)
@@ -190,19 +149,51 @@ class LlamaForCausalLM(nn.Module):
     }
     qkv_bias = False
     qk_norm = False
-    # GGUF tensor name (after `blk.N.`) -> this family's name, where it differs from Llama's
-    # (model_loader.GGUF_BLOCK_NAMES); llama.cpp stores Llama's q/k rows permuted for its rotary.
+
+    # ---- what checkpoints call this class (models/__init__.py collects every family's MODELS) ----
+    architectures: tuple[str, ...] = ("LlamaForCausalLM",)  # config.json `architectures`
+    model_types: tuple[str, ...] = ("llama",)  # transformers `model_type` (GGUF configs name no architecture)
+    gguf_architectures: tuple[str, ...] = ("llama",)  # llama.cpp `general.architecture`, read by gguf_config
+    # GGUF layout: tensor name (after `blk.N.`) -> this family's name where it differs from
+    # llama.cpp's standard names (model_loader/gguf.py); whether llama.cpp's converter permuted the
+    # q/k rows for its rotary (undone at load); what it added to the norm weights.
     gguf_block_names: dict[str, str] = {}
     gguf_permuted_qk = True
+    gguf_norm_offset = 0.0
+
+    @classmethod
+    def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):
+        """The transformers config of a GGUF file of one of `gguf_architectures`: `read()` is
+        transformers' own reading of its header, `field(key)` a header value (an array's length;
+        None if absent), `tensors` the file's tensors by name. llama.cpp writes Mixtral as a
+        `llama` file with an expert count, read here as a Mixtral config."""
+        config = read()
+        experts = field("llama.expert_count")
+        if not experts or config.model_type != "llama":
+            return config
+        from transformers import MixtralConfig
+
+        values = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**values)
+        config.num_local_experts, config.num_experts_per_tok = int(experts), int(field("llama.expert_used_count"))
+        config.architectures = ["MixtralForCausalLM"]
+        return config
+    # Its layers split over tensor-parallel ranks (layers/linear.py), attention by heads, the MLP
+    # (or each expert) by intermediate width.
+    supports_tp = True
 
     def __init__(self, config) -> None:
         super().__init__()
+        self.tp = get_parallel_context()
+        if self.tp.world > 1 and not self.supports_tp:
+            raise ValueError(f"{type(self).__name__} cannot be split for tensor parallelism: "
+                             f"use tensor_parallel_size 1, not {self.tp.world}")
         self.config = config
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = self.make_layers(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tied_head: Linear | None = None  # a packed copy of the tied table (process_weights_after_loading)
 
     def make_layers(self, config) -> nn.ModuleList:
@@ -219,8 +210,12 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] (the dense kernel writes them unrounded from its fp32 sums)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [rows, vocab] (the dense kernel writes them unrounded from its fp32 sums);
+        under tensor parallelism gathered on rank 0, None on the other ranks."""
+        return self.tp.gather_logits(self._local_logits(hidden), self.config.vocab_size)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.lm_head if self.lm_head is not None else self.tied_head
         if getattr(head, "packed", None) is not None:
             return head(hidden, torch.float32)
@@ -259,11 +254,12 @@ class LlamaForCausalLM(nn.Module):
         return name
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> set[str]:
-        """Copy checkpoint tensors into the (fused) parameters; returns the parameter names filled.
+        """Fill the (fused) parameters from checkpoint tensors, each through its layer's
+        `weight_loader` (which keeps this tensor-parallel rank's part); returns the parameter
+        names filled (`name#shard` for a shard of a fused one).
 
         A `QuantizedTensor` turns its target Linear into a QuantizedLinear on first sight.
         """
-        params = dict(self.named_parameters())
         loaded: set[str] = set()
         key_weights: dict[int, torch.Tensor | QuantizedTensor] = {}  # layer -> its k_proj weight
         for raw_name, tensor in weights:
@@ -272,42 +268,28 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name.endswith(".k_proj.weight") and name.startswith("layers."):
                 key_weights[int(name.split(".")[1])] = tensor
-            if isinstance(tensor, QuantizedTensor):
-                target, shard = self._fused_target(name)
-                if name == "lm_head.weight" and self.lm_head is None:
-                    # tied lm_head from a quantized embedding table: use it as a quantized GEMM
-                    self.lm_head = QuantizedLinear(tensor.shape[1], tensor.shape[0], False, [("all", tensor.shape[0])])
-                module = self._quantized_module(target.rsplit(".", 1)[0], loaded)
-                module.load_shard("all" if shard is None else shard, tensor)
-                params = dict(self.named_parameters())  # the swap replaced parameters
-                loaded.add(target if shard is None else f"{target}#{shard}")
-                continue
+            quantized = isinstance(tensor, QuantizedTensor)
             if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store a copy anyway
+                if not quantized:
+                    continue  # tied: some checkpoints store a copy anyway
+                # tied lm_head from a quantized embedding table: use it as a quantized GEMM
+                with parallel_context(self.tp):
+                    self.lm_head = ParallelLMHead(self.config.hidden_size, self.config.vocab_size)
             target, shard = self._fused_target(name)
-            owner = self._module_of(target)
-            if isinstance(owner, QuantizedLinear) and target.endswith(".weight"):
-                # a float shard of a layer whose other shards are quantized
-                owner.load_shard("all" if shard is None else shard, quantize_weight_int8(tensor))
-                loaded.add(target if shard is None else f"{target}#{shard}")
-                continue
-            for part, (fused, shard) in self.packed_modules_mapping.items():
-                if f".{part}." in name:
-                    target = name.replace(f".{part}.", f".{fused}.")
-                    param = params[target]
-                    self._load_shard(target, param, tensor, shard)
-                    loaded.add(f"{target}#{shard}")
-                    break
-            else:
-                if name not in params:
-                    continue  # unknown extra tensors are ignored, like transformers does
-                param = params[name]
-                if param.shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {raw_name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
-                    )
-                param.data.copy_(tensor)
-                loaded.add(name)
+            path, _, attr = target.rpartition(".")
+            module = self._module_of(target)
+            if quantized or (isinstance(module, QuantizedLinear) and attr == "weight"):
+                module = self._quantized_module(path, loaded)
+            elif not isinstance(getattr(module, attr, None), nn.Parameter):
+                continue  # unknown extra tensors are ignored, like transformers does (or a bias of rank 0's only)
+            try:
+                if hasattr(module, "weight_loader"):
+                    module.weight_loader(attr, tensor, "all" if shard is None else shard)
+                else:
+                    _copy_whole(getattr(module, attr), tensor)
+            except ValueError as e:
+                raise ValueError(f"weight {raw_name} {e}") from None
+            loaded.add(target if shard is None else f"{target}#{shard}")
         for i, w_k in key_weights.items():
             w = w_k.dequantize() if isinstance(w_k, QuantizedTensor) else w_k
             self.layers[i].self_attn.set_key_channel_rms(w, self.layers[i].input_layernorm)
@@ -327,22 +309,16 @@ class LlamaForCausalLM(nn.Module):
             return None
 
     def _quantized_module(self, path: str, loaded: set[str] | None = None) -> QuantizedLinear:
-        """The QuantizedLinear at `path`, swapped in for the float Linear there if needed (float
-        shards loaded into the Linear before the swap are carried over as int8)."""
+        """The QuantizedLinear at `path`, swapped in for the float Linear there if needed (its
+        tensor-parallel part and collective kept; float shards loaded into the Linear before the
+        swap carried over as int8)."""
         parent_path, _, attr = path.rpartition(".")
         parent = self.get_submodule(parent_path) if parent_path else self
         current = getattr(parent, attr)
         if isinstance(current, QuantizedLinear):
             return current
-        out_f, in_f = current.weight.shape
-        if attr == "qkv_proj":
-            a = parent
-            shards = [("q", a.q_size), ("k", a.kv_size), ("v", a.kv_size)]
-        elif attr == "gate_up_proj":
-            shards = [(0, out_f // 2), (1, out_f // 2)]
-        else:
-            shards = [("all", out_f)]
-        q = QuantizedLinear(in_f, out_f, current.bias is not None, shards)
+        shards = current.split.sizes()
+        q = QuantizedLinear(current.in_features, current.out_features, current.bias is not None, shards, current.split)
         if current.bias is not None:
             q.bias.data.copy_(current.bias.data)  # a float bias may have been loaded already
         row = 0
@@ -353,19 +329,6 @@ class LlamaForCausalLM(nn.Module):
             row += rows
         setattr(parent, attr, q)
         return q
-
-    def _load_shard(self, target: str, param: torch.Tensor, tensor: torch.Tensor, shard) -> None:
-        if "qkv_proj" in target:
-            attn = self.layers[int(target.split(".")[1])].self_attn
-            q, kv = attn.q_size, attn.kv_size
-            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-        else:
-            size = param.shape[0] // 2
-            start = shard * size
-        dst = param.data.narrow(0, start, size)
-        if dst.shape != tensor.shape:
-            raise ValueError(f"weight for {target}[{shard}] has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
 
     def expected_weights(self) -> set[str]:
         """The names `load_weights` must report for a complete checkpoint."""
@@ -383,10 +346,13 @@ class LlamaForCausalLM(nn.Module):
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: Llama with a sliding attention window (from `config.sliding_window`)."""
 
+    architectures, model_types, gguf_architectures = ("MistralForCausalLM",), ("mistral",), ("mistral",)
+
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """Qwen2: Llama with biases on the q/k/v projections."""
 
+    architectures, model_types, gguf_architectures = ("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)
     qkv_bias = True
     gguf_permuted_qk = False
 
@@ -395,6 +361,7 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: Llama with an RMSNorm over each head of q and k (before RoPE), no q/k/v bias unless
     the config's attention_bias, and head_dim from the config."""
 
+    architectures, model_types, gguf_architectures = ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)
     qk_norm = True
     gguf_block_names = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
     gguf_permuted_qk = False
@@ -402,3 +369,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config) -> None:
         self.qkv_bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config)
+
+
+MODELS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)

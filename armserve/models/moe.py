@@ -9,17 +9,21 @@ Checkpoint names: Mixtral's `block_sparse_moe.{gate, experts.E.w1/w2/w3}` are re
 
 from __future__ import annotations
 
+from typing import Any, Callable, Mapping
+
 import torch
 from torch import nn
 
 from armserve.layers.fused_moe import fused_experts, select_experts
-from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, Linear, layer_sliding_windows
+from armserve.layers.linear import Linear, get_parallel_context
+from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_sliding_windows
 
 
 class SparseMoeBlock(nn.Module):
     """Router (`gate`), `num_experts` gated MLPs of `intermediate_size`, top-k per token
     (renormalised with `norm_topk_prob`); with `shared_intermediate_size`, Qwen2-MoE's shared
-    expert added after a sigmoid gate."""
+    expert added after a sigmoid gate. Under tensor parallelism every expert is split as a dense
+    MLP is and the block's output summed over the ranks once; the router is replicated."""
 
     def __init__(self, config, num_experts: int, top_k: int, intermediate_size: int, norm_topk_prob: bool,
                  shared_intermediate_size: int = 0) -> None:
@@ -28,9 +32,11 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {top_k}")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = Linear(config.hidden_size, num_experts)
-        self.experts = nn.ModuleList(LlamaMLP(config, intermediate_size) for _ in range(num_experts))
-        self.shared_expert = LlamaMLP(config, shared_intermediate_size) if shared_intermediate_size else None
-        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared_intermediate_size else None
+        self.experts = nn.ModuleList(LlamaMLP(config, intermediate_size, reduce=False) for _ in range(num_experts))
+        shared = shared_intermediate_size
+        self.shared_expert = LlamaMLP(config, shared, reduce=False) if shared else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1) if shared else None
+        self.group = get_parallel_context().group  # sums the experts' partial outputs (None on one rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x, torch.float32), self.top_k, self.norm_topk_prob)
@@ -38,7 +44,8 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             scale = torch.sigmoid(self.shared_expert_gate(x, torch.float32))
             out += scale * self.shared_expert(x).float()
-        return out.to(x.dtype)
+        out = out.to(x.dtype)
+        return out if self.group is None else self.group.all_reduce(out)
 
 
 def sparse_layer(config, i: int) -> bool:
@@ -60,9 +67,12 @@ class MoeDecoderLayer(LlamaDecoderLayer):
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral attention, every layer sparse; top-k of the softmax, renormalised."""
 
+    # (llama.cpp writes Mixtral as a `llama` file: LlamaForCausalLM.gguf_config makes its config)
+    architectures, model_types, gguf_architectures = ("MixtralForCausalLM",), ("mixtral",), ()
     norm_topk_prob = True
     # (the stacked experts ffn_{gate,up,down}_exps are split per expert by the loader)
     gguf_block_names = {"ffn_gate_inp": "mlp.gate"}
+    supports_tp = True  # SparseMoeBlock: each expert split as Llama's MLP, the router replicated
 
     def num_experts(self, config) -> int:
         return config.num_local_experts
@@ -93,11 +103,31 @@ class Qwen2MoeForCausalLM(MixtralForCausalLM):
     softmax renormalised only with `norm_topk_prob`; a shared expert of
     `shared_expert_intermediate_size` scaled by sigmoid(shared_expert_gate(x))."""
 
+    architectures, model_types, gguf_architectures = ("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)
     qkv_bias = True
     gguf_permuted_qk = False
     gguf_block_names = {"ffn_gate_inp": "mlp.gate", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
                         "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
                         "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+    gguf_norm_topk_prob = False  # llama.cpp renormalises Qwen3-MoE's top-k weights, not Qwen2-MoE's
+
+    @classmethod
+    def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):
+        """transformers' reading of the header plus what it leaves out: the experts' and the
+        shared expert's widths (`expert_feed_forward_length`, `expert_shared_feed_forward_length`)
+        and llama.cpp's top-k renormalisation."""
+        config = read()
+        arch = field("general.architecture")
+        if not field(f"{arch}.expert_count"):
+            return config
+        width = field(f"{arch}.expert_feed_forward_length")
+        if width:
+            config.moe_intermediate_size = int(width)
+        shared = field(f"{arch}.expert_shared_feed_forward_length")
+        if shared:
+            config.shared_expert_intermediate_size = int(shared)
+        config.norm_topk_prob = cls.gguf_norm_topk_prob
+        return config
 
     def num_experts(self, config) -> int:
         return config.num_experts
@@ -112,10 +142,15 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     """Qwen3-MoE: Qwen3 attention (per-head q/k norms, bias only with `attention_bias`), no shared
     expert."""
 
+    architectures, model_types, gguf_architectures = ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)
     qk_norm = True
     gguf_block_names = {"ffn_gate_inp": "mlp.gate", "attn_q_norm": "self_attn.q_norm",
                         "attn_k_norm": "self_attn.k_norm"}
+    gguf_norm_topk_prob = True
 
     def __init__(self, config) -> None:
         self.qkv_bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config)
+
+
+MODELS = (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)

@@ -1,0 +1,231 @@
+"""POST /v1/completions: a prompt (text or token ids, one or a batch) -> engine -> OpenAI text_completion
+JSON or SSE chunks, with OpenAI's legacy logprobs format and `echo`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from armserve.prompts import PromptError, PromptTooLongError, encode_text
+from armserve.engine.async_llm import RequestFailedError, RequestStream
+from armserve.entrypoints.protocol import APIError, CompletionRequest
+from armserve.entrypoints.serving import (
+    EngineStreamingResponse,
+    OpenAIServing,
+    collect,
+    finite,
+    run_unless_disconnected,
+    sse,
+    usage,
+)
+from armserve.outputs import PositionLogprobs, RequestOutput
+from armserve.sampling_params import SamplingParams
+
+
+class OpenAIServingCompletion:
+    """The text completions endpoint over the shared `OpenAIServing`."""
+
+    def __init__(self, serving: OpenAIServing) -> None:
+        self.serving = serving
+
+    async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
+        """POST /v1/completions: one prompt or a batch of them; one JSON response, or SSE chunks when `stream`."""
+        body.warn_ignored_fields()
+        model = self.serving.model_name(body.model)
+        params = body.to_sampling_params()
+
+        def tokenize(tok: Any) -> list[tuple[str, list[int]]]:
+            prompts: list[tuple[str, list[int]]] = []
+            for p in body.prompts():
+                if isinstance(p, str):
+                    try:
+                        ids = encode_text(tok, p, max_tokens=self.serving.engine.max_model_len)
+                    except PromptTooLongError as e:
+                        raise self.serving.too_long(e, "prompt") from None
+                    except PromptError as e:
+                        raise APIError(str(e), 400, "prompt") from None
+                    prompts.append((p, ids))
+                else:
+                    prompts.append((self._decode_prompt(p), list(p)))
+                self.serving.check_length(len(prompts[-1][1]), params.max_tokens, "prompt", "max_tokens")
+            return prompts
+
+        prompts = await self.serving.prepare(raw, tokenize)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                prompt = {"prompt": text, "prompt_token_ids": ids}
+                streams.append(await self.serving.add_request(sub_id, prompt, params))
+        except BaseException:
+            for s in streams:  # one bad prompt in a batch: leave nothing running
+                s.close()
+            raise
+        created = int(time.time())
+        if body.stream:
+            opts = body.stream_options
+            return EngineStreamingResponse(
+                self._stream(streams, prompts, rid, model, created, params, body.echo,
+                             bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
+                streams,
+            )
+        return await run_unless_disconnected(
+            raw, self._full(streams, prompts, rid, model, created, params, body.echo))
+
+    def _decode_prompt(self, ids: list[int]) -> str:
+        self.serving.check_token_ids(ids, "prompt token id", "prompt")
+        return self.serving.tokenizer.decode(ids)
+
+    async def _full(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]], rid: str, model: str,
+                    created: int, params: SamplingParams, echo: bool) -> Response:
+        try:
+            results = await asyncio.gather(*[collect(s, params.n) for s in streams])
+        finally:
+            for s in streams:
+                s.close()
+        out_choices = []
+        num_generated = cached = 0
+        for p_idx, ((choices, last), (ptext, pids)) in enumerate(zip(results, prompts)):
+            cached += last.num_cached_tokens
+            for i, c in enumerate(choices):
+                num_generated += len(c.token_ids)
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
+                                                     len(ptext) if echo else 0)
+                    if echo:
+                        logprobs = _join_legacy(self._prompt_legacy_logprobs(pids, last.prompt_logprobs,
+                                                                             params.logprobs), logprobs)
+                out_choices.append({
+                    "index": p_idx * params.n + i,
+                    "text": (ptext + c.text) if echo else c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })
+        return JSONResponse({
+            "id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": out_choices,
+            "usage": usage(sum(len(ids) for _, ids in prompts), num_generated, cached),
+            "system_fingerprint": None,
+        })
+
+    async def _stream(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]], rid: str, model: str,
+                      created: int, params: SamplingParams, echo: bool, include_usage: bool,
+                      continuous_usage: bool) -> AsyncIterator[str]:
+        n = params.n
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        num_tokens = [0] * (n * len(prompts))
+        text_offset = [0] * (n * len(prompts))
+        echoed = [False] * (n * len(prompts))
+        cached = [0] * len(prompts)
+
+        def chunk(choice: dict[str, Any]) -> str:
+            obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
+                                   "model": model, "choices": [choice]}
+            if include_usage:
+                obj["usage"] = usage(num_prompt, sum(num_tokens), sum(cached)) if continuous_usage else None
+            return sse(obj)
+
+        try:
+            async for p_idx, out in _merge_streams(streams):
+                cached[p_idx] = out.num_cached_tokens
+                ptext, pids = prompts[p_idx]
+                for c in out.outputs:
+                    idx = p_idx * n + c.index
+                    num_tokens[idx] += len(c.token_ids)
+                    text = c.text
+                    logprobs = None
+                    if params.logprobs is not None:
+                        logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
+                                                         text_offset[idx])
+                    if echo and not echoed[idx]:
+                        if params.logprobs is not None:
+                            # NOTE: complete by now: the engine fills them before the first token.
+                            plp = self._prompt_legacy_logprobs(pids, out.prompt_logprobs, params.logprobs)
+                            logprobs = _join_legacy(plp, self._legacy_logprobs(
+                                c.token_ids, c.logprobs or [], params.logprobs, len(ptext)))
+                        text = ptext + text
+                        echoed[idx] = True
+                    if logprobs is not None and logprobs["tokens"]:
+                        text_offset[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    if not text and c.finish_reason is None and not (logprobs and logprobs["tokens"]):
+                        continue
+                    yield chunk({"index": idx, "text": text, "logprobs": logprobs,
+                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": usage(num_prompt, sum(num_tokens), sum(cached))})
+        except RequestFailedError as e:
+            yield sse(APIError(str(e), e.status).body())
+        finally:
+            for s in streams:
+                s.close()
+        yield "data: [DONE]\n\n"
+
+    def _legacy_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], top_k: int,
+                         offset: int) -> dict[str, Any]:
+        """OpenAI's legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        for tid, pos in zip(token_ids, logprobs):
+            chosen = pos[tid]
+            text = self.serving.token_text(tid, chosen)
+            tokens.append(text)
+            token_lps.append(finite(chosen.logprob))
+            tops.append({self.serving.token_text(t, lp): finite(lp.logprob)
+                         for t, lp in sorted(pos.items(), key=lambda kv: kv[1].rank) if lp.rank <= top_k}
+                        if top_k > 0 else None)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _prompt_legacy_logprobs(self, ids: list[int], prompt_logprobs: list[PositionLogprobs | None] | None,
+                                top_k: int) -> dict[str, Any]:
+        # The first prompt token has no logprob (nothing precedes it).
+        first = self.serving.tokenizer.decode([ids[0]])
+        rest = self._legacy_logprobs(ids[1:], [p or {} for p in (prompt_logprobs or [None])[1:]], top_k, len(first))
+        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+
+
+def _join_legacy(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    return {k: a[k] + b[k] for k in a}
+
+
+async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams' outputs as they arrive, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except Exception as e:
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await q.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -1,0 +1,141 @@
+"""Find, check and load a model: a Hugging Face folder (config.json + safetensors + tokenizer,
+safetensors.py) or a single GGUF file (config, tokenizer and weights from one file, gguf.py).
+The model class comes from the registry in armserve/models/."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from armserve.layers.linear import ParallelContext, parallel_context
+from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
+from armserve.model_loader import gguf, safetensors
+from armserve.model_loader.source import ModelLoadError, ModelSource, bundled_model_path, resolve_model_path
+from armserve.models import UnsupportedArchitectureError, get_model_class, model_type_class
+
+__all__ = ["ModelLoadError", "ModelSource", "armserve_quantization", "bundled_model_path", "checkpoint_dtype",
+           "checkpoint_weights", "eos_token_ids", "load_config", "load_model", "load_tokenizer", "resolve_model_path"]
+
+
+def load_config(src: ModelSource):
+    """The transformers config of the model, with `architectures` filled in."""
+    from transformers import AutoConfig
+
+    try:
+        if src.is_gguf:
+            config = gguf.read_config(src)
+        else:
+            config = AutoConfig.from_pretrained(src.folder)
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        if isinstance(e, UnsupportedArchitectureError):
+            raise
+        what = src.gguf_file or "config.json"
+        raise ModelLoadError(f"cannot read the model config from {what} in {src.folder}: {e}") from e
+    if not getattr(config, "architectures", None):
+        config.architectures = [model_type_class(config.model_type).architectures[0]]
+    return config
+
+
+def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+
+    try:
+        if tokenizer:
+            return AutoTokenizer.from_pretrained(tokenizer)
+        if src.is_gguf:
+            with gguf.shared_with_transformers(src):
+                return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        return AutoTokenizer.from_pretrained(src.folder)
+    except Exception as e:  # transformers raises many kinds here
+        # (transformers reads no tokenizer from some GGUF architectures, llama.cpp's deepseek2 among them)
+        hint = "; pass tokenizer= (--tokenizer) an HF folder or name with the model's tokenizer" if src.is_gguf else ""
+        raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}{hint}") from e
+
+
+def eos_token_ids(src: ModelSource, tokenizer) -> set[int]:
+    """The tokens that end generation: the tokenizer's EOS plus generation_config.json's
+    `eos_token_id` (one or a list) of an HF folder."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if not src.is_gguf:
+        try:
+            from transformers import GenerationConfig
+
+            gen = GenerationConfig.from_pretrained(src.folder)
+            eos = gen.eos_token_id
+            if eos is not None:
+                ids |= set(eos if isinstance(eos, list) else [eos])
+        except (OSError, ValueError):
+            pass  # no generation_config.json
+    return ids
+
+
+def checkpoint_dtype(config) -> torch.dtype | None:
+    """The dtype the checkpoint's config names, if any."""
+    d = getattr(config, "dtype", None)
+    if d is None:  # transformers 4.x's name; 5.x keeps it as a property that warns on every use
+        d = vars(config).get("torch_dtype")
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    return d if isinstance(d, torch.dtype) else None
+
+
+def armserve_quantization(config) -> dict | None:
+    """The quantization_config written by `armserve quantize`, if this checkpoint has one."""
+    q = getattr(config, "quantization_config", None)
+    if isinstance(q, dict) and q.get("quant_method") == "armserve":
+        return q
+    if q is not None and not isinstance(q, dict):
+        q = q.to_dict() if hasattr(q, "to_dict") else None
+        if q and q.get("quant_method") == "armserve":
+            return q
+    return None
+
+
+def checkpoint_weights(src: ModelSource, config, dequantize: bool = False
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """The checkpoint's tensors under Hugging Face names (GGUF names mapped by the model class);
+    quantized ones (GGUF blocks feeding a linear layer, `armserve quantize` weights) as
+    QuantizedTensors unless `dequantize`."""
+    if src.is_gguf:
+        cls = get_model_class(config.architectures[0])
+        return gguf.iter_weights(os.path.join(src.folder, src.gguf_file), config, cls, keep_quantized=not dequantize)
+    return safetensors.iter_weights(src.folder, armserve_quantization(config) is not None, dequantize)
+
+
+def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None,
+               parallel: ParallelContext | None = None) -> nn.Module:
+    """Build the model for `config` in `dtype` and fill it from the checkpoint.
+
+    Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K, `armserve quantize` output) stay
+    quantized unless `quantization == "none"`. `parallel`: the tensor-parallel rank to build (its
+    layers keep only their part of each weight, layers/linear.py); None: the whole model.
+    """
+    dequantize = quantization == "none"
+    cls = get_model_class(config.architectures[0])
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with parallel_context(parallel):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(prev)
+    expected = model.expected_weights()
+    loaded = model.load_weights(checkpoint_weights(src, config, dequantize))
+    missing = expected - loaded
+    if missing:
+        shown = ", ".join(sorted(missing)[:5])
+        raise ModelLoadError(
+            f"checkpoint {src.path} is missing {len(missing)} weight(s), e.g. {shown}"
+        )
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.finalize()  # repack into the kernel layout once
+    model.process_weights_after_loading()
+    model.eval()
+    return model

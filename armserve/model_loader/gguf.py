@@ -1,0 +1,222 @@
+"""GGUF files (llama.cpp's format): the header parsed once per load and shared with transformers,
+the config made by the file's family (`gguf_config` of the class that names its
+`general.architecture`), and the tensors under Hugging Face names: the family's GGUF names on
+top of llama.cpp's standard ones, MoE experts split out of their stacked tensors, quantized blocks
+kept as QuantizedTensors where they feed a linear layer, the rest dequantized."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+
+from armserve import gguf_quants
+from armserve.layers.quantized_linear import QuantizedTensor
+from armserve.model_loader.source import ModelLoadError, ModelSource
+from armserve.models import gguf_model_class
+
+# llama.cpp's standard tensor names -> Hugging Face's (a family adds or overrides block names
+# with its `gguf_block_names`)
+_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# One parsed GGUF file, shared by the config, the tokenizer and the weights of one load. Parsing a
+# GGUF header means slicing every vocabulary entry out of the file (Qwen2.5: 151k tokens and
+# merges, ~8 s), and transformers parses the whole file again for the config and for the tokenizer.
+_READER: tuple[tuple[str, float, int], Any] | None = None
+
+
+def _reader(path: str):
+    """The GGUFReader of `path`, parsed once (until another file or a changed one is read)."""
+    global _READER
+    import numpy as np
+    from gguf.gguf_reader import GGUFReader  # the class itself, not a patched package attribute
+
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_mtime, st.st_size)
+    if _READER is None or _READER[0] != key:
+        _READER = None  # drop the old parse first: it holds one small array per vocabulary entry
+
+        class _Reader(GGUFReader):
+            # NOTE: the same parse over a plain ndarray view of the file's memory map: slicing a
+            # np.memmap runs its Python __array_finalize__ for every field part (millions of them),
+            # which was most of the parse time.
+            def __setattr__(self, name: str, value: Any) -> None:
+                if name == "data" and isinstance(value, np.memmap):
+                    value = value.view(np.ndarray)
+                super().__setattr__(name, value)
+
+        _READER = (key, _Reader(path))
+    return _READER[1]
+
+
+def release_reader() -> None:
+    """Forget the parsed GGUF file (after a load has taken what it needs)."""
+    global _READER
+    _READER = None
+
+
+@contextlib.contextmanager
+def shared_with_transformers(src: ModelSource) -> Iterator[None]:
+    """While transformers builds a config or tokenizer from `src`'s GGUF file, its
+    `gguf.GGUFReader(path)` returns the reader parsed by `_reader` instead of a new parse."""
+    import gguf
+
+    original = gguf.GGUFReader
+    mine = os.path.realpath(os.path.join(src.folder, src.gguf_file))
+
+    def reader(path, mode: str = "r"):
+        if mode == "r" and os.path.realpath(path) == mine:
+            return _reader(mine)
+        return original(path, mode)
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def read_config(src: ModelSource):
+    """The config of a GGUF file, made by the `gguf_config` of the family that names the file's
+    `general.architecture` (transformers' reading of the header, completed or replaced)."""
+    from transformers import AutoConfig
+
+    reader = _reader(os.path.join(src.folder, src.gguf_file))
+    cls = gguf_model_class(_field(reader, "general.architecture") or "")
+
+    def read():
+        with shared_with_transformers(src):
+            return AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
+
+    tensors = {t.name: t.data for t in reader.tensors}
+    return cls.gguf_config(lambda key: _field(reader, key), tensors, read)
+
+
+def _field(reader, key: str):
+    """A metadata value of the GGUF file: a string, a number, an array's length; None if absent."""
+    from gguf import GGUFValueType
+
+    f = reader.fields.get(key)
+    if f is None or not f.types:
+        return None
+    if f.types[0] == GGUFValueType.ARRAY:
+        return len(f.data)
+    if f.types[0] == GGUFValueType.STRING:
+        return bytes(f.parts[f.data[0]]).decode()
+    return f.parts[f.data[0]].tolist()[0] if f.data else None
+
+
+def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's interleaving of rotary pairs in q/k rows (weights and biases)."""
+    d = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, d // n_head // 2, 2, *rest).transpose(1, 2).reshape(d, *rest)
+
+
+# GGUF tensors that feed a linear layer (so may stay quantized; attn_qkv: q/k/v fused, as some
+# families store them); token_embd too, as a tied lm_head.
+_LINEAR = {"attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output",
+           "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "attn_q_a", "attn_q_b", "attn_kv_a_mqa"}
+# MoE experts stacked in one GGUF tensor [experts, rows, cols] -> one expert's projection
+_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+
+
+def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The GGUF file's tensors under Hugging Face names (the model class's `gguf_block_names` on
+    top of llama.cpp's standard ones), q/k rows un-permuted where llama.cpp permuted them
+    (`gguf_permuted_qk`), norm weights back from llama.cpp's 1 + w where the family stores them so
+    (`gguf_norm_offset`)."""
+    try:
+        reader = _reader(path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
+    permute = cls.gguf_permuted_qk
+    block_names = {**_BLOCK_NAMES, **cls.gguf_block_names}
+    norm_offset = float(cls.gguf_norm_offset)
+    n_head = config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_head
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in _EXPERTS:
+            yield from _experts(t, parts, keep_quantized, path)
+            continue
+        if parts[0] == "blk":
+            base = block_names.get(parts[2])
+            if base is None:
+                continue
+            name = f"model.layers.{parts[1]}.{base}.{parts[3]}"
+        else:
+            base = _NAMES.get(parts[0])
+            if base is None:
+                continue
+            name = f"{base}.{parts[1]}"
+        kind = parts[2] if parts[0] == "blk" else parts[0]
+        qt = None
+        if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
+            qt = gguf_quants.convert(t.tensor_type.name, t.data)
+        if qt is not None:
+            if permute and kind in ("attn_q", "attn_k"):
+                nh = n_head if kind == "attn_q" else n_kv
+                qt = QuantizedTensor(qt.fmt, _unpermute_qk(qt.codes, nh), _unpermute_qk(qt.scales, nh),
+                                     None if qt.szp is None else _unpermute_qk(qt.szp, nh), qt.group)
+            if kind == "token_embd":
+                # Lookups need float rows; a tied lm_head reads the same table as a quantized GEMM.
+                if not has_output:
+                    yield "lm_head.weight", qt
+                yield name, qt.dequantize()
+            else:
+                yield name, qt
+            continue
+        w = _dequantize(t, t.data, path)
+        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            w = _unpermute_qk(w, n_head if parts[2] == "attn_q" else n_kv)
+        if norm_offset and name.endswith("norm.weight"):
+            w -= norm_offset
+        if kind == "ffn_gate_inp_shexp" and w.dim() == 1:
+            w = w.unsqueeze(0)  # llama.cpp keeps Qwen2-MoE's shared-expert gate [hidden], HF [1, hidden]
+        yield name, w
+    release_reader()  # the weights are copies by now; the parsed header is no longer needed
+
+
+def _experts(t, parts: list[str], keep_quantized: bool, path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """One stacked expert tensor (`blk.N.ffn_{gate,up,down}_exps`, [experts, rows, cols]) as each
+    expert's projection under the Hugging Face name, quantized blocks kept as they are."""
+    proj = _EXPERTS[parts[2]]
+    for e in range(t.data.shape[0]):
+        name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
+        data = t.data[e]  # [rows, bytes of a row] for block types, [rows, cols] for float ones
+        qt = gguf_quants.convert(t.tensor_type.name, data) if keep_quantized else None
+        if qt is not None:
+            yield name, qt
+            continue
+        yield name, _dequantize(t, data, path)
+
+
+def _dequantize(t, data, path: str) -> torch.Tensor:
+    """`data` (tensor `t`'s blocks, or a slice of them) as a writable float32 tensor."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    try:
+        arr = dequantize(data, t.tensor_type)
+    except Exception as e:
+        raise ModelLoadError(f"cannot dequantize tensor {t.name} ({t.tensor_type.name}) of {path}: {e}") from e
+    return torch.from_numpy(np.array(arr, dtype=np.float32))
