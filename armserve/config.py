@@ -39,9 +39,9 @@ class ConfigError(ValueError):
 def cpu_has_native_bf16() -> bool:
     """True when this CPU computes bfloat16 natively (AVX512-BF16/AMX on x86, BF16 on ARM) and the
     kernel variant in use does too: a forced variant (`ARMSERVE_ISA=avx2`) stands for its CPUs."""
-    from armserve import ops
+    from armserve import kernels
 
-    native = ops.native_bf16()
+    native = kernels.native_bf16()
     if native is not None:
         return native
     cap = ""
@@ -86,7 +86,7 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
 
 
 # KV cache element types. "auto" stores K/V in the model dtype; "int8" stores symmetric int8 with
-# one float32 scale per (token, kv head) (layers/attention.py: quantize_kv_ref).
+# one float32 scale per (token, kv head) (kernels/reference.py: quantize_kv_ref).
 KV_CACHE_DTYPES = ("auto", "int8")
 # vLLM's fp8 names, refused with their own message rather than "unknown".
 _FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")

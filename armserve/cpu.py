@@ -224,7 +224,7 @@ def init_threads(bind: str | None = None) -> dict:
     global _initialised
     import torch
 
-    from armserve import ops
+    from armserve import kernels
 
     info: dict = {"bind": None}
     # vLLM's CPU name too (armserve's own wins); its `|` separates tensor-parallel ranks (or
@@ -250,11 +250,11 @@ def init_threads(bind: str | None = None) -> dict:
     if bind:
         cores = bound_cores(var, bind)
         torch.set_num_threads(len(cores))
-        if ops.available():
-            ops.bind_threads(cores)
+        if kernels.available():
+            kernels.bind_threads(cores)
             info["bind"] = cores
         else:
-            logger.warning("%s ignored: %s", var, ops.load_error())
+            logger.warning("%s ignored: %s", var, kernels.load_error())
     elif not os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(max(1, len(physical_cores())))
     info["threads"] = torch.get_num_threads()
@@ -265,32 +265,32 @@ def describe() -> dict:
     """Everything `armserve info` prints, as a dict."""
     import torch
 
-    from armserve import ops
+    from armserve import kernels
     from armserve.config import cpu_has_native_bf16, resolve_dtype
 
-    kernels = ops.isa()
+    variant = kernels.isa()
     # The skinny (decode) matmul's bf16 rows go to the CPU's bf16 dot instruction where the
     # variant has one (AVX-512 with AVX512-BF16, NEON/SVE with BF16).
-    skinny = kernels + ("+bf16dot" if kernels in ("avx512", "neon", "sve") and ops.bf16_dot() else "")
+    skinny = variant + ("+bf16dot" if variant in ("avx512", "neon", "sve") and kernels.bf16_dot() else "")
     return {
         "machine": platform.machine(),
         "cpu": cpu_model(),
         "logical_cpus": len(allowed_cpus()),
         "physical_cores": len(physical_cores()),
         "numa_nodes": {n: cpus for n, cpus in numa_nodes().items()},
-        "cpu_features": ops.cpu_features(),
+        "cpu_features": kernels.cpu_features(),
         "native_bf16": cpu_has_native_bf16(),
         "auto_dtype": str(resolve_dtype("auto")).replace("torch.", ""),
-        "kernel_variants_supported": ops.supported_isas(),
-        "kernels": {**{family: kernels for family in
+        "kernel_variants_supported": kernels.supported_isas(),
+        "kernels": {**{family: variant for family in
                        ("paged_attention", "reshape_and_cache", "rms_norm", "rotary", "act_and_mul")},
-                    "skinny_matmul": skinny, "quantized_gemm": ops.qgemm_isa(),
-                    "dense_gemm_bf16": ops.dense_isa(), "dense_gemm_f32": ops.dense_f32_isa()},
-        "kernels_unavailable_reason": ops.load_error() if kernels == "torch" else None,
+                    "skinny_matmul": skinny, "quantized_gemm": kernels.qgemm_isa(),
+                    "dense_gemm_bf16": kernels.dense_isa(), "dense_gemm_f32": kernels.dense_f32_isa()},
+        "kernels_unavailable_reason": kernels.load_error() if variant == "torch" else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "threads_bind": os.environ.get("ARMSERVE_THREADS_BIND") or None,
-        "thread_cores": ops.thread_cores(),
-        "openmp_runtime": ops.openmp_library(),
-        "openmp_runtimes_loaded": ops.openmp_runtimes(),
+        "thread_cores": kernels.thread_cores(),
+        "openmp_runtime": kernels.openmp_library(),
+        "openmp_runtimes_loaded": kernels.openmp_runtimes(),
     }

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from armserve import ops
+from armserve import kernels
 
 logger = logging.getLogger("armserve")
 
@@ -58,10 +58,10 @@ class ShmGroup:
     """
 
     def __init__(self, buffer: torch.Tensor, rank: int, world: int, slot_bytes: int) -> None:
-        if not ops.available():
-            raise TPError(f"the shared-memory all-reduce needs the C++ kernels ({ops.load_error()})")
+        if not kernels.available():
+            raise TPError(f"the shared-memory all-reduce needs the C++ kernels ({kernels.load_error()})")
         self.buffer, self.rank, self.world, self.slot_bytes = buffer, rank, world, slot_bytes
-        self.lib = ops._load()
+        self.lib = kernels.library.load()
         self.ptr = buffer.data_ptr()
         self.header = int(self.lib.armserve_shm_header_bytes(world))
         self.seq = 0
@@ -166,7 +166,7 @@ def _free_port() -> int:
 
 def make_comm_spec(world: int, slot_bytes: int, kind: str | None = None) -> CommSpec:
     """`ARMSERVE_TP_COMM` (shm or gloo) picks the transport; shm by default where the kernels load."""
-    kind = kind or os.environ.get("ARMSERVE_TP_COMM", "").strip().lower() or ("shm" if ops.available() else "gloo")
+    kind = kind or os.environ.get("ARMSERVE_TP_COMM", "").strip().lower() or ("shm" if kernels.available() else "gloo")
     if kind == "shm":
         slot_bytes = min(MAX_SLOT_BYTES, -(-slot_bytes // 64) * 64)
         return CommSpec("shm", world, slot_bytes, ShmGroup.allocate(world, slot_bytes))

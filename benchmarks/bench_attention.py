@@ -54,7 +54,7 @@ def make_case(hq: int, hk: int, hd: int, cache: torch.dtype, seqs: list[tuple[in
     step reads every layer's cache before it comes back to the first: the keys and values stream
     from memory, as they do in a model, rather than from the last-level cache.
     """
-    from armserve import ops
+    from armserve import kernels
     from armserve.engine.model_runner import prefault_kv_cache
     from armserve.layers.attention import kv_cache_shapes
 
@@ -88,15 +88,15 @@ def make_case(hq: int, hk: int, hd: int, cache: torch.dtype, seqs: list[tuple[in
         bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     keep = (i32(q_start), i32(q_len), i32(ctx), bt)
-    batch = ops.make_attn_batch(*keep, bs)
+    batch = kernels.make_attn_batch(*keep, bs)
     q = torch.randn(rows, hq * hd).to(dtype)
     calls = itertools.count()
 
     def step():
         i = next(calls) % copies
         if cache == torch.int8:
-            return ops.paged_attention_i8(q, kcs[i], vcs[i], ks, vs, batch, hq, hk, hd, hd**-0.5)
-        return ops.paged_attention(q, kcs[i], vcs[i], batch, hq, hk, hd, hd**-0.5)
+            return kernels.paged_attention_i8(q, kcs[i], vcs[i], ks, vs, batch, hq, hk, hd, hd**-0.5)
+        return kernels.paged_attention(q, kcs[i], vcs[i], batch, hq, hk, hd, hd**-0.5)
     return step, keep
 
 
@@ -117,15 +117,15 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from armserve import ops
+    from armserve import kernels
 
-    assert ops.available(), ops.load_error()
+    assert kernels.available(), kernels.load_error()
     load0 = load_average()
     bw = measure_bandwidth("read", 2**30, reps=5, threads=args.threads, stat=max)  # best of 5 over 1 GiB
     lines = ["## Attention kernel: ns per (key, query head) (issue 13)", "",
-             f"Machine: {machine_description()}. {args.threads} thread(s), kernel variant `{ops.isa()}` "
-             f"(bf16 dot instruction: {'on' if ops.bf16_dot() else 'off'}; AMX tiles for prefill rows: "
-             f"{'on' if ops.dense_isa() == 'amx_bf16' else 'off'}), armserve rev `{git_revision()}`, "
+             f"Machine: {machine_description()}. {args.threads} thread(s), kernel variant `{kernels.isa()}` "
+             f"(bf16 dot instruction: {'on' if kernels.bf16_dot() else 'off'}; AMX tiles for prefill rows: "
+             f"{'on' if kernels.dense_isa() == 'amx_bf16' else 'off'}), armserve rev `{git_revision()}`, "
              f"load average {load0:.2f} before. Read bandwidth (torch sum over 1 GiB): **{bw:.1f} GB/s**. "
              "Queries bfloat16; 16-token blocks scattered over the cache; median of 5 runs. Decode reads the "
              f"keys and values from memory, as a model's step does (each call reads the next of several copies "

@@ -33,7 +33,7 @@ def worker(model: str, dtype: str, tokens: int, runs: int) -> None:
     """Runs inside the measured process: prints one JSON line of decode tok/s samples."""
     import torch
 
-    from armserve import LLM, SamplingParams, ops
+    from armserve import LLM, SamplingParams, kernels
 
     # quantization="none": the dense path, whose non-GEMM work the kernels replace (the bundled
     # GGUF would otherwise run as w4a8, see bench_quant.py)
@@ -42,7 +42,7 @@ def worker(model: str, dtype: str, tokens: int, runs: int) -> None:
     llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
     samples = [request_decode_tok_s(llm.generate([PROMPT], p, use_tqdm=False)[0]) for _ in range(runs)]
     weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
-    print(json.dumps({"samples": samples, "weight_bytes": weight_bytes, "isa": ops.isa(),
+    print(json.dumps({"samples": samples, "weight_bytes": weight_bytes, "isa": kernels.isa(),
                       "threads": torch.get_num_threads()}), flush=True)
 
 

@@ -33,7 +33,7 @@ def timeit(fn, iters: int, runs: int) -> float:
 
 def attention_cases(dtype: torch.dtype):
     """(label, PyTorch-path fn, kernel fn) for paged decode attention at several contexts."""
-    from armserve import ops
+    from armserve import kernels
     from armserve.layers.attention import Attention, AttentionMetadata, kv_cache_shapes, set_attention_metadata
 
     out = []
@@ -61,7 +61,7 @@ def attention_cases(dtype: torch.dtype):
         keep = (torch.arange(batch, dtype=torch.int32), torch.ones(batch, dtype=torch.int32),
                 torch.full((batch,), ctx, dtype=torch.int32), perm.to(torch.int32).contiguous())
         md_k = AttentionMetadata(slot_mapping=slots_new, num_decodes=batch)
-        md_k.kernel_batch = ops.make_attn_batch(*keep, bs)
+        md_k.kernel_batch = kernels.make_attn_batch(*keep, bs)
         md_k.kernel_batch._keepalive = keep
 
         def torch_path(md=md_ref, attn=attn, q=q, k=k, v=v):
@@ -77,10 +77,9 @@ def attention_cases(dtype: torch.dtype):
 
 
 def elementwise_cases(dtype: torch.dtype):
-    from armserve import ops
-    from armserve.layers.activation import act_and_mul_ref
-    from armserve.layers.layernorm import rms_norm_ref
-    from armserve.layers.rotary_embedding import RotaryEmbedding, rotary_ref
+    from armserve import kernels
+    from armserve.kernels.reference import act_and_mul_ref, rms_norm_ref, rotary_ref
+    from armserve.layers.rotary_embedding import RotaryEmbedding
 
     out = []
     for rows in (1, 256):
@@ -88,17 +87,17 @@ def elementwise_cases(dtype: torch.dtype):
         w = torch.rand(2048).to(dtype)
         r = torch.randn(rows, 2048).to(dtype)
         out.append((f"RMSNorm + residual, {rows} x 2048", lambda x=x, w=w, r=r: rms_norm_ref(x, w, 1e-5, r),
-                    lambda x=x, w=w, r=r: ops.rms_norm(x, w, 1e-5, r)))
+                    lambda x=x, w=w, r=r: kernels.rms_norm(x, w, 1e-5, r)))
         g = torch.randn(rows, 2 * 5632).to(dtype)
         out.append((f"SiLU-and-mul, {rows} x 5632", lambda g=g: act_and_mul_ref(g, "silu"),
-                    lambda g=g: ops.act_and_mul(g, "silu")))
+                    lambda g=g: kernels.act_and_mul(g, "silu")))
         rope = RotaryEmbedding(64, 4096, {"rope_type": "default", "rope_theta": 10000.0})
         qkv = torch.randn(rows, 40 * 64).to(dtype)
         q, k = qkv[:, : 32 * 64], qkv[:, 32 * 64: 36 * 64]
         pos = torch.arange(rows)
         out.append((f"RoPE (neox) 32q+4kv heads x 64, {rows} tokens",
                     lambda q=q, k=k, p=pos, c=rope.cos_sin: rotary_ref(p, q, k, c, 64, 64, True),
-                    lambda q=q, k=k, p=pos, c=rope.cos_sin: ops.rotary(p, q, k, c, 64, 64, True)))
+                    lambda q=q, k=k, p=pos, c=rope.cos_sin: kernels.rotary(p, q, k, c, 64, 64, True)))
     return out
 
 
@@ -114,13 +113,13 @@ def matmul_cases(dtype: torch.dtype):
     dense = [torch.randn(n, k).to(dtype) for _ in range(copies)]
     out = []
     if dtype in (torch.bfloat16, torch.float16):
-        from armserve import ops
+        from armserve import kernels
 
         for rows in (1, 4):
             x = torch.randn(rows, k).to(dtype)
             nxt = itertools.cycle(dense).__next__
             out.append((f"decode matmul {rows} x {k} -> {n}",
-                        lambda x=x, nxt=nxt: F.linear(x, nxt()), lambda x=x, nxt=nxt: ops.gemv(x, nxt())))
+                        lambda x=x, nxt=nxt: F.linear(x, nxt()), lambda x=x, nxt=nxt: kernels.gemv(x, nxt())))
     quant = []
     for w in dense:
         layer = QuantizedLinear(k, n, False, [("all", n)])
@@ -151,32 +150,32 @@ def timeit_for(fn, seconds: float, runs: int) -> float:
 
 
 def dense_gemm_table(runs: int, seconds: float = 0.05) -> list[str]:
-    """The dense bf16 GEMM on prepacked weights (ops.gemm_bf16) against F.linear, oneDNN with a
+    """The dense bf16 GEMM on prepacked weights (kernels.gemm_bf16) against F.linear, oneDNN with a
     prepacked weight (mkldnn._reorder_linear_weight + _linear_pointwise: what a PyTorch-side
-    prepacking would give) and the skinny matmul (ops.gemv, up to 4 rows). Weights are cycled
+    prepacking would give) and the skinny matmul (kernels.gemv, up to 4 rows). Weights are cycled
     through copies of > 96 MiB together, so each call streams its weight from memory as a decode
     step does. bf16 in and out."""
     import torch.nn.functional as F
 
-    from armserve import ops
+    from armserve import kernels
 
     results = []  # (model, layer, n, k, m, {method: us})
     for model, layer, n, k in DENSE_SHAPES:
         copies = max(1, -(-96 * 2**20 // (n * k * 2)))
         ws = [torch.randn(n, k).to(torch.bfloat16) for _ in range(copies)]
-        packed = [ops.pack_bf16(w) for w in ws]
+        packed = [kernels.pack_bf16(w) for w in ws]
         dnn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
         for m in DENSE_ROWS:
             x = torch.randn(m, k).to(torch.bfloat16)
             out = torch.empty(m, n, dtype=torch.bfloat16)
             nxt = itertools.cycle(range(copies)).__next__
             fns = {
-                "armserve gemm_bf16": lambda: ops.gemm_bf16(x, packed[nxt()], n, k, out=out),
+                "armserve gemm_bf16": lambda: kernels.gemm_bf16(x, packed[nxt()], n, k, out=out),
                 "oneDNN prepacked": lambda: torch.ops.mkldnn._linear_pointwise(x, dnn[nxt()], None, "none", [], ""),
                 "F.linear": lambda: F.linear(x, ws[nxt()]),
             }
             if m <= 4:
-                fns["gemv"] = lambda: ops.gemv(x, ws[nxt()])
+                fns["gemv"] = lambda: kernels.gemv(x, ws[nxt()])
             t = {name: timeit_for(fn, seconds, runs) for name, fn in fns.items()}
             results.append((model, layer, n, k, m, t))
             line = f"{model} {layer} {n}x{k} m={m}: " + "  ".join(f"{a} {b:.1f} us" for a, b in t.items())
@@ -187,7 +186,7 @@ def dense_gemm_table(runs: int, seconds: float = 0.05) -> list[str]:
     gf = lambda n, k, m, us: 2 * m * n * k / us / 1e3  # noqa: E731
     peak = max(gf(n, k, m, t["oneDNN prepacked"]) for _, _, n, k, m, t in results)
     lines = [
-        f"Dense bf16 GEMM on prepacked weights (`ops.gemm_bf16`, variant `{ops.dense_isa()}`) vs oneDNN: "
+        f"Dense bf16 GEMM on prepacked weights (`kernels.gemm_bf16`, variant `{kernels.dense_isa()}`) vs oneDNN: "
         f"practical bf16 peak (best oneDNN rate of this run) **{peak:.0f} GFLOP/s**. GB/s = weight + x + out "
         "bytes per call / time (weights stream from memory: copies cycled). vs x = x's time / gemm_bf16's "
         "time (> 1: gemm_bf16 faster).",
@@ -209,7 +208,7 @@ def dense_gemm_table(runs: int, seconds: float = 0.05) -> list[str]:
 
 
 def write_dense_gemm(args) -> None:
-    from armserve import ops
+    from armserve import kernels
 
     lines = [
         "## Kernels: dense bf16 GEMM on prepacked weights (csrc/dense_gemm.h)",
@@ -223,7 +222,7 @@ def write_dense_gemm(args) -> None:
     print(text)
     if not args.no_write:
         update_section("kernels-dense-gemm", text)
-    assert ops.available()
+    assert kernels.available()
 
 
 QDENSE_SHAPES = [("Qwen2.5-0.5B", "qkv", 1152, 896), ("Qwen2.5-0.5B", "gate+up", 9728, 896),
@@ -232,10 +231,10 @@ QDENSE_ROWS = [16, 64, 128, 256, 1024]
 
 
 def write_qdense(args) -> None:
-    """Quantized layers at prefill sizes: the w4a8 / w8a8 GEMM (int8 activations, ops.qgemm) against
-    the weight dequantized to bf16 panel by panel for the dense tiles (ops.qgemm_dense), and the
+    """Quantized layers at prefill sizes: the w4a8 / w8a8 GEMM (int8 activations, kernels.qgemm) against
+    the weight dequantized to bf16 panel by panel for the dense tiles (kernels.qgemm_dense), and the
     dense GEMM on the same weight dequantized once and prepacked (what the dequantization costs)."""
-    from armserve import ops
+    from armserve import kernels
     from armserve.layers.quantized_linear import pack, quantize_weight
 
     peak = 0.0
@@ -250,14 +249,14 @@ def write_qdense(args) -> None:
                 qt = QuantizedTensor("w8", torch.round(w / sc.repeat_interleave(32, 1)).clamp(-127, 127)
                                      .to(torch.int8), sc, None, 32)
             packed = pack(qt)
-            dense = ops.pack_bf16(qt.dequantize().to(torch.bfloat16))
+            dense = kernels.pack_bf16(qt.dequantize().to(torch.bfloat16))
             for m in QDENSE_ROWS:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 out = torch.empty(m, n, dtype=torch.bfloat16)
                 fns = {
-                    "w4a8 GEMM": lambda: ops.qgemm(fmt, out, 0, ops.quantize_act(x, 32), packed, n, 32),
-                    "dequantized bf16": lambda: ops.qgemm_dense(fmt, out, 0, x, packed, n, 32),
-                    "dense bf16": lambda: ops.gemm_bf16(x, dense, n, k, out=out),
+                    "w4a8 GEMM": lambda: kernels.qgemm(fmt, out, 0, kernels.quantize_act(x, 32), packed, n, 32),
+                    "dequantized bf16": lambda: kernels.qgemm_dense(fmt, out, 0, x, packed, n, 32),
+                    "dense bf16": lambda: kernels.gemm_bf16(x, dense, n, k, out=out),
                 }
                 t = {name: timeit_for(fn, 0.05, args.runs) for name, fn in fns.items()}
                 gf = {name: 2 * m * n * k / us / 1e3 for name, us in t.items()}
@@ -269,11 +268,11 @@ def write_qdense(args) -> None:
         "## Kernels: quantized layers at prefill sizes (w4a8 GEMM vs dequantized bf16 tiles)",
         "",
         f"Machine: {machine_description()}. {args.threads} thread(s); median of {args.runs} runs; load average "
-        f"{load_average():.2f}; kernel variant `{ops.isa()}` (dense tiles `{ops.dense_isa()}`, int8 GEMM "
-        f"`{ops.qgemm_isa()}`). armserve rev `{git_revision()}`. Group 32, bf16 activations in and out. "
+        f"{load_average():.2f}; kernel variant `{kernels.isa()}` (dense tiles `{kernels.dense_isa()}`, int8 GEMM "
+        f"`{kernels.qgemm_isa()}`). armserve rev `{git_revision()}`. Group 32, bf16 activations in and out. "
         "w4a8 = int8 activations (quantized per call) against the packed int4 / int8 weight; dequantized bf16 = "
-        f"the same packed weight dequantized panel by panel for the dense bf16 tiles (`ops.qgemm_dense`, "
-        f"used from {ops.QDENSE_MIN_ROWS} rows with a bf16 dot instruction); dense bf16 = the GEMM on the weight "
+        f"the same packed weight dequantized panel by panel for the dense bf16 tiles (`kernels.qgemm_dense`, "
+        f"used from {kernels.QDENSE_MIN_ROWS} rows with a bf16 dot instruction); dense bf16 = the GEMM on the weight "
         f"dequantized once and prepacked (2 bytes a weight). % peak: of the best dense bf16 rate of the run "
         f"({peak:.0f} GFLOP/s).",
         "",
@@ -304,18 +303,18 @@ def main() -> None:
                     help="run only the dense bf16 GEMM table, or the quantized-prefill one (own doc sections)")
     args = ap.parse_args()
 
-    from armserve import ops
+    from armserve import kernels
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    assert ops.available(), ops.load_error()
+    assert kernels.available(), kernels.load_error()
     if args.only == "dense":
         write_dense_gemm(args)
         return
     if args.only == "qdense":
         write_qdense(args)
         return
-    isas = ops.supported_isas()
+    isas = kernels.supported_isas()
     load0 = load_average()
     bw = measure_bandwidth("copy", 512 * 2**20, reps=5, threads=args.threads)
     rows = []
@@ -323,9 +322,9 @@ def main() -> None:
         t_ref = timeit(ref, args.iters, args.runs)
         per_isa = {}
         for name in isas:
-            ops.select_isa(name)
+            kernels.select_isa(name)
             per_isa[name] = timeit(fast, args.iters, args.runs)
-        ops.select_isa("auto")
+        kernels.select_isa("auto")
         rows.append((label, t_ref, per_isa))
         print(f"{label:70s} torch {t_ref:9.1f} us  " + "  ".join(f"{n} {t:8.1f} us ({t_ref / t:.1f}x)"
                                                                   for n, t in per_isa.items()), flush=True)

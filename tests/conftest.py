@@ -32,21 +32,21 @@ def smollm2_gguf_path() -> str:
 
 def kernel_isas() -> list[str]:
     """Every kernel variant this CPU runs (the C++ library must be built)."""
-    from armserve import ops
+    from armserve import kernels
 
-    assert ops.available(), f"kernels not built: {ops.load_error()}"
-    return ops.supported_isas()
+    assert kernels.available(), f"kernels not built: {kernels.load_error()}"
+    return kernels.supported_isas()
 
 
 @pytest.fixture(params=kernel_isas())
 def isa(request):
     """Run the test once per kernel variant, switching the process-wide choice and back."""
-    from armserve import ops
+    from armserve import kernels
 
-    before = ops.isa()
-    ops.select_isa(request.param)
+    before = kernels.isa()
+    kernels.select_isa(request.param)
     yield request.param
-    ops.select_isa(before)
+    kernels.select_isa(before)
 
 
 def on_one_and_two_threads(fn):

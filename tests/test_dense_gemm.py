@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from armserve import ops
+from armserve import kernels
+from armserve.kernels.reference import gemm_bf16_ref, gemm_f32_ref, unpack_bf16_ref, unpack_f32_ref
 from conftest import on_one_and_two_threads
 
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
@@ -22,14 +23,14 @@ SHAPES = [(37, 19), (100, 77), (129, 256), (16, 2)] if not SMALL else [(37, 19),
 
 
 def has_dot() -> bool:
-    f = ops.cpu_features()
+    f = kernels.cpu_features()
     return "avx512_bf16" in f or "bf16" in f
 
 
 def dot_modes() -> list[str]:
     """widen: no bf16 dot instruction; dot: with it (AMX off); amx: AMX tiles from 3 rows, the
     dot instruction below (only where the CPU has AMX-BF16: elsewhere there is nothing to run)."""
-    return ["widen"] + (["dot"] if has_dot() else []) + (["amx"] if ops.amx_available() else [])
+    return ["widen"] + (["dot"] if has_dot() else []) + (["amx"] if kernels.amx_available() else [])
 
 
 def expected_variant(isa: str, dot: bool, amx: bool = False) -> str:
@@ -51,14 +52,14 @@ def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def dot(request):
     """Sets up the mode ("widen", "dot", "amx") and yields it: the bf16-dot switch on in "dot" and
     "amx", AMX on in "amx" only."""
-    before = ops.set_bf16_dot(request.param != "widen")
-    amx_before = ops.set_amx(False) if ops.amx_available() else None
+    before = kernels.set_bf16_dot(request.param != "widen")
+    amx_before = kernels.set_amx(False) if kernels.amx_available() else None
     if request.param == "amx":
-        ops.set_amx(True)
+        kernels.set_amx(True)
     yield request.param
-    ops.set_bf16_dot(before)
+    kernels.set_bf16_dot(before)
     if amx_before is not None:
-        ops.set_amx(amx_before)
+        kernels.set_amx(amx_before)
 
 
 
@@ -66,29 +67,30 @@ def test_pack_round_trip():
     torch.manual_seed(0)
     for n, k in SHAPES + [(1, 1), (17, 33)]:
         w = torch.randn(n, k).bfloat16()
-        p = ops.pack_bf16(w)
-        assert p.shape == ops.packed_bf16_shape(n, k) == (-(-n // 16), -(-k // 2), 16, 2)
-        assert torch.equal(ops.unpack_bf16_ref(p, n, k), w)
+        p = kernels.pack_bf16(w)
+        assert p.shape == kernels.packed_bf16_shape(n, k) == (-(-n // 16), -(-k // 2), 16, 2)
+        assert torch.equal(unpack_bf16_ref(p, n, k), w)
         # the padding is zeros
         full = p.permute(0, 2, 1, 3).reshape(p.shape[0] * 16, p.shape[1] * 2)
         assert not full[n:].any() and not full[:, k:].any()
 
 
 def test_gemm_matches_reference(isa, dot):
-    assert ops.dense_isa() == expected_variant(isa, dot != "widen" and ops.bf16_dot(), dot == "amx" and ops.bf16_dot())
+    dot_on = kernels.bf16_dot()
+    assert kernels.dense_isa() == expected_variant(isa, dot != "widen" and dot_on, dot == "amx" and dot_on)
     torch.manual_seed(1)
     for n, k in SHAPES:
         w = torch.randn(n, k).bfloat16()
-        p = ops.pack_bf16(w)
+        p = kernels.pack_bf16(w)
         for m in ROWS:
             x = torch.randn(m, k).bfloat16()
             exact = x.double() @ w.double().t()
             tol = bound(x, w)
-            y32 = ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32)
+            y32 = kernels.gemm_bf16(x, p, n, k, out_dtype=torch.float32)
             assert y32.dtype == torch.float32
             err = (y32.double() - exact).abs()
             assert (err <= tol).all(), (m, n, k, (err / tol).max().item())
-            y16 = ops.gemm_bf16(x, p, n, k)
+            y16 = kernels.gemm_bf16(x, p, n, k)
             assert y16.dtype == torch.bfloat16
             # one bf16 rounding of (nearly) the exact sum
             err = (y16.double() - exact).abs()
@@ -99,8 +101,8 @@ def test_gemm_matches_reference(isa, dot):
     # the PyTorch reference wrapper agrees too
     x = torch.randn(5, 77).bfloat16()
     w = torch.randn(100, 77).bfloat16()
-    p = ops.pack_bf16(w)
-    torch.testing.assert_close(ops.gemm_bf16(x, p, 100, 77).float(), ops.gemm_bf16_ref(x, p, 100, 77).float(),
+    p = kernels.pack_bf16(w)
+    torch.testing.assert_close(kernels.gemm_bf16(x, p, 100, 77).float(), gemm_bf16_ref(x, p, 100, 77).float(),
                                atol=2e-2, rtol=1e-2)
 
 
@@ -109,13 +111,13 @@ def test_column_range_output(isa, dot):
     torch.manual_seed(2)
     n, k, wide, col = 37, 77, 100, 21
     w = torch.randn(n, k).bfloat16()
-    p = ops.pack_bf16(w)
+    p = kernels.pack_bf16(w)
     for m in (1, 7, 33):
         x = torch.randn(m, k).bfloat16()
         for dtype in (torch.bfloat16, torch.float32):
             fused = torch.full((m, wide), 7.0, dtype=dtype)
-            ops.gemm_bf16(x, p, n, k, out=fused[:, col:col + n])
-            assert torch.equal(fused[:, col:col + n], ops.gemm_bf16(x, p, n, k, out_dtype=dtype))
+            kernels.gemm_bf16(x, p, n, k, out=fused[:, col:col + n])
+            assert torch.equal(fused[:, col:col + n], kernels.gemm_bf16(x, p, n, k, out_dtype=dtype))
             assert (fused[:, :col] == 7).all() and (fused[:, col + n:] == 7).all()
 
 
@@ -126,19 +128,19 @@ def test_weights_over_several_groups(isa, dot):
     of a wider output, on one thread and two."""
     torch.manual_seed(7)
     n, k, col = (2100, 512, 3) if not SMALL else (1100, 512, 3)
-    for m in [70 if not SMALL else 40] + ([530] if ops.dense_isa() == "amx_bf16" else []):
+    for m in [70 if not SMALL else 40] + ([530] if kernels.dense_isa() == "amx_bf16" else []):
         check_over_groups(n, k, m, col)
 
 
 def check_over_groups(n: int, k: int, m: int, col: int) -> None:
     w = torch.randn(n, k).bfloat16()
-    p = ops.pack_bf16(w)
+    p = kernels.pack_bf16(w)
     x = torch.randn(m, k).bfloat16()
     exact = x.double() @ w.double().t()
 
     def run(dtype):
         out = torch.full((m, n + 2 * col), 7.0, dtype=dtype)
-        ops.gemm_bf16(x, p, n, k, out=out[:, col:col + n])
+        kernels.gemm_bf16(x, p, n, k, out=out[:, col:col + n])
         return out
 
     for dtype in (torch.float32, torch.bfloat16):
@@ -154,11 +156,11 @@ def test_special_values(isa, dot):
     """NaN propagates (rounded to bf16 as PyTorch: 0x7fc0), large values round, zeros stay zero."""
     n, k = 20, 6
     w = torch.ones(n, k).bfloat16()
-    p = ops.pack_bf16(w)
+    p = kernels.pack_bf16(w)
     x = torch.zeros(3, k).bfloat16()
     x[1, 2] = float("nan")
     x[2] = 3.0e38
-    y = ops.gemm_bf16(x, p, n, k)
+    y = kernels.gemm_bf16(x, p, n, k)
     assert (y[0] == 0).all()
     assert torch.isnan(y[1]).all() and (y[1].view(torch.int16) == 0x7FC0).all()
     assert torch.isinf(y[2]).all()  # 6 x 3e38 overflows float32
@@ -166,12 +168,12 @@ def test_special_values(isa, dot):
 
 def assert_replays(call, out: torch.Tensor) -> None:
     """call(out) recorded (csrc/graph.cpp) without errors, and its replay rewrites the same out."""
-    with ops.capture() as rec:
+    with kernels.capture.recording() as rec:
         call(out)
     assert not rec.errors
     want = out.clone()
     out.zero_()
-    ops.run_graph(rec)
+    kernels.capture.run_graph(rec)
     assert torch.equal(out, want)
 
 
@@ -180,30 +182,30 @@ def test_gemm_is_recordable():
     torch.manual_seed(3)
     n, k, m = 50, 64, 3
     w = torch.randn(n, k).bfloat16()
-    p = ops.pack_bf16(w)
+    p = kernels.pack_bf16(w)
     x = torch.randn(m, k).bfloat16()
-    assert_replays(lambda out: ops.gemm_bf16(x, p, n, k, out=out), torch.empty(m, n, dtype=torch.float32))
+    assert_replays(lambda out: kernels.gemm_bf16(x, p, n, k, out=out), torch.empty(m, n, dtype=torch.float32))
 
 
 def test_amx_switch(isa):
     """AMX tiles serve the avx512 variant with the bf16 dot instruction where the CPU has AMX-BF16;
     asking for them elsewhere is a clear error, and switching them off falls back to the dot tiles."""
-    before = ops.set_amx(False) if ops.amx_available() else None
+    before = kernels.set_amx(False) if kernels.amx_available() else None
     try:
         if before is None:
-            with pytest.raises(ops.KernelError, match="AMX-BF16 is not available"):
-                ops.set_amx(True)
-            assert ops.dense_isa() != "amx_bf16"
+            with pytest.raises(kernels.KernelError, match="AMX-BF16 is not available"):
+                kernels.set_amx(True)
+            assert kernels.dense_isa() != "amx_bf16"
             return
-        assert ops.dense_isa() == expected_variant(isa, ops.bf16_dot())
-        ops.set_amx(True)
-        assert ops.dense_isa() == expected_variant(isa, ops.bf16_dot(), True)
-        dot = ops.set_bf16_dot(False)
-        assert ops.dense_isa() == expected_variant(isa, False, True)  # AMX only with the dot tiles' activations
-        ops.set_bf16_dot(dot)
+        assert kernels.dense_isa() == expected_variant(isa, kernels.bf16_dot())
+        kernels.set_amx(True)
+        assert kernels.dense_isa() == expected_variant(isa, kernels.bf16_dot(), True)
+        dot = kernels.set_bf16_dot(False)
+        assert kernels.dense_isa() == expected_variant(isa, False, True)  # AMX only with the dot tiles' activations
+        kernels.set_bf16_dot(dot)
     finally:
         if before is not None:
-            ops.set_amx(before)
+            kernels.set_amx(before)
 
 
 def test_gemm_same_on_two_threads(isa, dot):
@@ -212,10 +214,10 @@ def test_gemm_same_on_two_threads(isa, dot):
     torch.manual_seed(5)
     n, k = 200, 96
     w = torch.randn(n, k).bfloat16()
-    p = ops.pack_bf16(w)
+    p = kernels.pack_bf16(w)
     for m in ((3, 40, 130) if not SMALL else (3, 17)):
         x = torch.randn(m, k).bfloat16()
-        one, two = on_one_and_two_threads(lambda: ops.gemm_bf16(x, p, n, k, out_dtype=torch.float32))
+        one, two = on_one_and_two_threads(lambda: kernels.gemm_bf16(x, p, n, k, out_dtype=torch.float32))
         assert torch.equal(one, two), m
         exact = x.double() @ w.double().t()
         assert ((one.double() - exact).abs() <= bound(x, w)).all(), m
@@ -235,9 +237,9 @@ def test_pack_f32_round_trip():
     torch.manual_seed(0)
     for n, k in SHAPES + [(1, 1), (17, 33)]:
         w = torch.randn(n, k)
-        p = ops.pack_f32(w)
-        assert p.shape == ops.packed_f32_shape(n, k) == (-(-n // 16), -(-k // 2), 2, 16)
-        assert torch.equal(ops.unpack_f32_ref(p, n, k), w)
+        p = kernels.pack_f32(w)
+        assert p.shape == kernels.packed_f32_shape(n, k) == (-(-n // 16), -(-k // 2), 2, 16)
+        assert torch.equal(unpack_f32_ref(p, n, k), w)
         # layout: block b, pair p, then k parity, then the 16 columns; the padding is zeros
         assert p[0, 0, 1, 0] == w[0, 1] if k > 1 else p[0, 0, 1, 0] == 0
         full = p.permute(0, 3, 1, 2).reshape(p.shape[0] * 16, p.shape[1] * 2)
@@ -247,24 +249,24 @@ def test_pack_f32_round_trip():
 def test_gemm_f32_matches_reference(isa):
     """Every row count the tiles split differently (1-row streams, full and partial tiles, several
     row tiles per panel), odd N and K, float32 and bf16 output, the PyTorch reference wrapper."""
-    assert ops.dense_f32_isa() == isa
+    assert kernels.dense_f32_isa() == isa
     torch.manual_seed(1)
     for n, k in SHAPES:
         w = torch.randn(n, k)
-        p = ops.pack_f32(w)
+        p = kernels.pack_f32(w)
         for m in ROWS:
             x = torch.randn(m, k)
             exact = x.double() @ w.double().t()
             tol = bound_f32(x, w)
-            y = ops.gemm_f32(x, p, n, k)
+            y = kernels.gemm_f32(x, p, n, k)
             assert y.dtype == torch.float32
             err = (y.double() - exact).abs()
             assert (err <= tol).all(), (m, n, k, (err / tol).max().item())
-            y16 = ops.gemm_f32(x, p, n, k, out_dtype=torch.bfloat16)
+            y16 = kernels.gemm_f32(x, p, n, k, out_dtype=torch.bfloat16)
             assert ((y16.double() - exact).abs() <= 2.0 ** -8 * exact.abs() + tol).all(), (m, n, k)
     x, w = torch.randn(5, 77), torch.randn(100, 77)
-    p = ops.pack_f32(w)
-    torch.testing.assert_close(ops.gemm_f32(x, p, 100, 77), ops.gemm_f32_ref(x, p, 100, 77), atol=1e-4, rtol=1e-5)
+    p = kernels.pack_f32(w)
+    torch.testing.assert_close(kernels.gemm_f32(x, p, 100, 77), gemm_f32_ref(x, p, 100, 77), atol=1e-4, rtol=1e-5)
 
 
 def test_gemm_f32_column_range_threads_and_recording(isa):
@@ -273,13 +275,13 @@ def test_gemm_f32_column_range_threads_and_recording(isa):
     torch.manual_seed(2)
     n, k, wide, col = 200, 96, 230, 21
     w = torch.randn(n, k)
-    p = ops.pack_f32(w)
+    p = kernels.pack_f32(w)
     for m in ((1, 7, 40, 130) if not SMALL else (1, 17)):
         x = torch.randn(m, k)
 
         def run():
             fused = torch.full((m, wide), 7.0)
-            ops.gemm_f32(x, p, n, k, out=fused[:, col:col + n])
+            kernels.gemm_f32(x, p, n, k, out=fused[:, col:col + n])
             return fused
 
         one, two = on_one_and_two_threads(run)
@@ -288,4 +290,4 @@ def test_gemm_f32_column_range_threads_and_recording(isa):
         exact = x.double() @ w.double().t()
         assert ((one[:, col:col + n].double() - exact).abs() <= bound_f32(x, w)).all(), m
     x = torch.randn(3, k)
-    assert_replays(lambda out: ops.gemm_f32(x, p, n, k, out=out), torch.empty(3, n))
+    assert_replays(lambda out: kernels.gemm_f32(x, p, n, k, out=out), torch.empty(3, n))

@@ -23,9 +23,9 @@ FILES = ["test_step_graph.py", "test_engine.py", "test_models.py"]
 
 
 def _auto_isa() -> str:
-    from armserve import ops
+    from armserve import kernels
 
-    return ops.isa()
+    return kernels.isa()
 
 
 @pytest.mark.parametrize("variant", [v for v in kernel_isas() if v != _auto_isa()])
@@ -35,7 +35,7 @@ def test_isa_sensitive_files_pass_with_variant_forced(variant):
     proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=1500)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
     assert proc.returncode == 0, f"ARMSERVE_ISA={variant} pytest {' '.join(FILES)} failed:\n{tail}"
-    # The forced variant was really the one used (ops raises on an unknown or unsupported name).
-    check = subprocess.run([sys.executable, "-c", "from armserve import ops; print(ops.isa())"], env=env,
+    # The forced variant was really the one used (kernels raises on an unknown or unsupported name).
+    check = subprocess.run([sys.executable, "-c", "from armserve import kernels; print(kernels.isa())"], env=env,
                            capture_output=True, text=True, timeout=300)
     assert check.stdout.strip() == variant, check.stderr

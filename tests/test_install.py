@@ -104,8 +104,8 @@ def test_readme_install_commands_leave_a_working_virtualenv(tmp_path):
         out = run([py, "-c", textwrap.dedent("""
             from transformers import LlamaConfig
             import armserve, openvino_genai, torch, transformers, xgrammar
-            from armserve import ops
-            assert ops.available(), ops.load_error()
+            from armserve import kernels
+            assert kernels.available(), kernels.load_error()
             xgrammar.Grammar.from_regex("[0-9]+")
             print(transformers.__version__)
             """)], tmp)

@@ -15,11 +15,10 @@ import torch
 
 from conftest import kernel_isas, on_one_and_two_threads, random_batch
 
-from armserve import ops
-from armserve.layers.activation import act_and_mul_ref
-from armserve.layers.attention import cache_from_rows, cache_rows, kv_cache_shapes, paged_attention_ref
-from armserve.layers.layernorm import rms_norm_ref
-from armserve.layers.rotary_embedding import RotaryEmbedding, rotary_ref
+from armserve import kernels
+from armserve.kernels.reference import act_and_mul_ref, paged_attention_ref, rms_norm_ref, rotary_ref
+from armserve.layers.attention import cache_from_rows, cache_rows, kv_cache_shapes
+from armserve.layers.rotary_embedding import RotaryEmbedding
 
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -36,17 +35,17 @@ def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
 def test_isa_selection_and_features():
     names = kernel_isas()
     assert "scalar" in names
-    assert ops.isa() in names
-    with pytest.raises(ops.KernelError, match="unknown ISA"):
-        ops.select_isa("mmx")
-    feats = ops.cpu_features()
+    assert kernels.isa() in names
+    with pytest.raises(kernels.KernelError, match="unknown ISA"):
+        kernels.select_isa("mmx")
+    feats = kernels.cpu_features()
     if os.uname().machine == "x86_64":
         assert ("avx512" in names) == ("avx512" in feats)
         assert ("avx2" in names) == ("avx2" in feats and "fma" in feats)
     # One thread pool: the kernels' OpenMP calls bind to the runtime PyTorch loaded (another
     # package may map its own private copy, e.g. sentencepiece; it is never used for our threads).
-    bound = ops.openmp_library()
-    assert bound in ops.openmp_runtimes(), (bound, ops.openmp_runtimes())
+    bound = kernels.openmp_library()
+    assert bound in kernels.openmp_runtimes(), (bound, kernels.openmp_runtimes())
     torch_dir = os.path.dirname(os.path.dirname(torch.__file__))
     assert bound.startswith(torch_dir) and ("/torch/" in bound or "/torch.libs/" in bound), bound
 
@@ -61,10 +60,10 @@ def test_rms_norm(isa, dtype, dim):
     res = torch.randn(rows, dim).to(dtype)
     for offset in (0.0, 1.0):
         want = rms_norm_ref(x, w, 1e-6, None, offset)[0]
-        close(ops.rms_norm(x, w, 1e-6, None, offset), want, dtype)
+        close(kernels.rms_norm(x, w, 1e-6, None, offset), want, dtype)
         want_out, want_res = rms_norm_ref(x, w, 1e-6, res, offset)
         r = res.clone()
-        got = ops.rms_norm(x, w, 1e-6, r, offset)
+        got, _ = kernels.rms_norm(x, w, 1e-6, r, offset)
         close(got, want_out, dtype)
         torch.testing.assert_close(r, want_res)  # the residual sum is rounded exactly like PyTorch
 
@@ -82,7 +81,7 @@ def test_rms_norm_heads_in_place(isa, dtype, head_dim):
     for offset in (0.0, 1.0):
         x = qkv[:, :heads * head_dim].view(T, heads, head_dim)
         want = rms_norm_ref(before[:, :heads * head_dim].view(T, heads, head_dim), w, 1e-6, None, offset)[0]
-        ops.rms_norm_heads_(x, w, 1e-6, offset)
+        kernels.rms_norm_heads_(x, w, 1e-6, offset)
         close(x, want, dtype)
         assert torch.equal(qkv[:, heads * head_dim:], before[:, heads * head_dim:])
         qkv.copy_(before)
@@ -94,7 +93,7 @@ def test_act_and_mul(isa, dtype, act):
     torch.manual_seed(1)
     for d in ([64, 1536, 77] if not SMALL else [64, 21]):
         x = (torch.randn(5, 2 * d) * 3).to(dtype)
-        close(ops.act_and_mul(x, act), act_and_mul_ref(x, act), dtype)
+        close(kernels.act_and_mul(x, act), act_and_mul_ref(x, act), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,7 +113,7 @@ def test_rotary(isa, dtype, neox):
         pos = torch.tensor(random.Random(3).sample(range(512), T), dtype=torch.long)
         q, k, _ = qkv.split([nq * head_dim, nk * head_dim, nk * head_dim], dim=-1)
         want_q, want_k = rotary_ref(pos, q, k, rope.cos_sin, head_dim, rot_dim, neox)
-        ops.rotary(pos, q, k, rope.cos_sin, head_dim, rot_dim, neox)  # in place on the qkv views
+        kernels.rotary(pos, q, k, rope.cos_sin, head_dim, rot_dim, neox)  # in place on the qkv views
         close(q, want_q, dtype)
         close(k, want_k, dtype)
 
@@ -129,7 +128,7 @@ def test_reshape_and_cache(isa, dtype):
     kc = torch.zeros(k_shape, dtype=dtype)
     vc = torch.zeros(v_shape, dtype=dtype)
     slots = torch.tensor([3, 17, 0, 63, 40, 41])
-    ops.reshape_and_cache(k, v, kc, vc, slots)
+    kernels.reshape_and_cache(k, v, kc, vc, slots)
     assert torch.equal(cache_rows(kc, slots, key=True).reshape(T, -1), k)
     assert torch.equal(cache_rows(vc, slots, key=False).reshape(T, -1), v)
     untouched = torch.ones(64, dtype=torch.bool)
@@ -183,20 +182,20 @@ def test_paged_attention(isa, dtype, case, block_size):
     want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, scale,
                                window, softcap)
     batch, keep = _attn_batch(q_start, q_len, ctx, tables, block_size)
-    got = ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap)
+    got = kernels.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap)
     close(got, want, dtype)
-    if dtype == torch.bfloat16 and ops.bf16_dot():  # bf16 pairs also without the dot instruction
-        before = ops.set_bf16_dot(False)
+    if dtype == torch.bfloat16 and kernels.bf16_dot():  # bf16 pairs also without the dot instruction
+        before = kernels.set_bf16_dot(False)
         try:
-            close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
+            close(kernels.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
         finally:
-            ops.set_bf16_dot(before)
-        if ops.amx_available():  # prefill rows on the dot instruction rather than AMX tiles
-            before = ops.set_amx(False)
+            kernels.set_bf16_dot(before)
+        if kernels.amx_available():  # prefill rows on the dot instruction rather than AMX tiles
+            before = kernels.set_amx(False)
             try:
-                close(ops.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
+                close(kernels.paged_attention(q, kc, vc, batch, hq, hk, hd, scale, window, softcap), want, dtype)
             finally:
-                ops.set_amx(before)
+                kernels.set_amx(before)
 
 
 def _attn_batch(q_start, q_len, ctx, tables, block_size: int):
@@ -207,7 +206,7 @@ def _attn_batch(q_start, q_len, ctx, tables, block_size: int):
         bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     keep = (i32(q_start), i32(q_len), i32(ctx), bt)
-    return ops.make_attn_batch(*keep, block_size), keep
+    return kernels.make_attn_batch(*keep, block_size), keep
 
 
 @pytest.mark.parametrize("boost", [3.0, 40.0])
@@ -230,7 +229,7 @@ def test_paged_attention_prefill_later_keys_dominate(isa, boost):
     q = torch.randn(T, hq * hd).bfloat16()
     batch, keep = _attn_batch(q_start, q_len, ctx, tables, block_size)
     want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, hd**-0.5)
-    one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
+    one, two = on_one_and_two_threads(lambda: kernels.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
     assert torch.isfinite(one.float()).all()
     close(one, want, torch.bfloat16)
     close(two, want, torch.bfloat16)
@@ -250,7 +249,7 @@ def test_paged_attention_prefill_same_on_two_threads(isa):
     kc, vc = cache_from_rows(k_cache, block_size, key=True), cache_from_rows(v_cache, block_size, key=False)
     q = torch.randn(T, hq * hd).bfloat16()
     batch, keep = _attn_batch(q_start, q_len, ctx, tables, block_size)
-    one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
+    one, two = on_one_and_two_threads(lambda: kernels.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
     assert torch.equal(one, two)
     want = paged_attention_ref(q, k_cache, v_cache, q_start, q_len, ctx, tables, block_size, hq, hk, hd, hd**-0.5)
     close(one, want, torch.bfloat16)
@@ -268,8 +267,8 @@ def test_paged_attention_threads_split_long_decode(isa):
     kc, vc = cache_from_rows(k_cache, block_size, key=True), cache_from_rows(v_cache, block_size, key=False)
     keep = (torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
             torch.tensor([ctx], dtype=torch.int32), torch.tensor(tables, dtype=torch.int32))
-    batch = ops.make_attn_batch(*keep, block_size)
-    one, two = on_one_and_two_threads(lambda: ops.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
+    batch = kernels.make_attn_batch(*keep, block_size)
+    one, two = on_one_and_two_threads(lambda: kernels.paged_attention(q, kc, vc, batch, hq, hk, hd, hd**-0.5))
     want = paged_attention_ref(q, k_cache, v_cache, [0], [1], [ctx], tables, block_size, hq, hk, hd, hd**-0.5)
     close(two, want, torch.float32)
     close(one, want, torch.float32)
@@ -279,27 +278,26 @@ def test_paged_attention_threads_split_long_decode(isa):
 def test_engine_greedy_equal_on_every_isa(tiny_llama):
     """Whole-model check: every variant (and the PyTorch path) yields transformers' tokens."""
     from armserve import LLM, SamplingParams
-    from armserve.engine import model_runner
 
     llm = LLM(tiny_llama, dtype="float32", kv_cache_space=0.02)
     p = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = ["the cat sat on", "a b c d e f g h i j k l m n o p q r s t u v"]
     results = {}
-    before = ops.isa()
+    before = kernels.isa()
     runner = llm.llm_engine.runner
     try:
         for name in kernel_isas():
-            ops.select_isa(name)
+            kernels.select_isa(name)
             results[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
         runner.use_kernels = False
-        model_runner.ops._lib, saved = None, model_runner.ops._lib  # the PyTorch path everywhere
+        kernels.library._lib, saved = None, kernels.library._lib  # the PyTorch path everywhere
         try:
             results["torch"] = [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
         finally:
-            model_runner.ops._lib = saved
+            kernels.library._lib = saved
             runner.use_kernels = True
     finally:
-        ops.select_isa(before)
+        kernels.select_isa(before)
     first = next(iter(results.values()))
     assert all(r == first for r in results.values()), results
 
@@ -307,9 +305,9 @@ def test_engine_greedy_equal_on_every_isa(tiny_llama):
 def gemv_modes() -> list[tuple[torch.dtype, bool]]:
     """(dtype, bf16 dot instruction on): every dtype widened to fp32, plus bfloat16 through the
     CPU's bf16 dot instruction where it has one."""
-    from armserve import ops
+    from armserve import kernels
 
-    has_dot = "avx512_bf16" in ops.cpu_features() or "bf16" in ops.cpu_features()
+    has_dot = "avx512_bf16" in kernels.cpu_features() or "bf16" in kernels.cpu_features()
     return [(d, False) for d in DTYPES] + ([(torch.bfloat16, True)] if has_dot else [])
 
 
@@ -320,55 +318,55 @@ def test_gemv(isa, dtype, bf16_dot):
     torch.manual_seed(11)
     shapes = ([(1, 10, 37), (3, 64, 576), (4, 130, 1000), (2, 7, 16), (9, 35, 200), (1, 40, 2048 + 24)]
               if not SMALL else [(1, 10, 37), (4, 9, 40), (9, 35, 200)])
-    before = ops.set_bf16_dot(bf16_dot)
+    before = kernels.set_bf16_dot(bf16_dot)
     try:
         for m, n, k in shapes:
             x = torch.randn(m, k).to(dtype)
             w = torch.randn(n, k).to(dtype)
             want = (x.double() @ w.double().T).to(dtype)
             if dtype == torch.float32:  # a k-long float32 sum: error grows with k, so scale the tolerance
-                torch.testing.assert_close(ops.gemv(x, w), want, atol=2e-6 * k ** 0.5 * want.abs().max().item(),
+                torch.testing.assert_close(kernels.gemv(x, w), want, atol=2e-6 * k ** 0.5 * want.abs().max().item(),
                                            rtol=1e-5)
             else:
-                close(ops.gemv(x, w), want, dtype)
+                close(kernels.gemv(x, w), want, dtype)
     finally:
-        ops.set_bf16_dot(before)
+        kernels.set_bf16_dot(before)
 
 
 def test_gemv_token_limit_follows_the_variant():
     """The decode matmul takes up to 4 tokens where rows are cheap to re-read (AVX-512, or a bf16
     dot instruction for bf16), 1 where it widens with 8-lane SIMD; float32 up to 4 on x86 SIMD (it
     beat PyTorch's sgemv there), 1 on ARM SIMD, never on the scalar reference."""
-    before = ops.isa()
+    before = kernels.isa()
     try:
-        for name in ops.supported_isas():
-            ops.select_isa(name)
+        for name in kernels.supported_isas():
+            kernels.select_isa(name)
             for dtype in (torch.bfloat16, torch.float16):
-                wide = name == "avx512" or (dtype == torch.bfloat16 and ops.bf16_dot())
+                wide = name == "avx512" or (dtype == torch.bfloat16 and kernels.bf16_dot())
                 limit = 4 if wide else 1
-                assert ops.use_kernel("gemv", torch.zeros(limit, 8, dtype=dtype))
-                assert not ops.use_kernel("gemv", torch.zeros(limit + 1, 8, dtype=dtype))
+                assert kernels.use_kernel("gemv", torch.zeros(limit, 8, dtype=dtype))
+                assert not kernels.use_kernel("gemv", torch.zeros(limit + 1, 8, dtype=dtype))
             f32 = 0 if name == "scalar" else (4 if name in ("avx2", "avx512") else 1)
-            assert ops.use_kernel("gemv", torch.zeros(max(f32, 1), 8)) == (f32 > 0)
-            assert not ops.use_kernel("gemv", torch.zeros(f32 + 1, 8))
+            assert kernels.use_kernel("gemv", torch.zeros(max(f32, 1), 8)) == (f32 > 0)
+            assert not kernels.use_kernel("gemv", torch.zeros(f32 + 1, 8))
     finally:
-        ops.select_isa(before)
+        kernels.select_isa(before)
 
 
 def test_bf16_dot_follows_the_variant_and_the_wish():
     """The bf16 dot instructions run only while the CPU and the selected variant have them; a wish
     saved and restored under a variant without them is kept (not the variant's False)."""
-    has_dot = "avx512_bf16" in ops.cpu_features() or "bf16" in ops.cpu_features()
-    before = ops.isa()
+    has_dot = "avx512_bf16" in kernels.cpu_features() or "bf16" in kernels.cpu_features()
+    before = kernels.isa()
     try:
-        ops.select_isa("scalar")
-        assert not ops.bf16_dot() and not ops.native_bf16()
-        wish = ops.set_bf16_dot(False)
-        ops.set_bf16_dot(wish)
-        ops.select_isa("auto")
-        assert ops.bf16_dot() == has_dot == ops.native_bf16() or ops.isa() not in ("avx512", "neon", "sve")
+        kernels.select_isa("scalar")
+        assert not kernels.bf16_dot() and not kernels.native_bf16()
+        wish = kernels.set_bf16_dot(False)
+        kernels.set_bf16_dot(wish)
+        kernels.select_isa("auto")
+        assert kernels.bf16_dot() == has_dot == kernels.native_bf16() or kernels.isa() not in ("avx512", "neon", "sve")
     finally:
-        ops.select_isa(before)
+        kernels.select_isa(before)
 
 
 def test_use_kernel_is_the_one_decision(monkeypatch):
@@ -376,22 +374,23 @@ def test_use_kernel_is_the_one_decision(monkeypatch):
     none built) switching every op to PyTorch."""
     bf, f32 = torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 64)
     for op in ("rms_norm", "rotary", "act_and_mul", "embedding", "qgemm"):
-        assert ops.use_kernel(op, bf) and ops.use_kernel(op, f32) and not ops.use_kernel(op, bf.to(torch.float64))
-    assert ops.use_kernel("attention", torch.bfloat16, head_dim=64)
-    assert not ops.use_kernel("attention", torch.bfloat16, head_dim=72)  # not a multiple of 16
-    assert ops.use_kernel("dense_pack", bf) and ops.use_kernel("dense_pack", f32)
-    assert not ops.use_kernel("dense_pack", bf.half())  # float16 keeps the skinny kernel and PyTorch
-    assert ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS, 8))
-    assert not ops.use_kernel("small", torch.zeros(ops.SMALL_OP_ROWS + 1, 8))
-    assert ops.use_kernel("argmax", f32) and not ops.use_kernel("argmax", f32.t())
+        assert kernels.use_kernel(op, bf) and kernels.use_kernel(op, f32)
+        assert not kernels.use_kernel(op, bf.to(torch.float64))
+    assert kernels.use_kernel("attention", torch.bfloat16, head_dim=64)
+    assert not kernels.use_kernel("attention", torch.bfloat16, head_dim=72)  # not a multiple of 16
+    assert kernels.use_kernel("dense_pack", bf) and kernels.use_kernel("dense_pack", f32)
+    assert not kernels.use_kernel("dense_pack", bf.half())  # float16 keeps the skinny kernel and PyTorch
+    assert kernels.use_kernel("small", torch.zeros(kernels.SMALL_OP_ROWS, 8))
+    assert not kernels.use_kernel("small", torch.zeros(kernels.SMALL_OP_ROWS + 1, 8))
+    assert kernels.use_kernel("argmax", f32) and not kernels.use_kernel("argmax", f32.t())
     qkv = torch.zeros(3, 4 * 32 + 16, dtype=torch.bfloat16)
-    assert ops.use_kernel("rms_norm_heads", qkv[:, :128].view(3, 4, 32))  # heads inside a wider row
-    assert not ops.use_kernel("rms_norm_heads", qkv[:, :128].view(3, 4, 32).transpose(0, 1))
+    assert kernels.use_kernel("rms_norm_heads", qkv[:, :128].view(3, 4, 32))  # heads inside a wider row
+    assert not kernels.use_kernel("rms_norm_heads", qkv[:, :128].view(3, 4, 32).transpose(0, 1))
     with pytest.raises(ValueError, match="unknown kernel op 'softmax'"):
-        ops.use_kernel("softmax", f32)
+        kernels.use_kernel("softmax", f32)
     # what _load leaves for ARMSERVE_ISA=torch: no library
-    monkeypatch.setattr(ops, "_lib", None)
-    monkeypatch.setattr(ops, "_loaded", True)
-    big = torch.zeros(ops.QDENSE_MIN_ROWS, 64, dtype=torch.bfloat16)
-    assert not any(ops.use_kernel(op, torch.bfloat16 if op == "attention" else big, head_dim=64)
-                   for op in ops.KERNEL_OPS)
+    monkeypatch.setattr(kernels.library, "_lib", None)
+    monkeypatch.setattr(kernels.library, "_loaded", True)
+    big = torch.zeros(kernels.QDENSE_MIN_ROWS, 64, dtype=torch.bfloat16)
+    assert not any(kernels.use_kernel(op, torch.bfloat16 if op == "attention" else big, head_dim=64)
+                   for op in kernels.KERNEL_OPS)

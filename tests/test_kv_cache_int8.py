@@ -14,12 +14,12 @@ import torch
 
 from conftest import kernel_isas, random_batch
 
-from armserve import LLM, SamplingParams, ops
+from armserve import LLM, SamplingParams, kernels
 from armserve.config import ConfigError, EngineConfig
 from armserve.engine.model_runner import kv_cache_num_blocks
 from armserve.layers.attention import cache_from_rows, cache_rows, kv_cache_shapes
 from armserve.evaluate import perplexity
-from armserve.layers.attention import dequantize_kv_ref, paged_attention_ref, quantize_kv_ref
+from armserve.kernels.reference import dequantize_kv_ref, paged_attention_ref, quantize_kv_ref
 
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -61,7 +61,7 @@ def test_reshape_and_cache_i8_exact(isa, dtype):
     vc = torch.zeros(v_shape, dtype=torch.int8)
     ks = torch.zeros(s_shape)
     vs = torch.zeros_like(ks)
-    ops.reshape_and_cache_i8(k, v, kc, vc, ks, vs, slots)
+    kernels.reshape_and_cache_i8(k, v, kc, vc, ks, vs, slots)
     for got_q, got_s, x, key in ((kc, ks, k, True), (vc, vs, v, False)):
         want_q, want_s = quantize_kv_ref(x.reshape(T, hk, hd))
         assert torch.equal(cache_rows(got_q, slots, key), want_q)  # exact int8 values
@@ -105,9 +105,9 @@ def test_paged_attention_i8(isa, dtype, case):
         bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     keep = (i32(q_start), i32(q_len), i32(ctx), bt)
-    batch = ops.make_attn_batch(*keep, block_size)
+    batch = kernels.make_attn_batch(*keep, block_size)
     layout = [cache_from_rows(x, block_size, key=key) for x, key in ((kc, True), (vc, False), (ks, None), (vs, None))]
-    got = ops.paged_attention_i8(q, *layout, batch, hq, hk, hd, scale, window, softcap)
+    got = kernels.paged_attention_i8(q, *layout, batch, hq, hk, hd, scale, window, softcap)
     args = (q_start, q_len, ctx, tables, block_size, hq, hk, hd, scale, window, softcap)
     want = paged_attention_ref(q, kc, vc, *args, k_scale=ks, v_scale=vs)
     atol, rtol = TOL[dtype]
@@ -118,22 +118,22 @@ def test_paged_attention_i8(isa, dtype, case):
 
 
 def test_int8_kernels_refuse_bad_input():
-    if not ops.available():
+    if not kernels.available():
         pytest.skip("kernels not built")
     k = torch.randn(4, 32)
     k_shape, v_shape, s_shape = kv_cache_shapes(1, 16, 2, 16, torch.int8)
     kc, vc, ks = torch.zeros(k_shape, dtype=torch.int8), torch.zeros(v_shape, dtype=torch.int8), torch.zeros(s_shape)
     slots = torch.arange(4)
     with pytest.raises(ValueError, match="k_cache must be int8"):
-        ops.reshape_and_cache_i8(k, k, kc.float(), vc, ks, ks, slots)
+        kernels.reshape_and_cache_i8(k, k, kc.float(), vc, ks, ks, slots)
     with pytest.raises(ValueError, match="caches must be contiguous K"):
-        ops.reshape_and_cache_i8(k, k, vc, vc, ks, ks, slots)  # V's layout passed as K
+        kernels.reshape_and_cache_i8(k, k, vc, vc, ks, ks, slots)  # V's layout passed as K
     with pytest.raises(ValueError, match="v_scale must be a contiguous float32"):
-        ops.reshape_and_cache_i8(k, k, kc, vc, ks, ks.half(), slots)
+        kernels.reshape_and_cache_i8(k, k, kc, vc, ks, ks.half(), slots)
     with pytest.raises(ValueError, match="k and v must be"):
-        ops.reshape_and_cache_i8(torch.randn(4, 30), torch.randn(4, 30), kc, vc, ks, ks, slots)
+        kernels.reshape_and_cache_i8(torch.randn(4, 30), torch.randn(4, 30), kc, vc, ks, ks, slots)
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
-        ops.reshape_and_cache_i8(k, k, kc, vc, ks, ks, slots.int())
+        kernels.reshape_and_cache_i8(k, k, kc, vc, ks, ks, slots.int())
 
 
 # ---- engine on a tiny model ---------------------------------------------------------------------
@@ -225,26 +225,24 @@ def test_int8_prefix_cache_hits_keep_their_scales(tiny_llama):
 
 
 def test_int8_same_tokens_on_every_isa_and_the_torch_path(tiny_llama, int8_reference):
-    from armserve.engine import model_runner
-
     prompts, alone = int8_reference
     llm = tiny(tiny_llama, kv_cache_dtype="int8")
     runner = llm.llm_engine.runner
-    before = ops.isa()
+    before = kernels.isa()
     results = {}
     try:
         for name in kernel_isas():
-            ops.select_isa(name)
+            kernels.select_isa(name)
             results[name] = tokens(run(llm, prompts))
         runner.use_kernels = False
-        model_runner.ops._lib, saved = None, model_runner.ops._lib  # the PyTorch path everywhere
+        kernels.library._lib, saved = None, kernels.library._lib  # the PyTorch path everywhere
         try:
             results["torch"] = tokens(run(llm, prompts))
         finally:
-            model_runner.ops._lib = saved
+            kernels.library._lib = saved
             runner.use_kernels = True
     finally:
-        ops.select_isa(before)
+        kernels.select_isa(before)
     assert all(r == alone for r in results.values()), results
 
 

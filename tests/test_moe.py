@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams
-from armserve.layers.fused_moe import fused_experts, fused_moe_ref, kernel_experts, select_experts
+from armserve.kernels.reference import fused_moe_ref
+from armserve.layers.fused_moe import fused_experts, kernel_experts, select_experts
 from armserve.layers.quantized_linear import QuantizedLinear, kernel_scales, quantize_weight, quantize_weight_int8
 from armserve.models.llama import LlamaMLP
 from conftest import CACHE, assert_next_token_logprobs_close, make_tiny_checkpoint

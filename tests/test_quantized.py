@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from armserve import LLM, SamplingParams, ops
+from armserve import LLM, SamplingParams, kernels
 from armserve.gguf_quants import convert
 from armserve.layers.quantized_linear import (
     QuantizedLinear,
@@ -49,12 +49,12 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
             continue
         qt = quantize_weight(torch.randn(n, k), g, symmetric=(m % 2 == 0)) if fmt == "w4" else random_w8(n, k, g)
         x = torch.randn(m, k).to(dtype)
-        acts = ops.quantize_act(x, g)
+        acts = kernels.quantize_act(x, g)
         q_ref, s_ref, gs_ref = quantize_act_ref(x, g)
         assert torch.equal(acts[0], q_ref) and torch.equal(acts[1], s_ref) and torch.equal(acts[2], gs_ref)
         packed = pack(qt)
         out = torch.full((m, n + 7), 7.0, dtype=dtype)
-        ops.qgemm(fmt, out, 3, acts, packed, n, g)  # into a column slice of a wider output
+        kernels.qgemm(fmt, out, 3, acts, packed, n, g)  # into a column slice of a wider output
         want = qlinear_ref(x.float(), qt)
         tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
         torch.testing.assert_close(out[:, 3:3 + n].float(), want.float(), atol=tol * want.abs().max().item(), rtol=tol)
@@ -68,13 +68,13 @@ def test_qgemm_dense_matches_reference(isa, fmt):
     AMX tiles where the CPU has them) against bf16 activations."""
     torch.manual_seed(3)
     # (dot, amx): None for a switch this CPU / variant lacks; AMX tiles from 3 rows where it has them
-    modes = [(None, None)] if not ops.bf16_dot() else (
-        [(True, True), (True, False), (False, False)] if ops.amx_available() else [(True, None), (False, None)])
+    modes = [(None, None)] if not kernels.bf16_dot() else (
+        [(True, True), (True, False), (False, False)] if kernels.amx_available() else [(True, None), (False, None)])
     for dot, amx in modes:
-        before = None if dot is None else ops.set_bf16_dot(dot)
-        amx_before = None if amx is None else ops.set_amx(amx)
+        before = None if dot is None else kernels.set_bf16_dot(dot)
+        amx_before = None if amx is None else kernels.set_amx(amx)
         try:
-            assert (ops.dense_isa() == "amx_bf16") == bool(amx)
+            assert (kernels.dense_isa() == "amx_bf16") == bool(amx)
             # the last: weights wider than one ~1 MiB group of dequantized panels (AMX path)
             for m, n, k, g in SHAPES + [(130, 70, 192, 32), (40, 1100, 512, 64)]:
                 if g % 8:
@@ -83,7 +83,7 @@ def test_qgemm_dense_matches_reference(isa, fmt):
                       else random_w8(n, k, g))
                 x = torch.randn(m, k).to(torch.bfloat16)
                 out = torch.full((m, n + 5), 7.0, dtype=torch.bfloat16)
-                ops.qgemm_dense(fmt, out, 2, x, pack(qt), n, g)  # into a column slice of a wider output
+                kernels.qgemm_dense(fmt, out, 2, x, pack(qt), n, g)  # into a column slice of a wider output
                 want = qgemm_dense_ref(x, qt).float()
                 # fp32 sums of exact bf16 products (order differs from float64), one bf16 rounding
                 torch.testing.assert_close(out[:, 2:2 + n].float(), want, atol=1e-2 * want.abs().max().item(),
@@ -91,9 +91,9 @@ def test_qgemm_dense_matches_reference(isa, fmt):
                 assert torch.all(out[:, :2] == 7) and torch.all(out[:, 2 + n:] == 7), "wrote outside its columns"
         finally:
             if before is not None:
-                ops.set_bf16_dot(before)
+                kernels.set_bf16_dot(before)
             if amx_before is not None:
-                ops.set_amx(amx_before)
+                kernels.set_amx(amx_before)
 
 
 def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
@@ -110,17 +110,17 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
     layer.load_shard("k", b)
     layer.finalize()
     assert [p.fmt for p in layer.parts] == ["w4", "w8"]
-    x = torch.randn(ops.QDENSE_MIN_ROWS, k).to(torch.bfloat16)
+    x = torch.randn(kernels.QDENSE_MIN_ROWS, k).to(torch.bfloat16)
     with pytest.raises(ValueError, match="fmt"):
-        ops.use_kernel("qgemm_dense", x)
-    for amx in ([True, False] if ops.amx_available() else [None]):
-        before = None if amx is None else ops.set_amx(amx)
+        kernels.use_kernel("qgemm_dense", x)
+    for amx in ([True, False] if kernels.amx_available() else [None]):
+        before = None if amx is None else kernels.set_amx(amx)
         try:
-            dense = {f: ops.use_kernel("qgemm_dense", x, fmt=f) for f in ("w4", "w8")}
-            assert dense["w8"] == ops.bf16_dot()
-            assert dense["w4"] == (ops.dense_isa() == "amx_bf16") == bool(amx and ops.bf16_dot())
-            assert not ops.use_kernel("qgemm_dense", x[:-1], fmt="w8")
-            assert not ops.use_kernel("qgemm_dense", x.float(), fmt="w8")
+            dense = {f: kernels.use_kernel("qgemm_dense", x, fmt=f) for f in ("w4", "w8")}
+            assert dense["w8"] == kernels.bf16_dot()
+            assert dense["w4"] == (kernels.dense_isa() == "amx_bf16") == bool(amx and kernels.bf16_dot())
+            assert not kernels.use_kernel("qgemm_dense", x[:-1], fmt="w8")
+            assert not kernels.use_kernel("qgemm_dense", x.float(), fmt="w8")
             got = layer(x).float()
             for part, qt, cols in (("w4", a, slice(0, 32)), ("w8", b, slice(32, 48))):
                 quantized_acts = qlinear_ref(x.float(), qt).float()
@@ -130,7 +130,7 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
                     assert (got[:, cols] - quantized_acts).abs().max() > (got[:, cols] - want).abs().max()
         finally:
             if before is not None:
-                ops.set_amx(before)
+                kernels.set_amx(before)
 
 
 def test_quantized_linear_with_mixed_shards(isa):

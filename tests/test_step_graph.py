@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from armserve import LLM, SamplingParams, ops
-from armserve.layers.layernorm import rms_norm_ref
+from armserve import LLM, SamplingParams, kernels
+from armserve.kernels.reference import rms_norm_ref
 
-pytestmark = pytest.mark.skipif(not ops.available(), reason="C++ kernels not built")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -33,7 +33,7 @@ def test_add_bias_matches_torch(dtype, bias_dtype):
     bias = torch.randn(2300, generator=g).to(bias_dtype)
     want = out.clone()
     want += bias
-    ops.add_bias(out, bias)
+    kernels.add_bias(out, bias)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     # columns outside the view untouched
     assert torch.equal(base[:, :100], before[:, :100]) and torch.equal(base[:, 2400:], before[:, 2400:])
@@ -45,7 +45,7 @@ def test_mul_cols_matches_torch(dtype):
     x = torch.randn(4, 1152, generator=g).to(dtype)[:, 128:768]
     mul = torch.rand(640, generator=g) * 30
     want = x.clone().mul_(mul)
-    ops.mul_cols(x, mul)
+    kernels.mul_cols(x, mul)
     torch.testing.assert_close(x, want, rtol=0, atol=0)
 
 
@@ -53,14 +53,14 @@ def test_mul_cols_matches_torch(dtype):
 def test_embedding_gathers_rows(dtype):
     table = (torch.randn(50, 24) * 20).to(dtype)
     ids = torch.tensor([3, 0, 49, 3, 17])
-    assert torch.equal(ops.embedding(ids, table), table[ids])
+    assert torch.equal(kernels.embedding(ids, table), table[ids])
 
 
 @pytest.mark.parametrize("src", DTYPES)
 @pytest.mark.parametrize("dst", DTYPES)
 def test_cast_rounds_like_torch(src, dst):
     x = (torch.randn(5, 3001) * 1000).to(src)
-    torch.testing.assert_close(ops.cast(x, dst), x.to(dst), rtol=0, atol=0)
+    torch.testing.assert_close(kernels.cast(x, dst), x.to(dst), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 151936])
@@ -76,7 +76,7 @@ def test_argmax_matches_torch_with_ties_nans_and_signed_zeros(n):
     cases.append(zeros)
     cases.append(torch.randn(4, n + 3, generator=g)[:, 2:n + 2])  # row-strided
     for x in cases:
-        assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+        assert torch.equal(kernels.argmax(x), x.argmax(dim=-1))
 
 
 # ---- recording and replay -----------------------------------------------------------------------
@@ -85,32 +85,32 @@ def test_argmax_matches_torch_with_ties_nans_and_signed_zeros(n):
 def test_replay_recomputes_from_the_inputs_buffers():
     x = torch.randn(2, 96, dtype=torch.bfloat16)
     w = torch.rand(96, dtype=torch.bfloat16) + 0.5
-    with ops.capture() as rec:
-        out = ops.rms_norm(x, w, 1e-6)
+    with kernels.capture.recording() as rec:
+        out = kernels.rms_norm(x, w, 1e-6)
     assert not rec.errors and len(rec.calls) == 1
     assert any(t.data_ptr() == out.data_ptr() for t in rec.keep)  # the output is kept alive
     x.copy_(torch.randn(2, 96))
-    ops.run_graph(rec)
+    kernels.capture.run_graph(rec)
     torch.testing.assert_close(out, rms_norm_ref(x, w, 1e-6)[0], rtol=0, atol=0)
 
 
 def test_capture_notes_pytorch_compute_and_refuses_to_replay():
     x = torch.randn(2, 96, dtype=torch.bfloat16)
     w = torch.ones(96, dtype=torch.bfloat16)
-    with ops.capture() as rec:
+    with kernels.capture.recording() as rec:
         y = x + 1  # PyTorch compute: a replay would not redo it
-        ops.rms_norm(y, w, 1e-6)
+        kernels.rms_norm(y, w, 1e-6)
         x.t().contiguous()  # a copy disguised as a view op
     # (under inference_mode, as the engine runs, contiguous arrives whole; otherwise as a clone)
     assert "aten::add" in rec.errors
     assert "aten::contiguous copied" in rec.errors or "aten::clone" in rec.errors
-    with pytest.raises(ops.NotCapturable, match="aten::add"):
-        ops.run_graph(rec)
-    with ops.capture() as rec2:
-        with pytest.raises(ops.NotCapturable, match="already"):
-            with ops.capture():
+    with pytest.raises(kernels.capture.NotCapturable, match="aten::add"):
+        kernels.capture.run_graph(rec)
+    with kernels.capture.recording() as rec2:
+        with pytest.raises(kernels.capture.NotCapturable, match="already"):
+            with kernels.capture.recording():
                 pass
-    assert ops._recording is None and not rec2.calls
+    assert kernels.capture._recording is None and not rec2.calls
 
 
 # ---- the engine ---------------------------------------------------------------------------------
@@ -198,14 +198,14 @@ def test_bucketed_graph_steps_pad_and_equal_eager(qwen2_biased):
 
 TEAM_SCRIPT = """
 import json, sys, torch
-from armserve import LLM, ops
+from armserve import LLM, kernels
 sys.path.insert(0, sys.argv[1])
 import test_step_graph as t
 model, kw = sys.argv[2], json.loads(sys.argv[3])
 assert torch.get_num_threads() == 2, torch.get_num_threads()
 eager, graph, llm = t.eager_and_graph(model, [1, 3, 11], **kw)
 print(json.dumps({"equal": graph == eager, "replays": llm.llm_engine.runner.graphs.replays,
-                  "team": ops.graph_team_replays()}))
+                  "team": kernels.capture.graph_team_replays()}))
 """
 
 
@@ -270,15 +270,15 @@ def test_graph_steps_survive_preemption_and_an_isa_switch(qwen2_biased):
     eager = outputs(LLM(model, enforce_eager=True, **small), [4])
     llm = LLM(model, **small)
     assert outputs(llm, [4]) == eager
-    if len(ops.supported_isas()) > 1:
-        before = ops.isa()
+    if len(kernels.supported_isas()) > 1:
+        before = kernels.isa()
         try:
-            ops.select_isa("scalar")
+            kernels.select_isa("scalar")
             want = outputs(LLM(model, enforce_eager=True, **small), [1])
             got = outputs(llm, [1])  # the graph of size 1 was recorded for the old variant
             assert got == want
         finally:
-            ops.select_isa(before)
+            kernels.select_isa(before)
 
 
 def test_enforce_eager_cli_flag():

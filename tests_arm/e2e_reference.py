@@ -39,13 +39,13 @@ def tokenizer_dir() -> str:
 
 
 def main(out_path: str) -> None:
-    from armserve import LLM, SamplingParams, ops
+    from armserve import LLM, SamplingParams, kernels
 
     model = conftest.make_tiny_checkpoint(
         os.path.join(conftest.CACHE, "tiny-llama"), "LlamaForCausalLM", tokenizer_dir()
     )
     llm = LLM(model, **ENGINE_ARGS)
-    assert llm.llm_engine.runner.use_kernels, f"x86 kernels are off: {ops.load_error()}"
+    assert llm.llm_engine.runner.use_kernels, f"x86 kernels are off: {kernels.load_error()}"
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     ref = {
@@ -55,7 +55,7 @@ def main(out_path: str) -> None:
         "prompts": PROMPTS,
         "prompt_token_ids": [o.prompt_token_ids for o in outs],
         "token_ids": [o.outputs[0].token_ids for o in outs],
-        "x86_isa": ops.isa(),
+        "x86_isa": kernels.isa(),
     }
     with open(out_path, "w") as f:
         json.dump(ref, f)

@@ -16,7 +16,7 @@ if os.uname().machine != "aarch64" or not EXPECT_CPU:
 
 import torch  # noqa: E402
 
-from armserve import ops  # noqa: E402
+from armserve import kernels  # noqa: E402
 
 
 def expected(cpu: str) -> dict:
@@ -35,28 +35,28 @@ def expected(cpu: str) -> dict:
 
 
 def test_library_is_the_aarch64_build():
-    assert ops.available(), ops.load_error()
-    path = ops._library_path()
+    assert kernels.available(), kernels.load_error()
+    path = kernels.library._library_path()
     assert path and path.endswith("aarch64-linux-gnu.so"), path
-    assert len(ops.openmp_runtimes()) == 1, ops.openmp_runtimes()  # torch's own libgomp, no second pool
-    assert ops.openmp_library() == ops.openmp_runtimes()[0]  # and the kernels' threads come from it
+    assert len(kernels.openmp_runtimes()) == 1, kernels.openmp_runtimes()  # torch's own libgomp, no second pool
+    assert kernels.openmp_library() == kernels.openmp_runtimes()[0]  # and the kernels' threads come from it
 
 
 def test_features_and_variants_match_the_emulated_cpu():
     exp = expected(EXPECT_CPU)
-    feats = ops.cpu_features()
+    feats = kernels.cpu_features()
     words = {f for f in feats if "=" not in f}
     bits = [int(f.split("=")[1]) for f in feats if f.startswith("sve_bits=")]
     assert exp["have"] <= words, (EXPECT_CPU, feats)
     assert not (exp["lack"] & words), (EXPECT_CPU, feats)
     assert bits == ([exp["sve_bits"]] if exp["sve_bits"] else []), (EXPECT_CPU, feats)
-    assert ops.supported_isas() == exp["isas"]
-    assert ops.select_isa("auto") == exp["best"]
+    assert kernels.supported_isas() == exp["isas"]
+    assert kernels.select_isa("auto") == exp["best"]
     if "sve" not in exp["isas"]:
-        with pytest.raises(ops.KernelError, match="cannot run"):
-            ops.select_isa("sve")
-        assert ops.isa() == "neon"
-    print(f"-cpu {EXPECT_CPU}: features {' '.join(feats)}; variants {ops.supported_isas()}; "
+        with pytest.raises(kernels.KernelError, match="cannot run"):
+            kernels.select_isa("sve")
+        assert kernels.isa() == "neon"
+    print(f"-cpu {EXPECT_CPU}: features {' '.join(feats)}; variants {kernels.supported_isas()}; "
           f"torch capability {torch.backends.cpu.get_cpu_capability()}")
 
 
@@ -65,14 +65,14 @@ def test_quantized_gemm_variant_follows_the_cpu():
     128-bit SVE); the
     bf16 decode matmul uses BFDOT only on BF16 CPUs (tests/test_kernels.py checks both paths)."""
     exp = expected(EXPECT_CPU)
-    before = ops.isa()
+    before = kernels.isa()
     try:
-        ops.select_isa("neon")
-        assert ops.qgemm_isa() == ("neon_i8mm" if "i8mm" in exp["have"] else "neon_dotprod")
+        kernels.select_isa("neon")
+        assert kernels.qgemm_isa() == ("neon_i8mm" if "i8mm" in exp["have"] else "neon_dotprod")
         if "sve" in exp["isas"]:  # 128-bit SVE with i8mm takes NEON's SMMLA tiles, wider SVE its own
-            ops.select_isa("sve")
+            kernels.select_isa("sve")
             want = "neon_i8mm" if "i8mm" in exp["have"] and exp["sve_bits"] == 128 else "sve"
-            assert ops.qgemm_isa() == want
+            assert kernels.qgemm_isa() == want
     finally:
-        ops.select_isa(before)
-    assert ops.bf16_dot() == ("bf16" in exp["have"])
+        kernels.select_isa(before)
+    assert kernels.bf16_dot() == ("bf16" in exp["have"])

@@ -198,7 +198,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_requests_finished = 0
-        from armserve import ops
+        from armserve import kernels
 
         logger.info(
             "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %s %d blocks x %d tokens = %d tokens "
@@ -206,7 +206,7 @@ class LLMEngine:
             config.model, hf.architectures[0], time.time() - t0, str(self.dtype).replace("torch.", ""),
             self.max_model_len, str(self.kv_cache_dtype).replace("torch.", ""), num_blocks, config.block_size,
             num_blocks * config.block_size, config.kv_cache_space,
-            kv_cache_bytes_per_token(hf, self.kv_cache_dtype), ops.isa(),
+            kv_cache_bytes_per_token(hf, self.kv_cache_dtype), kernels.isa(),
             threads["threads"], f" pinned to {threads['bind']}" if threads["bind"] else "",
         )
 

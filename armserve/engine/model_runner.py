@@ -19,7 +19,7 @@ from armserve.engine.sampler import (
     build_sampling_batch,
     compute_logprobs_tensors,
 )
-from armserve import ops
+from armserve import kernels
 from armserve.engine.scheduler import SchedulerOutput
 from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs, graph_batch
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
@@ -210,7 +210,7 @@ class ModelRunner:
             attn.enable_key_smoothing(self.cache_dtype == torch.int8)
         # NOTE: the kernel path covers every dtype this runner allocates; ARMSERVE_ISA=torch
         # switches to the PyTorch path (the reference the kernels are tested against).
-        self.use_kernels = ops.use_kernel("attention", dtype, head_dim=a0.head_dim)
+        self.use_kernels = kernels.use_kernel("attention", dtype, head_dim=a0.head_dim)
         # Decode steps replayed from recorded kernel calls (step_graph.py); block tables wide
         # enough for the longest sequence.
         self.graphs = StepGraphs(model, min(max_blocks, num_blocks), block_size,
@@ -307,7 +307,7 @@ class ModelRunner:
             torch.tensor(ctx, dtype=torch.int32),
             tables,
         )
-        batch = ops.make_attn_batch(*tensors, self.block_size)
+        batch = kernels.make_attn_batch(*tensors, self.block_size)
         batch._keepalive = tensors  # the struct holds raw pointers into these
         return batch
 
@@ -440,7 +440,7 @@ class ModelRunner:
             slots, num_decodes, *tensors = step.kernel
             md = AttentionMetadata(slot_mapping=torch.from_numpy(slots), num_decodes=num_decodes)
             tensors = tuple(torch.from_numpy(t) for t in tensors)
-            md.kernel_batch = ops.make_attn_batch(*tensors, self.block_size)
+            md.kernel_batch = kernels.make_attn_batch(*tensors, self.block_size)
             md.kernel_batch._keepalive = tensors
         else:
             md = step.metadata

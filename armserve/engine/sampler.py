@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from armserve import ops
+from armserve import kernels
 from armserve.engine.structured_output import apply_grammar_bitmask
 from armserve.sampling_params import SamplingParams
 
@@ -310,14 +310,6 @@ def _exponential_noise(shape: torch.Size, generators: dict[int, torch.Generator]
     return q.log_().neg_()
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy token per row: the kernel's argmax where it can (PyTorch's takes ~0.3 ms over a 150k
-    vocabulary, a fair part of a small model's decode step); the same answer, NaNs included."""
-    if ops.use_kernel("argmax", logits):
-        return ops.argmax(logits)
-    return logits.argmax(dim=-1)
-
-
 class Sampler:
     """Turns the last-position logits of a batch into one token per row (vLLM v1 order)."""
 
@@ -347,7 +339,7 @@ class Sampler:
                 batch.repetition_penalty,  # type: ignore[arg-type]
             )
 
-        greedy_ids = None if batch.all_random else _argmax(logits)
+        greedy_ids = None if batch.all_random else kernels.argmax(logits)
         if batch.all_greedy:
             assert greedy_ids is not None
             sampled = greedy_ids

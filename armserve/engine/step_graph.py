@@ -3,13 +3,13 @@
 A decode step of a small model is hundreds of short kernel calls; made from Python one by one
 (module calls, ctypes argument conversion, a fresh output tensor each) they cost as much as the
 matmuls (Qwen2.5-0.5B w4a8, 2 threads: ~8 ms of a ~21 ms step). So the first decode step of each
-batch size (up to `MAX_GRAPH_BATCH` sequences) runs with `ops.capture()` on: the kernel calls
+batch size (up to `MAX_GRAPH_BATCH` sequences) runs with `capture.recording()` on: the kernel calls
 execute as usual and are recorded, with every tensor they touch kept alive. Later steps of that
 size write their token ids, positions, cache slots, context lengths and block tables into the
 graph's input buffers and replay the calls with one C call (csrc/graph.cpp).
 
 A step that runs any PyTorch op that computes (rather than allocates or makes a view) cannot be
-replayed; capture notices (ops.capture's dispatch guard) and steps of that batch size stay
+replayed; capture notices (kernels/capture.py's dispatch guard) and steps of that batch size stay
 eager. `enforce_eager=True` (vLLM's flag) turns graphs off.
 """
 
@@ -19,7 +19,8 @@ import logging
 
 import torch
 
-from armserve import ops
+from armserve import kernels
+from armserve.kernels import capture, library
 from armserve.layers.attention import AttentionMetadata, set_attention_metadata
 
 logger = logging.getLogger("armserve")
@@ -51,13 +52,13 @@ class StepGraph:
         self.q_len = torch.ones(batch, dtype=torch.int32)
         self.context_len = torch.zeros(batch, dtype=torch.int32)
         self.block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
-        self.attn_batch = ops.make_attn_batch(self.q_start, self.q_len, self.context_len, self.block_tables,
+        self.attn_batch = kernels.make_attn_batch(self.q_start, self.q_len, self.context_len, self.block_tables,
                                               block_size)
         self._ids, self._positions, self._slots = self.ids.numpy(), self.positions.numpy(), self.slots.numpy()
         self._context_len, self._block_tables = self.context_len.numpy(), self.block_tables.numpy()
-        self.recording: ops.Recording | None = None
+        self.recording: capture.Recording | None = None
         self.logits: torch.Tensor | None = None
-        self.generation = ops.kernel_generation
+        self.generation = library.kernel_generation
 
     def set_inputs(self, ids: list[int], positions: list[int], block_ids: list[list[int]],
                    pad_block: int | None = None) -> None:
@@ -83,7 +84,7 @@ class StepGraph:
         md.kernel_batch = self.attn_batch
         set_attention_metadata(md)
         try:
-            with ops.capture() as rec:
+            with capture.recording() as rec:
                 logits = model.compute_logits(model(self.ids, self.positions))
         finally:
             set_attention_metadata(None)
@@ -99,7 +100,7 @@ class StepGraph:
     def replay(self) -> torch.Tensor:
         """Re-run the recorded step on the current inputs; returns the logits buffer (overwritten
         by the next replay, so consume it first)."""
-        ops.run_graph(self.recording)
+        capture.run_graph(self.recording)
         return self.logits
 
 
@@ -123,7 +124,7 @@ class StepGraphs:
         if not self.enabled or b > MAX_GRAPH_BATCH:
             return None
         g = self.graphs.get(b)
-        if g is not None and g.generation != ops.kernel_generation:
+        if g is not None and g.generation != library.kernel_generation:
             self.graphs.clear()  # the kernel variant changed since capture: record again
             g = None
         if g is None:

@@ -3,19 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from armserve import ops
-
-
-def act_and_mul_ref(x: torch.Tensor, act: str) -> torch.Tensor:
-    """PyTorch reference: x = [gate | up] along the last dim -> act(gate) * up."""
-    d = x.shape[-1] // 2
-    gate, up = x[..., :d], x[..., d:]
-    if act == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none") * up
+from armserve import kernels
 
 
 class SiluAndMul(nn.Module):
@@ -24,9 +14,7 @@ class SiluAndMul(nn.Module):
     act = "silu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if ops.use_kernel("act_and_mul", x):
-            return ops.act_and_mul(x, self.act)
-        return act_and_mul_ref(x, self.act)
+        return kernels.act_and_mul(x, self.act)
 
 
 class GeluAndMul(SiluAndMul):

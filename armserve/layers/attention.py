@@ -5,22 +5,14 @@ code stays `forward(positions, hidden_states)`. Token rows of a step are laid ou
 
     [ decode tokens (one per request) | prefill chunk of req A | prefill chunk of req B | ... ]
 
-A token's cache slot is `block_id * block_size + offset` (see kv_cache_manager.py). The cache of
-one layer is laid out for the attention kernel (csrc/attention_impl.h), block by block, head by
-head, with each tile of `KEY_TILE` keys transposed so that its keys are the lanes of a vector:
-
-    K  [num_blocks, num_kv_heads, block_size // KEY_TILE, head_dim, KEY_TILE]
-    V  [num_blocks, num_kv_heads, block_size, head_dim]
-
-An int8 cache also has `k_scale`/`v_scale` `[num_blocks, num_kv_heads, block_size]` float32: each
-(token, kv head) row is stored as round(x / scale) with scale = absmax(row) / 127
-(`quantize_kv_ref`). `cache_rows` / `write_cache_rows` read and write rows by slot whatever the
-layout, so nothing else needs to know it.
+A token's cache slot is `block_id * block_size + offset` (see kv_cache_manager.py). One layer's
+cache is laid out for the attention kernels (drawn in kernels/attention.py, int8 scales included);
+`cache_rows` / `write_cache_rows` read and write rows by slot whatever the layout, so nothing else
+needs to know it.
 
 This is the PyTorch path: it gathers each request's context from its blocks and calls
 `scaled_dot_product_attention`. The C++ kernels implement the same interface.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,10 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from armserve import ops
-from armserve.ops import KEY_TILE, kv_cache_shapes  # the kernels' cache layout, described above
-
-
+from armserve import kernels
+from armserve.kernels import KEY_TILE, kv_cache_shapes  # the kernels' cache layout
+from armserve.kernels.reference import dequantize_kv_ref, quantize_kv_ref
 
 
 def _slot_index(cache: torch.Tensor, slots: torch.Tensor, key: bool | None) -> tuple:
@@ -97,7 +88,7 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] cache slot each new token is written to
     num_decodes: int
-    # C++ kernel path: the whole step in one struct (see ops.make_attn_batch); None on the
+    # C++ kernel path: the whole step in one struct (see kernels.make_attn_batch); None on the
     # PyTorch path, which uses the fields below instead.
     kernel_batch: object | None = None
     decode_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padded with slot 0)
@@ -213,21 +204,21 @@ class Attention(nn.Module):
         quantized = self.k_scale is not None
         if self.k_mul is not None:
             # in place: q and k are this layer's own (rotary) outputs, used only here
-            if md.kernel_batch is not None and ops.use_kernel("small", q):
-                q, k = ops.mul_cols(q, self.q_mul), ops.mul_cols(k, self.k_mul)
+            if md.kernel_batch is not None and kernels.use_kernel("small", q):
+                q, k = kernels.mul_cols(q, self.q_mul), kernels.mul_cols(k, self.k_mul)
             else:
                 q = q.mul_(self.q_mul)
                 k = k.mul_(self.k_mul)
         if md.kernel_batch is not None:
             if quantized:
-                ops.reshape_and_cache_i8(k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
+                kernels.reshape_and_cache_i8(k, v, self.k_cache, self.v_cache, self.k_scale, self.v_scale,
                                          md.slot_mapping)
-                return ops.paged_attention_i8(
+                return kernels.paged_attention_i8(
                     q, self.k_cache, self.v_cache, self.k_scale, self.v_scale, md.kernel_batch, self.num_heads,
                     self.num_kv_heads, self.head_dim, self.scale, self.sliding_window, self.logit_softcap,
                 )
-            ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
-            return ops.paged_attention(
+            kernels.reshape_and_cache(k, v, self.k_cache, self.v_cache, md.slot_mapping)
+            return kernels.paged_attention(
                 q, self.k_cache, self.v_cache, md.kernel_batch, self.num_heads, self.num_kv_heads,
                 self.head_dim, self.scale, self.sliding_window, self.logit_softcap,
             )
@@ -319,69 +310,3 @@ def key_channel_rms(w_k: torch.Tensor, b_k: torch.Tensor | None, norm_weight: to
         ms = ms + b_k.float().pow(2)
     return ms.sqrt()
 
-
-def quantize_kv_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 quantization of each last-dim row: (int8 values, float32 scales).
-
-    scale = absmax / 127 and q = round_half_even(x / scale), all in float32 (an all-zero row gets
-    scale 0 and zeros). The C++ reshape_and_cache_i8 produces exactly these values.
-    """
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1) / 127.0
-    s = scale.unsqueeze(-1)
-    q = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0)
-    return q.round().clamp_(-127, 127).to(torch.int8), scale
-
-
-def dequantize_kv_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int8 rows times their scales, in float32 (exactly what the kernels' load_i8 computes)."""
-    return q.float() * scale.unsqueeze(-1)
-
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    q_start: list[int],
-    q_len: list[int],
-    context_len: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Readable PyTorch reference of the paged-attention kernel, one sequence at a time, in float32.
-
-    q: [T, Hq*D]; caches [slots, Hkv, D]. Sequence s owns rows q_start[s]..+q_len[s]; its queries
-    sit at the last q_len[s] positions of its context_len[s] cached tokens. With `k_scale`/`v_scale`
-    ([slots, Hkv]) the caches are int8 and are dequantized first.
-    """
-    if k_scale is not None:
-        k_cache, v_cache = dequantize_kv_ref(k_cache, k_scale), dequantize_kv_ref(v_cache, v_scale)
-    T = q.shape[0]
-    out = torch.zeros(T, num_heads, head_dim, dtype=torch.float32)
-    qf = q.reshape(T, num_heads, head_dim).float()
-    rep = num_heads // num_kv_heads
-    for s in range(len(q_start)):
-        ctx, ql = context_len[s], q_len[s]
-        pos = torch.arange(ctx)
-        slots = torch.tensor(block_tables[s], dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-        k = k_cache[slots].float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [Hq, ctx, D]
-        v = v_cache[slots].float().repeat_interleave(rep, dim=1).transpose(0, 1)
-        rows = slice(q_start[s], q_start[s] + ql)
-        scores = torch.matmul(qf[rows].transpose(0, 1), k.transpose(1, 2)) * scale  # [Hq, ql, ctx]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        q_pos = torch.arange(ctx - ql, ctx)[:, None]
-        visible = pos[None, :] <= q_pos
-        if sliding_window:
-            visible &= (q_pos - pos[None, :]) < sliding_window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        out[rows] = torch.matmul(torch.softmax(scores, dim=-1), v).transpose(0, 1)
-    return out.reshape(T, num_heads * head_dim).to(q.dtype)

@@ -3,8 +3,8 @@
 `select_experts` turns router logits into (weights, expert ids) per token; `fused_experts` runs
 each expert that received tokens once, over all of its tokens (gate/up as one fused projection,
 so one GEMM each way per active expert, on the dense or w4a8 kernels of the expert's own
-layers), and scatters the weighted results back in fp32. `fused_moe_ref` is the PyTorch
-reference the tests hold both to.
+layers), and scatters the weighted results back in fp32. `kernels.reference.fused_moe_ref`
+is the PyTorch reference the tests hold both to.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from armserve import ops
+from armserve import kernels
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool, *, scoring: str = "softmax",
@@ -62,7 +62,7 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool, *, scori
 
 @dataclass(frozen=True)
 class KernelExperts:
-    """Every expert's weights where the fused kernel (ops.fused_moe) reads them: the addresses of
+    """Every expert's weights where the fused kernel (kernels.fused_moe) reads them: the addresses of
     each expert's gate, up and down weights (int64 [E] each) in one format."""
 
     fmt: str  # "w4" / "w8" (quantized GEMM tiles) or "bf16" (dense GEMM blocks)
@@ -142,8 +142,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exp
     rounds as the expert-by-expert path does; `use_kernel=False` forces the latter.
     """
     ke = kernel_experts(experts) if use_kernel else None
-    if ke is not None and ids.shape[1] <= 64 and ops.use_kernel("moe", x, fmt=ke.fmt):
-        return ops.fused_moe(ke.fmt, x, weights, ids, ke.gate, ke.up, ke.down, ke.inter, ke.group_gu, ke.group_dn)
+    if ke is not None and ids.shape[1] <= 64 and kernels.use_kernel("moe", x, fmt=ke.fmt):
+        return kernels.fused_moe(ke.fmt, x, weights, ids, ke.gate, ke.up, ke.down, ke.inter, ke.group_gu, ke.group_dn)
     tokens, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -161,15 +161,3 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exp
         start += n
     return out
 
-
-def fused_moe_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """Reference: token by token, expert by expert, in fp32 (w_gate_up [E, 2I, H], w_down [E, H, I])."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gu = w_gate_up[e].float() @ x[t].float()
-            g, u = gu.chunk(2)
-            out[t] += weights[t, j] * (w_down[e].float() @ (torch.nn.functional.silu(g) * u))
-    return out

@@ -5,23 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from armserve import ops
-
-
-def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: float = 0.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference: returns (norm(x + residual) * (weight + offset), x + residual)."""
-    if residual is not None:
-        x = x + residual
-    # Computed in float32 like the reference implementations: bf16 variance loses digits.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:
-        out = (xf * (weight.float() + offset)).to(x.dtype)
-    else:
-        out = weight * xf.to(x.dtype)
-    return out, x
+from armserve import kernels
 
 
 class RMSNorm(nn.Module):
@@ -40,11 +24,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
-        if ops.use_kernel("rms_norm", x):
-            out = ops.rms_norm(x, self.weight, self.eps, residual, self.offset)
-            return out if residual is None else (out, residual)
-        out, summed = rms_norm_ref(x, self.weight, self.eps, residual, self.offset)
-        return out if residual is None else (out, summed)
+        return kernels.rms_norm(x, self.weight, self.eps, residual, self.offset)
 
     def start_or_add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decoder layer's first norm: (norm(x), x) for the first layer (x starts the residual
@@ -56,7 +36,4 @@ class RMSNorm(nn.Module):
     def forward_heads_(self, x: torch.Tensor) -> torch.Tensor:
         """In place on x [T, heads, head_dim] (a view into a fused qkv output): each head normalised
         by this norm of head_dim (Qwen3's and Gemma 3's q/k norms)."""
-        if ops.use_kernel("rms_norm_heads", x):
-            return ops.rms_norm_heads_(x, self.weight, self.eps, self.offset)
-        x.copy_(rms_norm_ref(x, self.weight, self.eps, None, self.offset)[0])
-        return x
+        return kernels.rms_norm_heads_(x, self.weight, self.eps, self.offset)

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from armserve import ops
+from armserve import kernels
 
 
 @dataclass(frozen=True)
@@ -156,22 +156,22 @@ class Linear(nn.Module):
 
     def finalize(self) -> None:
         """Repack the weight into the kernel layout once (process_weights_after_loading)."""
-        if ops.use_kernel("dense_pack", self.weight):
-            pack = ops.pack_f32 if self.weight.dtype == torch.float32 else ops.pack_bf16
+        if kernels.use_kernel("dense_pack", self.weight):
+            pack = kernels.pack_f32 if self.weight.dtype == torch.float32 else kernels.pack_bf16
             self.packed = pack(self.weight.data)
             self.weight = None  # the packed copy is the weight now
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.packed is not None:
-            out = ops.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
+            out = kernels.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
             if self.bias is not None:
-                out = ops.add_bias(out, self.bias) if ops.use_kernel("small", out) else out.add_(self.bias)
+                out = kernels.add_bias(out, self.bias) if kernels.use_kernel("small", out) else out.add_(self.bias)
         else:
             # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
             # the weight near copy speed and PyTorch's bf16 GEMM does not.
-            if ops.use_kernel("gemv", x):
-                out = ops.gemv(x, self.weight)
-                out = out if self.bias is None else ops.add_bias(out, self.bias)
+            if kernels.use_kernel("gemv", x):
+                out = kernels.gemv(x, self.weight)
+                out = out if self.bias is None else kernels.add_bias(out, self.bias)
             else:
                 out = F.linear(x, self.weight, self.bias)
             if out_dtype is not None:
@@ -268,6 +268,6 @@ class VocabEmbedding(nn.Module):
             out = F.embedding(local.masked_fill(outside, 0), self.weight)
             out.masked_fill_(outside.unsqueeze(-1), 0)
             return self.group.all_reduce(out)
-        if ops.use_kernel("embedding", self.weight) and input_ids.dim() == 1:
-            return ops.embedding(input_ids, self.weight)
+        if kernels.use_kernel("embedding", self.weight) and input_ids.dim() == 1:
+            return kernels.embedding(input_ids, self.weight)
         return F.embedding(input_ids, self.weight)

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from armserve.layers.attention import dequantize_kv_ref, get_attention_metadata, quantize_kv_ref
+from armserve.kernels.reference import dequantize_kv_ref, quantize_kv_ref
+from armserve.layers.attention import get_attention_metadata
 
 
 class MLAAttention(nn.Module):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from armserve import ops
+from armserve import kernels
 from armserve.layers.linear import Split
 
 
@@ -239,7 +239,7 @@ def qlinear_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
 
 
 def qgemm_dense_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
-    """What `ops.qgemm_dense` (the prefill path) computes: x times the weight dequantized with the
+    """What `kernels.qgemm_dense` (the prefill path) computes: x times the weight dequantized with the
     kernels' scales and rounded to bf16, summed in float64."""
     w = kernel_scales(qt).dequantize().to(torch.bfloat16)
     return (x.double() @ w.double().T).to(x.dtype)
@@ -333,7 +333,7 @@ class QuantizedLinear(nn.Module):
                 run[0].group,
             ))  # the PyTorch path (ref) then applies the kernels' scales too
             n = qt.codes.shape[0]
-            if ops.use_kernel("qgemm_pack", qt.codes):
+            if kernels.use_kernel("qgemm_pack", qt.codes):
                 self.parts.append(_Part(qt.fmt, qt.group, col, n, pack(qt), None))
             else:
                 self.parts.append(_Part(qt.fmt, qt.group, col, n, None, qt))
@@ -347,21 +347,21 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.parts and self.parts[0].packed is not None and ops.use_kernel("qgemm", x2):
+        if self.parts and self.parts[0].packed is not None and kernels.use_kernel("qgemm", x2):
             out = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype)
             acts: dict[int, tuple] = {}
             for p in self.parts:
-                if ops.use_kernel("qgemm_dense", x2, fmt=p.fmt):  # prefill rows: bf16 tiles
-                    ops.qgemm_dense(p.fmt, out, p.col, x2, p.packed, p.n, p.group)
+                if kernels.use_kernel("qgemm_dense", x2, fmt=p.fmt):  # prefill rows: bf16 tiles
+                    kernels.qgemm_dense(p.fmt, out, p.col, x2, p.packed, p.n, p.group)
                     continue
                 if p.group not in acts:  # one activation quantization per group size
-                    acts[p.group] = ops.quantize_act(x2, p.group, _act_buffers(x2.shape[0], x2.shape[1], p.group))
-                ops.qgemm(p.fmt, out, p.col, acts[p.group], p.packed, p.n, p.group)
+                    acts[p.group] = kernels.quantize_act(x2, p.group, _act_buffers(x2.shape[0], x2.shape[1], p.group))
+                kernels.qgemm(p.fmt, out, p.col, acts[p.group], p.packed, p.n, p.group)
         else:
             out = self._forward_ref(x2)
         if self.bias is not None:
-            if ops.use_kernel("small", out):
-                ops.add_bias(out, self.bias)  # a decode step stays kernel calls only (step_graph.py)
+            if kernels.use_kernel("small", out):
+                kernels.add_bias(out, self.bias)  # a decode step stays kernel calls only (step_graph.py)
             else:
                 out += self.bias
         if self.split.reduce is not None:  # row-parallel: add the ranks' partial sums

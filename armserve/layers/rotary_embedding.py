@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from armserve import ops
+from armserve import kernels
 
 
 def rope_parameters(config, layer_type: str | None = None) -> dict:
@@ -139,36 +139,5 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D] (views into a fused qkv are rotated in place)."""
-        if ops.use_kernel("rotary", q):
-            ops.rotary(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
-            return q, k
-        return rotary_ref(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
+        return kernels.rotary(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
 
-
-def rotary_ref(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, head_dim: int,
-               rotary_dim: int, is_neox_style: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference: new rotated q and k, computed in float32 and rounded to their dtype."""
-    T = positions.shape[0]
-    cs = cos_sin.index_select(0, positions)
-    half = rotary_dim // 2
-    cos = cs[:, None, :half]
-    sin = cs[:, None, half:]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        xr = x[..., :rotary_dim].float()
-        if is_neox_style:
-            x1, x2 = xr.chunk(2, dim=-1)
-        else:
-            x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        if is_neox_style:
-            out = torch.cat([o1, o2], dim=-1)
-        else:
-            out = torch.stack([o1, o2], dim=-1).flatten(-2)
-        out = out.to(x.dtype)
-        if rotary_dim < head_dim:
-            out = torch.cat([out, x[..., rotary_dim:]], dim=-1)
-        return out
-
-    return rotate(q.reshape(T, -1, head_dim)).view(T, -1), rotate(k.reshape(T, -1, head_dim)).view(T, -1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from armserve import ops
+from armserve import kernels
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.rotary_embedding import rope_parameters
 from armserve.layers.linear import VocabEmbedding
@@ -41,8 +41,8 @@ class ScaledEmbedding(VocabEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().forward(input_ids)
-        if ops.use_kernel("small", x) and x.dim() == 2:
-            return ops.mul_cols(x, self._scale)  # recordable: decode steps stay replayable
+        if kernels.use_kernel("small", x) and x.dim() == 2:
+            return kernels.mul_cols(x, self._scale)  # recordable: decode steps stay replayable
         return x * self._scale[0].to(x.dtype)
 
 

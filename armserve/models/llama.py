@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from armserve import ops
+from armserve import kernels
 from armserve.layers.activation import get_act_and_mul
 from armserve.layers.attention import Attention, key_channel_rms
 from armserve.layers.layernorm import RMSNorm
@@ -221,12 +221,12 @@ class LlamaForCausalLM(nn.Module):
             return head(hidden, torch.float32)
         if self.lm_head is None:  # tied to the embedding table (not packed: not bfloat16, or no kernels)
             w = self.embed_tokens.weight
-            if ops.use_kernel("gemv", hidden):
-                return ops.cast(ops.gemv(hidden, w), torch.float32)
+            if kernels.use_kernel("gemv", hidden):
+                return kernels.cast(kernels.gemv(hidden, w), torch.float32)
             return F.linear(hidden, w).float()
         logits = self.lm_head(hidden)
         # the kernels' cast: a decode step then stays kernel calls only (engine/step_graph.py)
-        return ops.cast(logits, torch.float32) if ops.use_kernel("small", logits) else logits.float()
+        return kernels.cast(logits, torch.float32) if kernels.use_kernel("small", logits) else logits.float()
 
     def process_weights_after_loading(self) -> None:
         """Prepack every bfloat16 / float32 dense weight for the GEMM kernel, once. A head tied
@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Linear):
                 m.finalize()
-        if self.lm_head is None and ops.use_kernel("dense_pack", self.embed_tokens.weight):
+        if self.lm_head is None and kernels.use_kernel("dense_pack", self.embed_tokens.weight):
             vocab, hidden = self.embed_tokens.weight.shape
             head = Linear(hidden, vocab)
             head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)

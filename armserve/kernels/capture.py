@@ -1,0 +1,150 @@
+"""Recording and replaying kernel calls: the step graphs of engine/step_graph.py.
+
+Every kernel call goes through `call`; inside `recording()` it is also appended to the
+`Recording`, which `run_graph` replays with one C call (csrc/graph.cpp).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from typing import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from armserve.kernels import library
+
+
+class GraphOp(ctypes.Structure):
+    """One recorded kernel call (csrc/graph.cpp): the function's kind and its arguments in order,
+    integers and pointers in `i`, floats in `f`."""
+
+    _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("i", ctypes.c_int64 * 16),
+                ("f", ctypes.c_double * 4)]
+
+
+class NotCapturable(RuntimeError):
+    """A step did work the graph cannot replay (a PyTorch op that computes, not a kernel call)."""
+
+
+class Recording:
+    """Kernel calls of one step, in order, with every tensor allocated meanwhile kept alive (the
+    recorded pointers point into them). `errors` names the PyTorch ops that computed something:
+    a replay would skip them, so a recording with errors must not be replayed."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int], list[float]]] = []
+        self.keep: list[torch.Tensor] = []
+        self.errors: list[str] = []
+        self._ops: ctypes.Array | None = None
+
+    def record(self, name: str, args: tuple) -> None:
+        kind = _graph_kinds.get(name)
+        if kind is None:
+            kind = _graph_kinds[name] = library._lib.armserve_graph_kind(name.encode())
+        if kind < 0:
+            self.errors.append(f"kernel {name} is not recordable")
+            return
+        ints: list[int] = []
+        floats: list[float] = []
+        for t, a in zip(getattr(library._lib, name).argtypes, args):
+            if t in (ctypes.c_float, ctypes.c_double):
+                floats.append(float(a))
+            else:
+                ints.append(0 if a is None else int(a))
+        self.calls.append((kind, ints, floats))
+
+    def ops(self) -> ctypes.Array:
+        """The calls as the C array `armserve_graph_run` walks (built once)."""
+        if self._ops is None:
+            if ctypes.sizeof(GraphOp) != library._lib.armserve_graph_op_size():
+                raise NotCapturable("GraphOp's layout differs from csrc/graph.cpp's (rebuild the library)")
+            arr = (GraphOp * len(self.calls))()
+            for o, (kind, ints, floats) in zip(arr, self.calls):
+                o.kind = kind
+                o.i[:len(ints)] = ints
+                o.f[:len(floats)] = floats
+            self._ops = arr
+        return self._ops
+
+
+_graph_kinds: dict[str, int] = {}
+_recording: Recording | None = None  # the one `recording()` open, if any
+
+
+def call(name: str, *args) -> None:
+    """Call kernel `name`; while a step is being recorded, also append the call to the recording."""
+    lib = library._lib if library._lib is not None else library.required()
+    getattr(lib, name)(*args)
+    if _recording is not None:
+        _recording.record(name, args)
+
+
+# aten ops that only allocate (their tensors are kept with the recording) or make views: a
+# recorded step may run these and nothing else.
+_GRAPH_ALLOC_OPS = {"empty", "empty_like", "empty_strided", "new_empty"}
+_GRAPH_SAFE_OPS = _GRAPH_ALLOC_OPS | {
+    "view", "_unsafe_view", "split_with_sizes", "split", "slice", "select", "unsqueeze",
+    "squeeze", "t", "transpose", "as_strided", "alias", "detach", "_reshape_alias", "expand",
+}
+# ... and these when they return a view rather than a copy.
+_GRAPH_SAFE_IF_VIEW = {"contiguous", "reshape", "flatten"}
+
+
+class _Guard(TorchDispatchMode):
+    """Sees every aten op while a step is recorded: keeps what allocates, notes what computes."""
+
+    def __init__(self, rec: Recording) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in _GRAPH_ALLOC_OPS:
+            self.rec.keep.append(out)
+        elif name in _GRAPH_SAFE_IF_VIEW:
+            if out.data_ptr() != args[0].data_ptr():
+                self.rec.keep.append(out)
+                self.rec.errors.append(f"aten::{name} copied")
+        elif name not in _GRAPH_SAFE_OPS:
+            self.rec.errors.append(f"aten::{name}")
+        return out
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recording]:
+    """Context manager recording this thread's kernel calls into a `Recording` (engine/step_graph.py).
+
+    The calls still run, so the step being recorded computes as usual. Every tensor allocated
+    inside is kept (the recording's pointers refer to them); a PyTorch op that computes is noted
+    in `errors`, since a replay would not run it.
+    """
+    global _recording
+    if library.load() is None:
+        raise NotCapturable(f"C++ kernels unavailable: {library.load_error()}")
+    if _recording is not None:
+        raise NotCapturable("a step is already being recorded")
+    rec = Recording()
+    with _Guard(rec):
+        _recording = rec
+        try:
+            yield rec
+        finally:
+            _recording = None
+
+
+def run_graph(rec: Recording) -> None:
+    """Replay a recording's kernel calls (one C call)."""
+    if rec.errors:
+        raise NotCapturable(f"the recorded step ran work a replay would skip: {', '.join(rec.errors[:5])}")
+    ops = rec.ops()
+    bad = library._lib.armserve_graph_run(ops, len(ops))
+    if bad >= 0:
+        raise NotCapturable(f"recorded call {bad} has an unknown kind")
+
+
+def graph_team_replays() -> int:
+    """How many replays so far ran as one parallel region of several threads (csrc/graph.cpp)."""
+    return int(library.required().armserve_graph_team_replays())
