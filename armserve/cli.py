@@ -198,14 +198,13 @@ def _kv_cache_info(args: argparse.Namespace) -> dict:
     """The KV cache a model would get, from its config alone (no weights are read): values and bytes
     per token (MLA models cache one latent row per layer) and the tokens that fit."""
     from armserve import model_loader
-    from armserve.config import EngineConfig, resolve_dtype, resolve_kv_cache_dtype
+    from armserve.config import EngineConfig
     from armserve.engine.model_runner import kv_cache_bytes_per_token, kv_cache_num_blocks, kv_cache_rows
 
     cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_space=args.kv_cache_space,
                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
     hf = model_loader.load_config(model_loader.resolve_model_path(args.model))
-    dtype = resolve_dtype(cfg.dtype, model_loader.checkpoint_dtype(hf))
-    cache_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
+    _, cache_dtype = cfg.resolve_dtypes(model_loader.checkpoint_dtype(hf))
     rows, width = kv_cache_rows(hf)
     blocks = kv_cache_num_blocks(hf, cfg.kv_cache_space, cfg.block_size, cache_dtype)
     return {"model": args.model, "dtype": str(cache_dtype).replace("torch.", ""), "rows_per_token_per_layer": rows,

@@ -20,6 +20,9 @@ _DTYPES = {
 
 DEFAULT_KV_CACHE_SPACE_GIB = 4.0
 
+# Seconds between the engine's stats lines while it is busy (ARMSERVE_LOG_STATS_INTERVAL overrides it).
+DEFAULT_STATS_INTERVAL = 5.0
+
 # A server queues at most this many requests per running slot (max_num_seqs) before it answers 429:
 # enough to keep the batch full while clients back off, never an unbounded backlog.
 WAITING_REQUESTS_PER_SEQ = 4
@@ -228,6 +231,12 @@ class EngineConfig:
                 "(or 'int8'/'int4' with backend='openvino')"
             )
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
+
+    def resolve_dtypes(self, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
+        """(the model's dtype, the KV cache's) for a checkpoint stored in `checkpoint_dtype`: the one
+        place `dtype` and `kv_cache_dtype` become torch dtypes (`resolve_dtype`, `resolve_kv_cache_dtype`)."""
+        dtype = resolve_dtype(self.dtype, checkpoint_dtype)
+        return dtype, resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
 
     def for_serving(self) -> "EngineConfig":
         """This configuration as a server runs it (`AsyncLLM`: `armserve serve`, Ray Serve): the

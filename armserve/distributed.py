@@ -186,7 +186,6 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
     group = None
     try:
         from armserve import model_loader
-        from armserve.config import resolve_dtype, resolve_kv_cache_dtype
         from armserve.cpu import init_threads
         from armserve.engine.model_runner import ModelRunner
         from armserve.layers.linear import ParallelContext
@@ -202,9 +201,8 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
         # (every rank reads the whole checkpoint and keeps its part of each tensor as it loads)
         src = model_loader.resolve_model_path(config.model)
         hf = model_loader.load_config(src)
-        dtype = resolve_dtype(config.dtype, model_loader.checkpoint_dtype(hf))
+        dtype, cache_dtype = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
         model = model_loader.load_model(src, hf, dtype, config.quantization, ParallelContext(rank, world, group))
-        cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
         num_blocks = conn.recv()
         runner = ModelRunner(model, num_blocks, config.block_size, dtype, cache_dtype, config.max_model_len,
                              enforce_eager=True)

@@ -7,7 +7,8 @@ from typing import Any, Sequence
 
 from armserve.prompts import render_chat
 from armserve.config import EngineConfig
-from armserve.engine.backend import PromptType, create_engine
+from armserve.engine.input_processor import PromptType
+from armserve.engine.llm_engine import LLMEngine
 from armserve.outputs import RequestOutput
 from armserve.sampling_params import SamplingParams
 
@@ -30,7 +31,7 @@ class LLM:
                 f"unknown engine argument(s): {', '.join(sorted(unknown))}; "
                 f"known: {', '.join(sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model'))}"
             )
-        self.llm_engine = create_engine(EngineConfig(model=model, **engine_args))
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -3,12 +3,12 @@ each request an async stream of deltas.
 
     event loop(s) (HTTP)                           engine core (armserve.engine.core)
     --------------------                           ----------------------------------
-    await add_request()  ── tokenize here ──► AddCommand ──► engine.add_request, step, ...
+    await add_request()  ── input processor ──► AddCommand ──► engine.add_processed_request, step, ...
     async for out in stream ◄── call_soon_threadsafe ◄── ("outputs", deltas, stats) per step
 
-The core runs in a child process (`engine_process=True`, the default, as vLLM v1): this process
-keeps the HTTP server, tokenizing and streaming, the core schedules, steps and detokenizes, and
-the two never wait for each other's GIL. With `engine_process=False` (or the environment
+The core runs in a child process (`engine_process=True`, the default, as vLLM v1; engine/core_client.py):
+this process keeps the HTTP server, tokenizing and streaming, the core schedules, steps and
+detokenizes, and the two never wait for each other's GIL. With `engine_process=False` (or the environment
 variable ARMSERVE_ENGINE_PROCESS=0, or vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) the core runs in a
 thread of this process instead: less start-up, the same behaviour.
 
@@ -21,128 +21,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import multiprocessing
 import os
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Callable, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, AsyncGenerator, Callable, Sequence
 
-from armserve.config import WAITING_REQUESTS_PER_SEQ, EngineConfig
-from armserve.engine.core import (
-    DEFAULT_STATS_INTERVAL,
-    AbortCommand,
-    AddCommand,
-    EngineCore,
-    FinishedRequestStats,
-    IterationStats,
-    SchedulerStats,
-    StopCommand,
-    core_process_main,
-)
+from armserve.config import DEFAULT_STATS_INTERVAL, WAITING_REQUESTS_PER_SEQ, EngineConfig
+from armserve.engine.core import AbortCommand, AddCommand
+from armserve.engine.core_client import ProcessCore, ThreadCore, engine_process_default
+from armserve.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
+from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
+from armserve.engine.stat_loggers import LoggingStatLogger, StatLogger, combine_stats
+from armserve.engine.stats import IterationStats, SchedulerStats
 from armserve.outputs import CompletionOutput, RequestOutput
-from armserve.prompts import prompt_to_ids
 from armserve.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "FinishedRequestStats", "IterationStats",
-           "LoggingStatLogger", "RequestFailedError", "RequestStream", "RequestTimeoutError", "SchedulerStats",
-           "StatLogger", "merge_delta_outputs"]
+__all__ = ["AsyncLLM", "RequestStream", "merge_delta_outputs"]
 
 logger = logging.getLogger("armserve")
-
-PromptType = str | list[int] | dict[str, Any]
-
-
-class RequestFailedError(RuntimeError):
-    """A request the engine could not serve for a reason of the server's, not of the request:
-    `status` is the HTTP status a server answers with."""
-
-    status = 503
-
-
-class EngineDeadError(RequestFailedError):
-    """The engine stopped (shut down or crashed); no request can be served."""
-
-
-class EngineOverloadedError(RequestFailedError):
-    """Refused at once: the queue of waiting requests is full. Try again after `retry_after` s."""
-
-    status = 429
-
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-    def __reduce__(self):
-        return type(self), (str(self), self.retry_after)
-
-
-class RequestTimeoutError(RequestFailedError):
-    """The request's deadline passed before it finished; it was aborted."""
-
-    status = 504
-
-
-def combine_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
-    """Several engines' snapshots as one (counts and blocks summed; usage over all blocks)."""
-    if len(snapshots) == 1:
-        return snapshots[0]
-    total = SchedulerStats()
-    for s in snapshots:
-        total.num_running += s.num_running
-        total.num_waiting += s.num_waiting
-        total.kv_blocks_used += s.kv_blocks_used
-        total.kv_blocks_total += s.kv_blocks_total
-        total.prefix_cache_queries += s.prefix_cache_queries
-        total.prefix_cache_hits += s.prefix_cache_hits
-        total.num_preemptions += s.num_preemptions
-    total.kv_cache_usage = total.kv_blocks_used / total.kv_blocks_total if total.kv_blocks_total else 0.0
-    return total
-
-
-class StatLogger(Protocol):
-    """Receives stats after every step (from a thread that is not the event loop's; implementations
-    must be thread-safe to read). `engine` is the data-parallel engine's index."""
-
-    def record(self, scheduler: SchedulerStats, iteration: IterationStats, engine: int = 0) -> None: ...
-
-
-class LoggingStatLogger:
-    """Logs one vLLM-style throughput line every `interval` seconds while the engine is busy."""
-
-    def __init__(self, interval: float = DEFAULT_STATS_INTERVAL) -> None:
-        self.interval = interval
-        self._last_time = time.monotonic()
-        self._prompt_tokens = 0
-        self._generation_tokens = 0
-        self._last: dict[int, SchedulerStats] = {}
-        self._last_line_busy = False
-
-    def record(self, scheduler: SchedulerStats, iteration: IterationStats, engine: int = 0) -> None:
-        self._prompt_tokens += iteration.num_prompt_tokens
-        self._generation_tokens += iteration.num_generation_tokens
-        self._last[engine] = scheduler
-
-    def maybe_log(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
-        elapsed = now - self._last_time
-        if elapsed < self.interval:
-            return
-        s = combine_stats(list(self._last.values()))
-        busy = bool(self._prompt_tokens or self._generation_tokens or s.num_running or s.num_waiting)
-        # NOTE: one more line after going idle, so the log shows the engine drained to zero.
-        if busy or self._last_line_busy:
-            logger.info(
-                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
-                self._prompt_tokens / elapsed, self._generation_tokens / elapsed,
-                s.num_running, s.num_waiting, 100 * s.kv_cache_usage, 100 * s.prefix_cache_hit_rate,
-            )
-        self._last_line_busy = busy
-        self._last_time = now
-        self._prompt_tokens = self._generation_tokens = 0
 
 
 # ---- per-request streams ---------------------------------------------------------------------
@@ -232,132 +131,6 @@ class RequestStream:
                 self._owner.abort(self.request_id)
 
 
-# ---- where the engine cores run --------------------------------------------------------------
-
-
-def engine_process_default() -> bool:
-    """ARMSERVE_ENGINE_PROCESS, else vLLM's VLLM_ENABLE_V1_MULTIPROCESSING, else on."""
-    for var in ("ARMSERVE_ENGINE_PROCESS", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-        v = os.environ.get(var, "").strip().lower()
-        if v:
-            if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
-                raise ValueError(f"{var} must be 0 or 1, got {v!r}")
-            return v in ("1", "true", "yes", "on")
-    return True
-
-
-class _ThreadCore:
-    """An engine core on a thread of this process (the model loads in the caller's thread)."""
-
-    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
-                 warm_up: bool) -> None:
-        self._ready = threading.Event()
-
-        def emit(msg: tuple) -> None:
-            on_message(msg)
-            if msg[0] in ("ready", "dead"):
-                self._ready.set()
-
-        self.core = EngineCore(config, emit, stats_interval)
-        self._thread = threading.Thread(target=self.core.run, args=(warm_up,), name="armserve-engine", daemon=True)
-
-    def start(self) -> None:
-        """Start the loop; returns once it has warmed up."""
-        self._thread.start()
-        self._ready.wait()
-
-    def send(self, cmd: Any) -> None:
-        self.core.put(cmd)
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def stop(self, timeout: float) -> None:
-        if self._thread.is_alive():
-            self.core.put(StopCommand())
-            self._thread.join(timeout)
-
-
-class _ProcessCore:
-    """An engine core in a child process (spawned: no fork of a threaded, OpenMP-initialised
-    parent). Commands go down one pipe, messages come back up another, read by a thread here."""
-
-    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
-                 warm_up: bool, env: dict[str, str], index: int = 0) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
-        self._msg_recv, msg_send = ctx.Pipe(duplex=False)
-        self._on_message = on_message
-        self._send_lock = threading.Lock()
-        self._dead_sent = False
-        level = logging.getLogger("armserve").getEffectiveLevel()
-        self.proc = ctx.Process(
-            target=core_process_main, name=f"armserve-engine-core-{index}",
-            args=(config, cmd_recv, msg_send, level, stats_interval, warm_up, env),
-        )
-        self.proc.start()
-        # Only the child holds these ends now: when it exits, this side sees EOF at once.
-        cmd_recv.close()
-        msg_send.close()
-
-    def start(self) -> None:
-        """Wait until the core has loaded and warmed up (raises its loading error), then read its
-        messages on a thread."""
-        def died() -> EngineDeadError:
-            self.proc.join(5)
-            return EngineDeadError(
-                f"the engine core process exited with code {self.proc.exitcode} while loading the model (see its "
-                "log above; a script that starts one must do so under `if __name__ == \"__main__\":`, as with "
-                "any spawned process)")
-
-        while not self._msg_recv.poll(0.5):
-            if not self.proc.is_alive():
-                raise died()
-        try:
-            msg = self._msg_recv.recv()
-        except (EOFError, OSError):
-            raise died() from None
-        if msg[0] == "failed":
-            self.proc.join(10)
-            raise msg[1]
-        self._on_message(msg)
-        threading.Thread(target=self._read, name="armserve-core-reader", daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            try:
-                msg = self._msg_recv.recv()
-            except (EOFError, OSError):
-                self.proc.join(5)
-                if not self._dead_sent:
-                    self._on_message(("dead", f"the engine core process exited unexpectedly "
-                                              f"(exit code {self.proc.exitcode})"))
-                return
-            if msg[0] == "dead":
-                self._dead_sent = True
-            self._on_message(msg)
-
-    def send(self, cmd: Any) -> None:
-        with self._send_lock:
-            try:
-                self._cmd_send.send(cmd)
-            except (BrokenPipeError, OSError):
-                pass  # the core is gone; the reader reports it
-
-    def alive(self) -> bool:
-        return self.proc.is_alive() and not self._dead_sent
-
-    def stop(self, timeout: float) -> None:
-        if self.proc.is_alive():
-            self.send(StopCommand())
-            self.proc.join(timeout)
-            if self.proc.is_alive():
-                logger.warning("the engine core process did not stop in %.0f s; terminating it", timeout)
-                self.proc.terminate()
-                self.proc.join(5)
-        self._cmd_send.close()
-
-
 # ---- the frontend ----------------------------------------------------------------------------
 
 
@@ -432,7 +205,7 @@ class AsyncLLM:
         self._snapshots: list[SchedulerStats] = [SchedulerStats() for _ in range(dp)]
         self._dead: BaseException | None = None
         self._ready_info: dict[str, Any] = {}
-        self._cores: list[_ThreadCore | _ProcessCore] = []
+        self._cores: list[ThreadCore | ProcessCore] = []
         # CPUs on no engine's cores, for the front end to pin itself to (cpu.serving_layout); None:
         # none to spare, or the engine runs in this process.
         self.frontend_cpus: list[int] | None = None
@@ -444,13 +217,13 @@ class AsyncLLM:
                 envs, self.frontend_cpus = serving_layout(dp, config.tensor_parallel_size or 1)
                 self._envs = envs
                 for i, env in enumerate(envs):
-                    self._cores.append(_ProcessCore(config, self._handler(i), stats_interval, warm_up, env, i))
+                    self._cores.append(ProcessCore(config, self._handler(i), stats_interval, warm_up, env, i))
                 # The tokenizer loads here while the cores load the model.
                 self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
                 if config.chat_template:
                     self.tokenizer.chat_template = config.chat_template
             else:
-                core = _ThreadCore(config, self._handler(0), stats_interval, warm_up)
+                core = ThreadCore(config, self._handler(0), stats_interval, warm_up)
                 self._cores.append(core)
                 self.tokenizer = core.core.engine.tokenizer
                 self._snapshots[0] = core.core.snapshot()
@@ -459,7 +232,9 @@ class AsyncLLM:
         except BaseException:
             self.shutdown()
             raise
-        self.max_model_len: int = self._ready_info["max_model_len"]
+        # Prompts are processed here, for the limits of the engines' model and KV cache.
+        self.input_processor: InputProcessor = replace(self._ready_info["input"], tokenizer=self.tokenizer)
+        self.max_model_len: int = self.input_processor.max_model_len
         self.config.max_model_len = self.max_model_len
         self.max_waiting_requests: int = config.max_waiting_requests or WAITING_REQUESTS_PER_SEQ * config.max_num_seqs * dp
         # (0 when a backend does not report its cache: then only the request bound applies)
@@ -500,9 +275,10 @@ class AsyncLLM:
         arrival_time: float | None = None,
         deadline: float | None = None,
     ) -> RequestStream:
-        """Submit a request; returns its stream once the engine has accepted it.
+        """Process the request (`input_processor`) and submit it; returns its stream once the engine
+        has accepted it.
 
-        Raises the engine's `ValueError` (naming the problem) if the request is invalid,
+        Raises a `ValueError` (naming the problem) if the request is invalid,
         `EngineOverloadedError` at once if the waiting queue is full (`max_waiting_requests`,
         `max_waiting_tokens`), and `EngineDeadError` if the engine is not running. With a
         `deadline` (seconds from now) a request not finished by then is aborted and its stream
@@ -510,11 +286,15 @@ class AsyncLLM:
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = prompt_to_ids(self.tokenizer, prompt)
+        request = self.input_processor.process(request_id or uuid.uuid4().hex, prompt, params, arrival_time)
+        return await self.add_processed_request(request, deadline)
+
+    async def add_processed_request(self, request: EngineCoreRequest, deadline: float | None = None) -> RequestStream:
+        """`add_request` of a request `input_processor` made."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
         loop = asyncio.get_running_loop()
-        request_id = request_id or uuid.uuid4().hex
+        request_id, ids = request.request_id, request.prompt_token_ids
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already in use")
         # (a data-parallel engine being restarted takes nothing new meanwhile)
@@ -528,12 +308,11 @@ class AsyncLLM:
             self._waiting_tokens += len(ids)
         stream = RequestStream(request_id, self, loop)
         accepted = loop.create_future()
-        self._live[request_id] = _Live(stream, text, ids, engine, accepted)
+        self._live[request_id] = _Live(stream, request.prompt, ids, engine, accepted)
         self._load[engine] += 1
         if deadline is not None:
             loop.call_later(deadline, self._expire, request_id, stream, deadline)
-        self._cores[engine].send(AddCommand(request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                                            arrival_time or time.time()))
+        self._cores[engine].send(AddCommand(request))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -728,7 +507,7 @@ class AsyncLLM:
         """Start engine core `engine` again (a thread of its own: loading takes seconds)."""
         logger.error("engine core %d died (%s): restarting it", engine, why)
         try:
-            core = _ProcessCore(self.config, self._handler(engine), *self._core_args, self._envs[engine], engine)
+            core = ProcessCore(self.config, self._handler(engine), *self._core_args, self._envs[engine], engine)
             self._cores[engine] = core
             core.start()
         except BaseException as e:  # noqa: BLE001 - any failure leaves the engine dead

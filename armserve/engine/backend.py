@@ -1,76 +1,107 @@
-"""What `LLM` and the engine core need from an engine: the whole interface a backend implements.
+"""What an engine needs from a backend: run token ids through one model, nothing else.
 
-Two backends implement it: `torch` (armserve's own engine, engine/llm_engine.py) and `openvino`
-(OpenVINO GenAI's continuous-batching pipeline, engine/openvino_backend.py). A third backend is
-one new file with a class of this shape, its name in config.BACKENDS and a line in `create_engine`.
+Two backends implement it: `torch` (armserve's own model, KV cache and scheduler,
+engine/torch_backend.py) and `openvino` (OpenVINO GenAI's continuous-batching pipeline,
+engine/openvino_backend.py). Prompts, detokenization, stop strings, logprobs and output objects
+are the engine's (engine/llm_engine.py: input processor -> backend -> output processor), so a
+third backend is one new file with a class of this shape, its name in config.BACKENDS and a line
+in `llm_engine.create_backend`.
 
-    LLM / EngineCore                       EngineBackend
-    ----------------                       -------------
-    add_request(id, prompt, params)  ──►   validate (ValueError naming the problem), queue
-    abort_request(ids)               ──►   drop, free the request's cache
-    step()                           ◄──   RequestOutput per request that progressed
-    scheduler_stats()                ◄──   SchedulerStats for /metrics and the stats line
+    LLMEngine                               EngineBackend
+    ---------                               -------------
+    add_request(EngineCoreRequest)   ──►    queue the request's n sequences (ValueError: it cannot)
+    abort_request(id, indices)       ──►    drop sequences, free their cache
+    step()                           ◄──    BackendOutput: each sequence's new tokens (+ logprobs,
+                                            finish reason), prompt tokens computed, ...
+    scheduler_stats()                ◄──    SchedulerStats for /metrics and the stats line
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from armserve.config import EngineConfig
-from armserve.outputs import RequestOutput
-from armserve.sampling_params import SamplingParams
+from armserve.engine.input_processor import EngineCoreRequest, warm_up_request
 
 if TYPE_CHECKING:
     from armserve.engine.stats import SchedulerStats
     from armserve.engine.structured_output import StructuredOutputManager
 
-PromptType = str | list[int] | dict[str, Any]
+# A new token's log-probabilities: (token ids, logprobs, rank of the chosen one), the chosen
+# token first, then the top alternatives in rank order.
+TokenLogprobs = tuple[list[int], list[float], int]
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """One sequence's progress in one step (a sequence: one of a request's n completions)."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]  # new tokens; none when only its prompt logprobs (or its end) came
+    logprobs: list[TokenLogprobs | None] | None = None  # per new token, when asked for
+    # Set when the backend ended the sequence: "stop" (its last new token is a stop token, whose
+    # text is dropped), "length" or "abort".
+    finish_reason: str | None = None
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
+
+
+@dataclass(slots=True)
+class BackendOutput:
+    """What one backend step did."""
+
+    sequences: list[SequenceOutput] = field(default_factory=list)
+    num_prompt_tokens: int = 0  # prompt tokens computed
+    # Requests scheduled for the first time -> their prompt tokens found in the prefix cache.
+    started: dict[str, int] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)  # a request id per preempted sequence
+    # Request id -> the prompt logprobs of this step's chunk: rows of (token ids, logprobs), ranks.
+    prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
 
 
 class EngineBackend(Protocol):
     """One model behind one request queue. Not thread-safe: one thread calls every method."""
 
     config: EngineConfig
-    tokenizer: Any  # a transformers tokenizer: the frontend tokenizes and applies chat templates with it
+    tokenizer: Any  # a transformers tokenizer: the engine tokenizes and detokenizes with it
     max_model_len: int
-    # Running totals for the stats line and /metrics.
-    num_prompt_tokens_total: int
-    num_generation_tokens_total: int
+    vocab_size: int
+    eos_token_ids: set[int]
+    num_kv_blocks: int  # the KV cache, in blocks of kv_block_size tokens (what a request may use)
+    kv_block_size: int
     # Compiles structured-output grammars off the step loop; None if the backend refuses them
     # (its add_request then raises a ValueError naming `structured_outputs`).
     structured: "StructuredOutputManager | None"
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, output_kind: str = "final") -> str:
-        """Validate and queue a request (raises ValueError naming the problem, engine untouched).
-        `output_kind`: "final" (one output at the end), "cumulative" or "delta" (every step)."""
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a processed request (ValueError naming what this backend cannot carry, backend untouched)."""
         ...
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Stop requests now; unknown ids are ignored."""
+    def abort_request(self, request_id: str, indices: Sequence[int] | None = None) -> None:
+        """Stop a request's sequences now (`indices`, or all) and free their cache; unknown ids are ignored."""
         ...
 
     def has_unfinished_requests(self) -> bool: ...
 
-    def step(self) -> list[RequestOutput]:
-        """Advance every running request by one iteration; outputs of those that progressed."""
+    def step(self) -> BackendOutput:
+        """Advance every running sequence by one iteration."""
         ...
 
     def warm_up(self) -> None:
-        """Run a dummy request so the first real one does not pay for first-touch costs."""
+        """Run a dummy request (`run_dummy_request`) so the first real one does not pay for
+        first-touch costs; the backend's counters are as before afterwards."""
         ...
 
     def scheduler_stats(self) -> "SchedulerStats":
-        """The engine's state now: requests running/waiting, KV cache use, prefix cache counters."""
+        """The backend's state now: requests running/waiting, KV cache use, prefix cache counters."""
         ...
 
 
-def create_engine(config: EngineConfig) -> EngineBackend:
-    """The engine of `config.backend`."""
-    if config.backend == "openvino":
-        from armserve.engine.openvino_backend import OpenVINOEngine
-
-        return OpenVINOEngine(config)
-    from armserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine(config)
+def run_dummy_request(backend: EngineBackend, num_tokens: int) -> None:
+    """Add a greedy request of `num_tokens` dummy prompt tokens and step until it is done."""
+    if num_tokens < 1:
+        return
+    backend.add_request(warm_up_request(num_tokens, backend.vocab_size))
+    while backend.has_unfinished_requests():
+        backend.step()

@@ -1,9 +1,9 @@
-"""The engine core: one loop that owns an engine (engine/backend.py), applies add/abort commands, steps, and
-reports each step's outputs and statistics as one message (vLLM v1's EngineCore).
+"""The engine core: one loop that owns an engine (engine/llm_engine.py), applies add/abort commands, steps,
+and reports each step's outputs and statistics as one message (vLLM v1's EngineCore).
 
     frontend (AsyncLLM)                               core (EngineCore.run)
     -------------------                               ---------------------
-    add / abort / stop  ──► commands ──► inbox ──► engine.add_request / abort_request / step
+    add / abort / stop  ──► commands ──► inbox ──► engine.add_processed_request / abort_request / step
     streams, stat loggers ◄── messages ◄── emit(("outputs", deltas, SchedulerStats, IterationStats))
 
 It runs in its own process (`start_core_process`, the server's default) or in a thread of the
@@ -14,7 +14,8 @@ for up to the interpreter's switch interval (5 ms), and at 8-64 streams the serv
 busy most of the time.
 
 Messages, core -> frontend (tuples; the first item names the kind):
-    ("ready", {"max_model_len": int, "kv_cache_tokens": int})   model loaded and warmed up
+    ("ready", {"kv_cache_tokens": int, "input": InputProcessor})   model loaded and warmed up; "input":
+                                                the engine's input processor without its tokenizer
     ("failed", exception)                       loading failed (process mode; the process exits)
     ("accepted", request_id, exception | None)  an add was queued, or refused (ValueError naming why)
     ("outputs", [RequestOutput], SchedulerStats, IterationStats)   one step's deltas; `prompt` and
@@ -33,28 +34,23 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from armserve.config import EngineConfig
+from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
+from armserve.engine.input_processor import EngineCoreRequest
+from armserve.engine.llm_engine import LLMEngine
 from armserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
 from armserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from armserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("armserve")
-
-DEFAULT_STATS_INTERVAL = 5.0  # seconds between stats lines while busy
-
 
 # ---- commands sent to the core ---------------------------------------------------------------
 
 
 @dataclass(slots=True)
 class AddCommand:
-    request_id: str
-    prompt: dict[str, Any]  # {"prompt": text | None, "prompt_token_ids": [...]}, tokenized by the frontend
-    params: SamplingParams
-    arrival_time: float
+    request: EngineCoreRequest  # made by the frontend's input processor
     compiled: bool = False  # the structured-output grammar is in the core's cache
 
 
@@ -99,14 +95,12 @@ def portable_error(e: BaseException) -> BaseException:
 
 
 class EngineCore:
-    """Owns the engine (`LLMEngine`, or the backend `config.backend` names); `run()` is the loop. `emit` receives every message (see the module
+    """Owns the engine (`LLMEngine`); `run()` is the loop. `emit` receives every message (see the module
     docstring); commands arrive through `put`. Only the loop's thread touches the engine."""
 
     def __init__(self, config: EngineConfig, emit: Callable[[tuple], None],
                  stats_interval: float = DEFAULT_STATS_INTERVAL) -> None:
-        from armserve.engine.backend import create_engine
-
-        self.engine = create_engine(config)
+        self.engine = LLMEngine(config)
         self.emit = emit
         self.stats_interval = stats_interval
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -131,8 +125,9 @@ class EngineCore:
             if warm_up:
                 engine.warm_up()
             snap = self._snapshot()
-            self.emit(("ready", {"max_model_len": engine.max_model_len,
-                                 "kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size}))
+            # (the frontend has a tokenizer of its own)
+            self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size,
+                                 "input": replace(engine.input_processor, tokenizer=None)}))
             while True:
                 if not self._drain(block=not engine.has_unfinished_requests()):
                     break
@@ -169,17 +164,19 @@ class EngineCore:
             if isinstance(cmd, AddCommand):
                 self._add(cmd)
             elif isinstance(cmd, _CompileDone):
-                if self._compiling.pop(cmd.command.request_id, None) is None:
+                if self._compiling.pop(cmd.command.request.request_id, None) is None:
                     continue  # aborted: answered when the abort cancelled the compile
                 if cmd.error is not None:
-                    self.emit(("accepted", cmd.command.request_id, portable_error(cmd.error)))
+                    self.emit(("accepted", cmd.command.request.request_id, portable_error(cmd.error)))
                 else:
                     self._add(cmd.command)
             else:
                 self._abort(cmd.request_ids)
 
     def _add(self, cmd: AddCommand) -> None:
-        so = cmd.params.structured_outputs
+        request = cmd.request
+        rid = request.request_id
+        so = request.params.structured_outputs
         # (a backend without structured outputs refuses the request in add_request)
         if so is not None and not cmd.compiled and self.engine.structured is not None:
             # NOTE: compiled off the loop (in the manager's worker processes, within a time and
@@ -191,18 +188,18 @@ class EngineCore:
                 handle = self.engine.structured.compile_async(so, lambda _, err, cmd=cmd: self.inbox.put(
                     _CompileDone(cmd, err)))
             except Exception as e:  # an invalid inline grammar, xgrammar missing
-                self.emit(("accepted", cmd.request_id, portable_error(e)))
+                self.emit(("accepted", rid, portable_error(e)))
                 return
             if handle is not None:
-                self._compiling[cmd.request_id] = handle
+                self._compiling[rid] = handle
                 return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.arrival_time, output_kind="delta")
-        except Exception as e:  # validation errors name the problem; the engine is untouched
-            self.emit(("accepted", cmd.request_id, portable_error(e)))
+            self.engine.add_processed_request(request, output_kind="delta")
+        except Exception as e:  # errors name the problem (what the backend cannot carry); the engine is untouched
+            self.emit(("accepted", rid, portable_error(e)))
             return
-        self._tracked[cmd.request_id] = _Tracked(cmd.params.n, len(cmd.prompt["prompt_token_ids"]))
-        self.emit(("accepted", cmd.request_id, None))
+        self._tracked[rid] = _Tracked(request.n, len(request.prompt_token_ids))
+        self.emit(("accepted", rid, None))
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -1,18 +1,19 @@
 """The OpenVINO backend: a model served through OpenVINO GenAI's continuous-batching pipeline
-(paged attention, prefix caching, chunked prefill), behind the same interface as armserve's
-own engine (engine/backend.py).
+(paged attention, prefix caching, chunked prefill), behind token ids like armserve's own
+(engine/backend.py).
 
     add_request ── SamplingParams -> GenerationConfig ──► pipeline.add_request -> GenerationHandle
-    step()      ── pipeline.step(); handle.read() per request ──► token ids (+ logprobs)
-                ── armserve's IncrementalDetokenizer ──► text, stop strings, streaming deltas
+    step()      ── pipeline.step(); handle.read() per request ──► each sequence's new token ids
+                   (+ the chosen token's logprob, finish reason); the engine's output processor
+                   makes the text, stop strings and streaming deltas
 
 The model is exported once to OpenVINO IR with optimum-intel (`optimum-cli export openvino`,
 in a subprocess: see `export_python`) into `~/.cache/armserve/openvino/` (or
 $ARMSERVE_OPENVINO_CACHE), keyed by the model folder, its config and the weight format; a folder
 that already holds `openvino_model.xml` loads directly.
 
-Prompts are tokenized and outputs detokenized by armserve's tokenizer, so chat templates, stop
-strings and streamed text behave exactly as with the torch backend. Sampling parameters the
+Prompts are tokenized and outputs detokenized by the engine with armserve's tokenizer, so chat
+templates, stop strings and streamed text behave exactly as with the torch backend. Sampling parameters the
 pipeline cannot honour are refused with a ValueError naming them (`generation_config`).
 """
 
@@ -36,9 +37,9 @@ import torch
 
 from armserve import model_loader
 from armserve.config import OPENVINO_QUANTIZATIONS, ConfigError, EngineConfig, resolve_dtype
-from armserve.engine.detokenizer import IncrementalDetokenizer
-from armserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from armserve.prompts import prompt_to_ids
+from armserve.engine.backend import BackendOutput, SequenceOutput, run_dummy_request
+from armserve.engine.input_processor import EngineCoreRequest
+from armserve.engine.stats import SchedulerStats
 from armserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("armserve")
@@ -256,41 +257,25 @@ def thread_settings() -> tuple[int, list[int] | None]:
 
 # ---- requests ----------------------------------------------------------------------------------
 
-
-@dataclass
-class _Completion:
-    index: int
-    detok: IncrementalDetokenizer
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    reported_final: bool = False
+# The pipeline's precision names for armserve's model and KV cache dtypes (config.resolve_dtypes).
+_PRECISIONS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "u8"}
 
 
 @dataclass
 class _Request:
     request_id: str
-    ov_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
+    num_prompt_tokens: int
     params: SamplingParams
-    output_kind: str
     handle: Any
-    metrics: RequestMetrics
-    completions: list[_Completion]
+    num_tokens: list[int]  # tokens read so far, per sequence
     seq_index: dict[int, int] = field(default_factory=dict)  # pipeline sequence id -> completion index
+    done: set[int] = field(default_factory=set)  # sequences ended (by the pipeline, or aborted)
+    started: bool = False
+    got_tokens: bool = False
 
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
 
-
-class OpenVINOEngine:
-    """The engine interface (engine/backend.py) over `openvino_genai.ContinuousBatchingPipeline`.
+class OpenVINOBackend:
+    """The backend interface (engine/backend.py) over `openvino_genai.ContinuousBatchingPipeline`.
 
     Not thread-safe: one thread calls `add_request`, `abort_request` and `step`.
     """
@@ -323,9 +308,8 @@ class OpenVINOEngine:
         if config.chat_template:
             self.tokenizer.chat_template = config.chat_template
 
-        dtype = resolve_dtype(config.dtype)
-        precision = "f32" if dtype == torch.float32 else "bf16"
-        kv_precision = "u8" if config.kv_cache_dtype == "int8" else precision
+        dtype, kv_dtype = config.resolve_dtypes()
+        precision, kv_precision = (_PRECISIONS[t] for t in (dtype, kv_dtype))
         threads, cores = thread_settings()
         if cores is not None:
             # OpenVINO's CPU plugin keeps its threads within the process's affinity mask.
@@ -345,13 +329,10 @@ class OpenVINOEngine:
 
         self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
         self.vocab_size = hf.vocab_size
+        self.kv_block_size = OV_CPU_BLOCK_SIZE
         self._requests: dict[str, _Request] = {}
-        self._ids = itertools.count()
         self._ov_ids = itertools.count()
         self._rng = random.Random(config.seed)
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-        self.num_requests_finished = 0
         logger.info("loaded %s on OpenVINO %s from %s in %.1fs: precision %s, KV cache %s %d blocks x %d tokens, "
                     "max_model_len %d, %d threads%s", config.model, genai.__version__, ir, time.time() - t0,
                     precision, kv_precision, self.num_kv_blocks, OV_CPU_BLOCK_SIZE, self.max_model_len, threads,
@@ -443,86 +424,66 @@ class OpenVINOEngine:
             raise ValueError(f"the openvino backend refuses these sampling parameters: {str(e).strip()}") from None
         return g
 
-    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, output_kind: str = "final") -> str:
-        """Validate and queue a request; raises ValueError naming the problem, engine untouched."""
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a processed request; ValueError naming what the pipeline cannot carry, backend untouched."""
         import numpy as np
         import openvino as ov
 
-        from armserve.engine.llm_engine import check_request_args, validate_prompt
-
-        params, request_id = check_request_args(params, output_kind, request_id, self._requests, self._ids)
-        text, ids = prompt_to_ids(self.tokenizer, prompt)
-        # (the pipeline gives each of the n sequences blocks of its own)
-        validate_prompt(ids, params, self.vocab_size, self.max_model_len, self.num_kv_blocks, OV_CPU_BLOCK_SIZE,
-                        sequences=params.n)
-        max_tokens = self.max_model_len - len(ids)
-        if params.max_tokens is not None:
-            max_tokens = min(max_tokens, params.max_tokens)
-        gen = self.generation_config(params, max_tokens)
+        params = request.params
+        gen = self.generation_config(params, request.max_tokens)
         ov_id = next(self._ov_ids)
-        handle = self.pipe.add_request(ov_id, ov.Tensor(np.array([ids], dtype=np.int64)), gen)
-        comps = [_Completion(i, IncrementalDetokenizer(self.tokenizer, ids, params),
-                             logprobs=[] if params.logprobs is not None else None,
-                             cumulative_logprob=0.0 if params.logprobs is not None else None)
-                 for i in range(params.n)]
-        now = arrival_time if arrival_time is not None else time.time()
-        self._requests[request_id] = _Request(request_id, ov_id, text, ids, params, output_kind, handle,
-                                              RequestMetrics(arrival_time=now), comps)
-        return request_id
+        handle = self.pipe.add_request(ov_id, ov.Tensor(np.array([request.prompt_token_ids], dtype=np.int64)), gen)
+        self._requests[request.request_id] = _Request(request.request_id, len(request.prompt_token_ids), params,
+                                                      handle, [0] * params.n)
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Stop requests now and free their cache. Unknown ids are ignored."""
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            req = self._requests.pop(rid, None)
-            if req is not None:
-                req.handle.cancel()
-        self._flush()
+    def abort_request(self, request_id: str, indices: Sequence[int] | None = None) -> None:
+        """Stop sequences now; the request's cache is freed once none is left. Unknown ids are ignored."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        req.done.update(range(req.params.n) if indices is None else indices)
+        if len(req.done) == req.params.n:
+            # (a stop string ended it while the pipeline still runs it: free its cache now)
+            req.handle.cancel()
+            del self._requests[request_id]
+            self._flush()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
-    # ---- one step ---------------------------------------------------------------------------
-
-    def step(self) -> list[RequestOutput]:
-        """One pipeline step, then each request's new tokens through its detokenizer."""
+    def step(self) -> BackendOutput:
+        """One pipeline step, then each request's new tokens."""
+        out = BackendOutput()
         if not self._requests:
-            return []
+            return out
         self.pipe.step()
-        now = time.time()
         status = self._genai.GenerationStatus
-        outputs: list[RequestOutput] = []
-        for req in list(self._requests.values()):
-            if req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = now
-            progressed = False
+        for rid, req in list(self._requests.items()):
+            if not req.started:
+                req.started = True
+                out.started[rid] = 0  # (the pipeline does not report prefix-cache hits)
             while req.handle.can_read():
-                for seq_id, out in req.handle.read().items():
-                    progressed |= self._update(req, seq_id, out, now)
+                for seq_id, res in req.handle.read().items():
+                    seq = self._read(req, seq_id, res)
+                    if seq is not None:
+                        if seq.token_ids and not req.got_tokens:
+                            req.got_tokens = True
+                            out.num_prompt_tokens += req.num_prompt_tokens
+                        out.sequences.append(seq)
             st = req.handle.get_status()
             if st == status.IGNORED:
                 # Admission checks that the request fits the cache; this is the pipeline refusing anyway.
-                logger.warning("the openvino pipeline dropped request %s (no room in its KV cache)", req.request_id)
+                logger.warning("the openvino pipeline dropped request %s (no room in its KV cache)", rid)
             if st != status.RUNNING:
-                for c in req.completions:
-                    if c.finish_reason is None:
-                        c.finish_reason = "abort" if st in (status.IGNORED, status.CANCEL) else "stop"
-                        progressed = True
-            finished = req.finished
-            if finished:
-                if st == status.RUNNING:
-                    req.handle.cancel()  # a stop string ended it: free its cache now
-                req.metrics.finished_time = now
-                del self._requests[req.request_id]
-                self.num_requests_finished += 1
-            if progressed and (req.output_kind != "final" or finished):
-                outputs.append(self._make_output(req, finished))
+                reason = "abort" if st in (status.IGNORED, status.CANCEL) else "stop"
+                out.sequences += [SequenceOutput(rid, i, [], finish_reason=reason)
+                                  for i in range(req.params.n) if i not in req.done]
+                del self._requests[rid]
+            elif len(req.done) == req.params.n:
+                req.handle.cancel()  # (its stop ids ended it, which the pipeline ignores: see _read)
+                del self._requests[rid]
         self._flush()
-        return outputs
+        return out
 
     def _flush(self) -> None:
         """Let the pipeline drop cancelled requests (it does so in a step) when none of ours is
@@ -530,89 +491,47 @@ class OpenVINOEngine:
         if not self._requests and self.pipe.has_non_finished_requests():
             self.pipe.step()
 
-    def _update(self, req: _Request, seq_id: int, out, now: float) -> bool:
-        """Take one sequence's new tokens; True if something changed."""
+    def _read(self, req: _Request, seq_id: int, res) -> SequenceOutput | None:
+        """One sequence's new tokens as read from the pipeline; None if it has ended."""
         idx = req.seq_index.setdefault(seq_id, len(req.seq_index))
-        c = req.completions[idx]
-        if c.finish_reason is not None:
-            return False
-        toks = list(out.generated_ids)
-        lps = list(out.generated_log_probs)
-        if toks and not any(x.token_ids for x in req.completions):
-            req.metrics.first_token_time = now
-            self.num_prompt_tokens_total += len(req.prompt_token_ids)
+        if idx in req.done:
+            return None
+        params = req.params
+        toks = list(res.generated_ids)
+        lps = list(res.generated_log_probs)
         reason = self._genai.GenerationFinishReason
+        seq = SequenceOutput(req.request_id, idx, toks)
         for i, tok in enumerate(toks):
-            c.token_ids.append(tok)
-            self.num_generation_tokens_total += 1
-            req.metrics.last_token_time = now
-            if c.logprobs is not None and i < len(lps):
-                # NOTE: the pipeline reports only the chosen token: its rank is 1 under greedy
-                # decoding and not known when sampling (0).
-                c.logprobs.append({tok: Logprob(lps[i], 1 if req.params.greedy else 0, c.detok.decode_token(tok))})
-                c.cumulative_logprob += lps[i]  # type: ignore[operator]
+            req.num_tokens[idx] += 1
             last = i == len(toks) - 1
-            stopped = last and out.finish_reason == reason.STOP
-            stopped |= (req.params.ignore_eos and tok in req.params.stop_token_ids  # type: ignore[operator]
-                        and len(c.token_ids) >= req.params.min_tokens)
-            stop_str = c.detok.update([tok], stopped)
-            if stop_str is not None:
-                c.finish_reason, c.stop_reason = "stop", stop_str
+            # NOTE: the pipeline's ignore_eos also ignores stop_token_ids (vLLM's does not): with
+            # ignore_eos the user's stop ids are matched here.
+            if (last and res.finish_reason == reason.STOP) or (
+                    params.ignore_eos and tok in params.stop_token_ids  # type: ignore[operator]
+                    and req.num_tokens[idx] >= params.min_tokens):
+                del toks[i + 1:]
+                seq.finish_reason = "stop"
+                seq.stop_reason = tok if tok in (params.stop_token_ids or []) else None
+            elif last and res.finish_reason == reason.LENGTH:
+                seq.finish_reason = "length"
+            if seq.finish_reason is not None:
+                req.done.add(idx)
                 break
-            if stopped:
-                c.finish_reason = "stop"
-                c.stop_reason = tok if tok in (req.params.stop_token_ids or []) else None
-                break
-            elif last and out.finish_reason == reason.LENGTH:
-                c.finish_reason = "length"
-        return bool(toks) or c.finish_reason is not None
-
-    def _make_output(self, req: _Request, finished: bool) -> RequestOutput:
-        delta = req.output_kind == "delta"
-        comps: list[CompletionOutput] = []
-        for c in req.completions:
-            if delta:
-                if c.reported_final:
-                    continue
-                toks = c.token_ids[c.sent_tokens:]
-                lps = c.logprobs[c.sent_logprobs:] if c.logprobs is not None else None
-                if not toks and c.finish_reason is None:
-                    continue
-                text = c.detok.get_next_output_text(c.finish_reason is not None, delta=True)
-                c.sent_tokens = len(c.token_ids)
-                c.sent_logprobs = len(c.logprobs) if c.logprobs is not None else 0
-            else:
-                toks = list(c.token_ids)
-                lps = list(c.logprobs) if c.logprobs is not None else None
-                text = c.detok.get_next_output_text(c.finish_reason is not None, delta=False)
-            if c.finish_reason is not None:
-                c.reported_final = True
-            comps.append(CompletionOutput(c.index, text, list(toks), c.cumulative_logprob, lps, c.finish_reason,
-                                          c.stop_reason))
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             prompt_logprobs=None, outputs=comps, finished=finished, metrics=req.metrics,
-                             num_cached_tokens=0)
-
-    # ---- the rest of the interface ------------------------------------------------------------
+        if params.logprobs is not None:
+            # NOTE: the pipeline reports only the chosen token: its rank is 1 under greedy
+            # decoding and not known when sampling (0).
+            rank = 1 if params.greedy else 0
+            seq.logprobs = [([tok], [lp], rank) for tok, lp in zip(toks, lps)]
+        return seq if toks or seq.finish_reason is not None else None
 
     def warm_up(self) -> None:
-        """One dummy prefill of up to 512 tokens and a decode step, then the counters as before."""
+        """One dummy prefill of up to 512 tokens and a decode step."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len - 2, 512)  # type: ignore[type-var]
-        if n < 1:
-            return
-        saved = (self.num_prompt_tokens_total, self.num_generation_tokens_total, self.num_requests_finished)
-        rid = self.add_request("armserve-warm-up", {"prompt_token_ids": [1 + i % (self.vocab_size - 1)
-                                                                          for i in range(n)]},
-                               SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        while rid in self._requests:
-            self.step()
-        self.num_prompt_tokens_total, self.num_generation_tokens_total, self.num_requests_finished = saved
+        run_dummy_request(self, n)
 
-    def scheduler_stats(self):
+    def scheduler_stats(self) -> SchedulerStats:
         """Requests and KV cache use as the pipeline reports them. NOTE: the pipeline does not
         report prefix-cache hits or preemptions; those counters stay 0."""
-        from armserve.engine.stats import SchedulerStats
-
         m = self.pipe.get_metrics()
         usage = m.cache_usage / 100.0  # the pipeline reports percent
         return SchedulerStats(
@@ -622,12 +541,6 @@ class OpenVINOEngine:
             kv_blocks_used=round(usage * self.num_kv_blocks),
             kv_blocks_total=self.num_kv_blocks,
         )
-
-    def stats(self) -> dict[str, float]:
-        s = self.scheduler_stats()
-        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "kv_cache_usage": s.kv_cache_usage,
-                "prompt_tokens_total": self.num_prompt_tokens_total,
-                "generation_tokens_total": self.num_generation_tokens_total}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,34 @@
+"""Why the async engine could not serve a request, when the request itself is fine: each error carries
+the HTTP status a server answers with (entrypoints/api_server.py)."""
+
+from __future__ import annotations
+
+
+class RequestFailedError(RuntimeError):
+    """A request the engine could not serve for a reason of the server's, not of the request:
+    `status` is the HTTP status a server answers with."""
+
+    status = 503
+
+
+class EngineDeadError(RequestFailedError):
+    """The engine stopped (shut down or crashed); no request can be served."""
+
+
+class EngineOverloadedError(RequestFailedError):
+    """Refused at once: the queue of waiting requests is full. Try again after `retry_after` s."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def __reduce__(self):
+        return type(self), (str(self), self.retry_after)
+
+
+class RequestTimeoutError(RequestFailedError):
+    """The request's deadline passed before it finished; it was aborted."""
+
+    status = 504

@@ -1,0 +1,230 @@
+"""The torch backend: armserve's own model, paged KV cache and scheduler behind token ids
+(engine/backend.py); `step()` = schedule -> execute -> sample -> update the scheduler.
+
+A request's n completions are n sequences (`Request`s, ids `i_<request id>` when n > 1), each with
+its KV blocks; the engine's output processor turns their tokens into text and outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from armserve.config import ConfigError, EngineConfig
+from armserve.engine.backend import BackendOutput, SequenceOutput, run_dummy_request
+from armserve.engine.input_processor import EngineCoreRequest
+from armserve.engine.kv_cache_manager import KVCacheManager
+from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, kv_cache_num_blocks
+from armserve.engine.request import Request, RequestStatus
+from armserve.engine.scheduler import Scheduler
+from armserve.engine.stats import SchedulerStats
+from armserve.engine.structured_output import StructuredOutputManager
+from armserve.layers.linear import ParallelContext
+from armserve import model_loader
+
+logger = logging.getLogger("armserve")
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request's sequences, until each has finished or been aborted."""
+
+    seqs: list[Request]
+    live: set[int]  # indices of the sequences still in the scheduler
+    started: bool = False
+
+
+class TorchBackend:
+    """Owns the model, the KV cache and the scheduler. Not thread-safe: one thread calls
+    `add_request`, `abort_request` and `step`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.time()
+        from armserve.cpu import init_threads
+
+        torch.manual_seed(config.seed)
+        src = model_loader.resolve_model_path(config.model)
+        self.model_config = model_loader.load_config(src)
+        hf = self.model_config
+        config.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        tp = config.tensor_parallel_size
+        self.tp_workers = None
+        parallel = None  # one rank: the whole model
+        if tp > 1:
+            # Ranks 1..tp-1 start loading their parts now, while this process (rank 0) loads its own.
+            from armserve.cpu import core_groups
+            from armserve.distributed import TPWorkers, make_comm_spec
+
+            binds = core_groups(tp)
+            hidden = hf.hidden_size
+            slot = max(config.max_num_batched_tokens * hidden * 4, 8 * 4 * -(-hf.vocab_size // tp))
+            comm = make_comm_spec(tp, slot)
+            self.tp_workers = TPWorkers(config, comm, binds)  # before this process binds its own threads
+            threads = init_threads(bind=binds[0])
+        else:
+            threads = init_threads()
+        try:
+            if self.tp_workers is not None:
+                parallel = ParallelContext(0, tp, comm.join(0))
+            self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
+            if config.chat_template:
+                self.tokenizer.chat_template = config.chat_template
+            self.dtype, self.kv_cache_dtype = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+            self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, parallel)
+        except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
+            raise
+
+        # (under tensor parallelism each rank caches only its share of the KV heads)
+        num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,
+                                         config.tensor_parallel_size)
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_space {config.kv_cache_space} GiB holds no block of {config.block_size} tokens "
+                "for this model; raise it"
+            )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len  # type: ignore[arg-type]
+        )
+        if self.tp_workers is not None:
+            try:
+                self.tp_workers.start(parallel.group, num_blocks)
+            except BaseException:
+                self.tp_workers.close()
+                raise
+        if self.tp_workers is not None:
+            weakref.finalize(self, self.tp_workers.close)  # LLM objects come and go (tests, notebooks)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype,
+                                  self.max_model_len, config.enforce_eager, tp_workers=self.tp_workers)
+        self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
+        self.vocab_size = hf.vocab_size
+        self.num_kv_blocks, self.kv_block_size = num_blocks, config.block_size
+        # xgrammar's tokenizer info and compiler are built on the first structured request.
+        self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids,
+                                                  compile_timeout=config.grammar_compile_timeout)
+        self.runner.structured = self.structured
+        self._requests: dict[str, _Live] = {}
+        self._seq_of: dict[str, tuple[str, int]] = {}  # sequence (Request) id -> (request id, index)
+        from armserve import kernels
+
+        logger.info(
+            "loaded %s (%s) in %.1fs: dtype %s, max_model_len %d, KV cache %s %d blocks x %d tokens = %d tokens "
+            "(%.2f GiB, %d bytes per token), kernels %s, %d threads%s",
+            config.model, hf.architectures[0], time.time() - t0, str(self.dtype).replace("torch.", ""),
+            self.max_model_len, str(self.kv_cache_dtype).replace("torch.", ""), num_blocks, config.block_size,
+            num_blocks * config.block_size, config.kv_cache_space,
+            kv_cache_bytes_per_token(hf, self.kv_cache_dtype), kernels.isa(),
+            threads["threads"], f" pinned to {threads['bind']}" if threads["bind"] else "",
+        )
+
+    def warm_up(self) -> None:
+        """One full-budget prefill and a decode step on dummy tokens, then forgotten (vLLM's profile
+        run does the same at start-up). The first large step of a process pays for the memory its
+        activations touch for the first time (~2 ms per MiB on some VMs: ~150 ms of a first
+        1k-token prompt); serving starts with that memory already in the allocator's hands. The
+        prefix cache and its counters are as before afterwards."""
+        kv = self.kv
+        saved = (kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions)
+        run_dummy_request(self, min(self.config.max_num_batched_tokens, self.max_model_len - 2))  # type: ignore
+        kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions = saved
+        kv.reset_prefix_cache()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue the request's n sequences (a ValueError naming a bad structured-output spec)."""
+        compiled = None
+        if request.params.structured_outputs is not None:
+            compiled = self.structured.compile(request.params.structured_outputs)  # ValueError naming the problem
+        rid, n = request.request_id, request.n
+        seqs = []
+        for i, params in enumerate(request.seq_params):
+            req = Request(rid if n == 1 else f"{i}_{rid}", request.prompt_token_ids, params, request.max_tokens,
+                          request.arrival_time)
+            if compiled is not None:
+                req.grammar = self.structured.new_matcher(compiled)
+            seqs.append(req)
+            self._seq_of[req.request_id] = (rid, i)
+            self.scheduler.add_request(req)
+        self._requests[rid] = _Live(seqs, set(range(n)))
+
+    def abort_request(self, request_id: str, indices: Sequence[int] | None = None) -> None:
+        """Stop sequences now and free their KV blocks. Unknown ids are ignored."""
+        live = self._requests.get(request_id)
+        if live is None:
+            return
+        for i in list(live.live) if indices is None else [i for i in indices if i in live.live]:
+            self.scheduler.finish_request(live.seqs[i].request_id, RequestStatus.FINISHED_ABORTED)
+            self._end(request_id, live, i)
+
+    def _end(self, request_id: str, live: _Live, index: int) -> None:
+        live.live.discard(index)
+        self._seq_of.pop(live.seqs[index].request_id, None)
+        if not live.live:
+            del self._requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> BackendOutput:
+        """Run one iteration: each scheduled sequence's new token (none for a prefill chunk that did
+        not reach the end of its prompt)."""
+        out = BackendOutput()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return out
+        seq_of = self._seq_of
+        for s in sched.scheduled:
+            req = s.request
+            rid, index = seq_of[req.request_id]
+            live = self._requests[rid]
+            # (the first sequence is always scheduled first: it is ahead of the others in the queue)
+            if not live.started:
+                live.started = True
+                out.started[rid] = max(live.seqs[0].num_cached_tokens, 0)
+        out.preempted = [seq_of[r.request_id][0] for r in sched.preempted]
+        out.num_prompt_tokens = sum(
+            max(0, min(s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens))
+            for s in sched.scheduled
+        )
+
+        result = self.runner.execute(sched)
+        self.scheduler.update_from_output(sched, result.sampled)
+        prompt_lp = result.prompt_logprobs
+        for child, lpt in prompt_lp.items():
+            out.prompt_logprobs[seq_of[child][0]] = (lpt.token_ids.tolist(), lpt.logprobs.tolist(), lpt.ranks.tolist())
+        # This loop runs once per step for every scheduled sequence: keep it lean.
+        for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):
+            req = s.request
+            rid, index = seq_of[req.request_id]
+            if token is None:
+                if prompt_lp:  # (an output goes out with the new prompt logprobs)
+                    out.sequences.append(SequenceOutput(rid, index, []))
+                continue
+            seq = SequenceOutput(rid, index, [token], None if lp is None else [lp])
+            if req.is_finished:
+                seq.finish_reason, seq.stop_reason = req.status.value, req.stop_reason  # type: ignore[assignment]
+                self._end(rid, self._requests[rid], index)
+            out.sequences.append(seq)
+        return out
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The backend's state now, as the stat loggers receive it."""
+        kv = self.kv
+        return SchedulerStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            kv_blocks_used=kv.num_blocks - kv.num_free_blocks,
+            kv_blocks_total=kv.num_blocks,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
