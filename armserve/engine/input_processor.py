@@ -28,6 +28,10 @@ class RequestError(ValueError):
     """A request cannot be served as asked (too long, bad tokens, ...); the engine is unaffected."""
 
 
+class PromptTokensError(RequestError):
+    """The prompt has no token, or one outside the vocabulary."""
+
+
 class ContextLengthError(RequestError):
     """The prompt leaves no room to generate within `max_model_len`, or with `max_tokens` (not
     None) asks for more than it."""
@@ -115,11 +119,11 @@ class InputProcessor:
         vocabulary, no room within max_model_len (`ContextLengthError`), or more KV cache than the
         whole cache for its `n` sequences (each holds its own blocks) at the longest they may grow."""
         if not ids:
-            raise RequestError("the prompt is empty")
+            raise PromptTokensError("the prompt is empty")
         vocab = self.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is out of range for the vocabulary size {vocab}")
+            raise PromptTokensError(f"prompt token id {bad[0]} is out of range for the vocabulary size {vocab}")
         n, limit = len(ids), self.max_model_len
         if n >= limit:
             raise ContextLengthError(n, None, limit)

@@ -20,7 +20,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import armserve
 from armserve.prompts import PromptError, encode_text
-from armserve.engine.async_llm import AsyncLLM, EngineOverloadedError, RequestFailedError
+from armserve.engine.async_llm import AsyncLLM
+from armserve.engine.exceptions import EngineOverloadedError, RequestFailedError
 from armserve.entrypoints.metrics import CONTENT_TYPE_LATEST, PrometheusMetrics
 from armserve.entrypoints.middleware import BodyRefused, ServerLimits, ServerMiddleware
 from armserve.entrypoints.protocol import (

@@ -25,7 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
-from armserve.engine.async_llm import IterationStats, SchedulerStats
+from armserve.engine.stats import IterationStats, SchedulerStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)

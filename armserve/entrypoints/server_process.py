@@ -15,7 +15,8 @@ import time
 
 from fastapi import FastAPI
 
-from armserve.engine.async_llm import AsyncLLM, EngineDeadError
+from armserve.engine.async_llm import AsyncLLM
+from armserve.engine.exceptions import EngineDeadError
 from armserve.entrypoints.api_server import build_app
 from armserve.entrypoints.metrics import PrometheusMetrics
 from armserve.entrypoints.middleware import ServerLimits, http_protocol

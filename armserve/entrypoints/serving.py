@@ -1,10 +1,11 @@
-"""The serving base every endpoint shares: request parsing, model names, length checks, chat
-rendering, tool setup, and the response helpers (SSE, usage, reading a stream to its end).
+"""The serving base every endpoint shares: request parsing, model names, chat rendering, the engine
+request (the engine's input processor, its refusals as 400s), tool setup, and the response
+helpers (SSE, usage, reading a stream to its end).
 
 One request's path: validate the body (pydantic) -> `SamplingParams` -> prompt token ids
-(chat template or tokenizer) -> length check -> `AsyncLLM.add_request` (engine errors become
-400s before any byte is sent) -> either collect the deltas into one response or stream them
-as SSE chunks ending in `data: [DONE]`. The endpoints: serving_chat.py (/v1/chat/completions),
+(chat template or tokenizer) -> `process` (engine/input_processor.py: checks, n fan-out) ->
+`AsyncLLM.add_processed_request` (engine errors become 400s before any byte is sent) -> either
+collect the deltas into one response or stream them as SSE chunks ending in `data: [DONE]`. The endpoints: serving_chat.py (/v1/chat/completions),
 serving_completion.py (/v1/completions), serving_responses.py (/v1/responses).
 """
 
@@ -24,7 +25,9 @@ from pydantic import BaseModel, ValidationError
 from fastapi.responses import Response, StreamingResponse
 
 from armserve.prompts import PromptError, PromptTooLongError, render_chat
-from armserve.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+from armserve.engine.async_llm import AsyncLLM, RequestStream
+from armserve.engine.exceptions import EngineDeadError
+from armserve.engine.input_processor import ContextLengthError, EngineCoreRequest, PromptTokensError
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, ChatMessage
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.tool_parsers import ToolCall, ToolCallStream, get_tool_parser
@@ -201,9 +204,25 @@ class OpenAIServing:
     def too_long(self, e: PromptTooLongError, param: str) -> APIError:
         return self.context_error(f"the prompt has at least {e.num_tokens} tokens. Shorten the prompt.", param)
 
-    async def add_request(self, request_id: str, prompt: Any, params: SamplingParams) -> RequestStream:
-        """`engine.add_request` with the server's deadline."""
-        return await self.engine.add_request(request_id, prompt, params, deadline=self.request_timeout)
+    def process(self, request_id: str, ids: list[int], params: SamplingParams, prompt_param: str,
+                max_param: str = "max_tokens", text: str | None = None) -> EngineCoreRequest:
+        """The engine request of a prompt's token ids (engine/input_processor.py); a 400 naming
+        `prompt_param` (or `max_param`) when the prompt cannot be served as asked."""
+        try:
+            return self.engine.input_processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
+        except ContextLengthError as e:
+            n, max_tokens = e.num_prompt_tokens, e.max_tokens
+            if max_tokens is None:
+                raise self.context_error(f"the prompt has {n} tokens, which leaves no room to generate. "
+                                         "Shorten the prompt.", prompt_param) from None
+            raise self.context_error(f"{n + max_tokens} were requested ({n} in the prompt, {max_tokens} for the "
+                                     f"completion). Lower {max_param} or shorten the prompt.", max_param) from None
+        except PromptTokensError as e:
+            raise APIError(str(e), 400, prompt_param) from None
+
+    async def submit(self, request: EngineCoreRequest) -> RequestStream:
+        """`engine.add_processed_request` with the server's deadline."""
+        return await self.engine.add_processed_request(request, deadline=self.request_timeout)
 
     # ---- shared checks -------------------------------------------------------------------
 
@@ -225,16 +244,6 @@ class OpenAIServing:
                 404, "model", "model_not_found",
             )
         return requested
-
-    def check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str, max_param: str) -> None:
-        limit = self.engine.max_model_len
-        if num_prompt >= limit:
-            raise self.context_error(f"the prompt has {num_prompt} tokens, which leaves no room to generate. "
-                                     "Shorten the prompt.", prompt_param)
-        if max_tokens is not None and num_prompt + max_tokens > limit:
-            raise self.context_error(f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
-                                     f"{max_tokens} for the completion). Lower {max_param} or shorten the prompt.",
-                                     max_param)
 
     def render_chat(
         self,

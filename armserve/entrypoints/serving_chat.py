@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from armserve.engine.async_llm import RequestFailedError, RequestStream
+from armserve.engine.async_llm import RequestStream
+from armserve.engine.exceptions import RequestFailedError
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.serving import (
@@ -41,23 +42,23 @@ class OpenAIServingChat:
         model = self.serving.model_name(body.model)
         params = body.to_sampling_params()
         mode, tools = self.serving.tool_setup(body, params)
-        ids = await self.serving.prepare(raw, lambda tok: self.serving.render_chat(
-            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
-            body.chat_template_kwargs, tools, tok))
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        self.serving.check_length(len(ids), params.max_tokens, "messages", max_param)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self.serving.add_request(rid, ids, params)
+        request = await self.serving.prepare(raw, lambda tok: self.serving.process(rid, self.serving.render_chat(
+            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
+            body.chat_template_kwargs, tools, tok), params, "messages", max_param))
+        stream = await self.serving.submit(request)
+        num_prompt = len(request.prompt_token_ids)
         created = int(time.time())
         tool = (mode, body.forced_function)
         if body.stream:
             opts = body.stream_options
             return EngineStreamingResponse(
-                self._stream(stream, rid, model, created, params, len(ids),
+                self._stream(stream, rid, model, created, params, num_prompt,
                              bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats), tool),
                 [stream],
             )
-        return await run_unless_disconnected(raw, self._full(stream, rid, model, created, params, len(ids), tool))
+        return await run_unless_disconnected(raw, self._full(stream, rid, model, created, params, num_prompt, tool))
 
     async def _full(self, stream: RequestStream, rid: str, model: str, created: int,
                     params: SamplingParams, num_prompt: int, tool: tuple[str, str | None]) -> Response:

@@ -13,7 +13,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from armserve.prompts import PromptError, PromptTooLongError, encode_text
-from armserve.engine.async_llm import RequestFailedError, RequestStream
+from armserve.engine.async_llm import RequestStream
+from armserve.engine.exceptions import RequestFailedError
+from armserve.engine.input_processor import EngineCoreRequest
 from armserve.entrypoints.protocol import APIError, CompletionRequest
 from armserve.entrypoints.serving import (
     EngineStreamingResponse,
@@ -40,9 +42,13 @@ class OpenAIServingCompletion:
         model = self.serving.model_name(body.model)
         params = body.to_sampling_params()
 
-        def tokenize(tok: Any) -> list[tuple[str, list[int]]]:
-            prompts: list[tuple[str, list[int]]] = []
-            for p in body.prompts():
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        texts = body.prompts()
+
+        def process(tok: Any) -> list[EngineCoreRequest]:
+            requests = []
+            for i, p in enumerate(texts):
+                sub_id = rid if len(texts) == 1 else f"{rid}-{i}"
                 if isinstance(p, str):
                     try:
                         ids = encode_text(tok, p, max_tokens=self.serving.engine.max_model_len)
@@ -50,20 +56,18 @@ class OpenAIServingCompletion:
                         raise self.serving.too_long(e, "prompt") from None
                     except PromptError as e:
                         raise APIError(str(e), 400, "prompt") from None
-                    prompts.append((p, ids))
+                    requests.append(self.serving.process(sub_id, ids, params, "prompt", text=p))
                 else:
-                    prompts.append((self._decode_prompt(p), list(p)))
-                self.serving.check_length(len(prompts[-1][1]), params.max_tokens, "prompt", "max_tokens")
-            return prompts
+                    requests.append(self.serving.process(sub_id, p, params, "prompt"))
+                    requests[-1].prompt = tok.decode(p)  # (for echo)
+            return requests
 
-        prompts = await self.serving.prepare(raw, tokenize)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        requests = await self.serving.prepare(raw, process)
+        prompts = [(r.prompt, r.prompt_token_ids) for r in requests]
         streams: list[RequestStream] = []
         try:
-            for i, (text, ids) in enumerate(prompts):
-                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
-                prompt = {"prompt": text, "prompt_token_ids": ids}
-                streams.append(await self.serving.add_request(sub_id, prompt, params))
+            for request in requests:
+                streams.append(await self.serving.submit(request))
         except BaseException:
             for s in streams:  # one bad prompt in a batch: leave nothing running
                 s.close()
@@ -78,10 +82,6 @@ class OpenAIServingCompletion:
             )
         return await run_unless_disconnected(
             raw, self._full(streams, prompts, rid, model, created, params, body.echo))
-
-    def _decode_prompt(self, ids: list[int]) -> str:
-        self.serving.check_token_ids(ids, "prompt token id", "prompt")
-        return self.serving.tokenizer.decode(ids)
 
     async def _full(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]], rid: str, model: str,
                     created: int, params: SamplingParams, echo: bool) -> Response:

@@ -12,7 +12,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from armserve.engine.async_llm import RequestFailedError, RequestStream
+from armserve.engine.async_llm import RequestStream
+from armserve.engine.exceptions import RequestFailedError
 from armserve.entrypoints.protocol import APIError, ResponsesRequest
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.serving import EngineStreamingResponse, OpenAIServing, collect, dumps, run_unless_disconnected
@@ -36,11 +37,12 @@ class OpenAIServingResponses:
                 str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()), 400) from None
         params = chat.to_sampling_params()
         mode, tools = self.serving.tool_setup(chat, params)
-        ids = await self.serving.prepare(raw, lambda tok: self.serving.render_chat(chat.messages, tools=tools,
-                                                                                   tokenizer=tok))
-        self.serving.check_length(len(ids), params.max_tokens, "input", "max_output_tokens")
         rid = f"resp_{uuid.uuid4().hex}"
-        stream = await self.serving.add_request(rid, ids, params)
+        request = await self.serving.prepare(raw, lambda tok: self.serving.process(
+            rid, self.serving.render_chat(chat.messages, tools=tools, tokenizer=tok), params, "input",
+            "max_output_tokens"))
+        stream = await self.serving.submit(request)
+        num_prompt = len(request.prompt_token_ids)
         base = {
             "id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.instructions, "tools": body.tools or [],
@@ -53,12 +55,12 @@ class OpenAIServingResponses:
         }
         tool = (mode, chat.forced_function)
         if body.stream:
-            return EngineStreamingResponse(self._stream(stream, base, len(ids), tool), [stream])
+            return EngineStreamingResponse(self._stream(stream, base, num_prompt, tool), [stream])
 
         async def full() -> Response:
             (c,), last = await collect(stream, 1)
             output = self._items(c.text, tool)
-            return JSONResponse(_response_object(base, output, c.finish_reason, len(ids), len(c.token_ids),
+            return JSONResponse(_response_object(base, output, c.finish_reason, num_prompt, len(c.token_ids),
                                                  last.num_cached_tokens))
 
         return await run_unless_disconnected(raw, full())
