@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from armserve.engine_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from armserve.engine_args import UNSET, add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -201,8 +201,8 @@ def _kv_cache_info(args: argparse.Namespace) -> dict:
     from armserve.config import EngineConfig
     from armserve.engine.model_runner import kv_cache_bytes_per_token, kv_cache_num_blocks, kv_cache_rows
 
-    cfg = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_space=args.kv_cache_space,
-                       kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size)
+    cfg = EngineConfig(model=args.model, **{f: getattr(args, f) for f in ("dtype", "kv_cache_space", "kv_cache_dtype",
+                                                                         "block_size") if hasattr(args, f)})
     hf = model_loader.load_config(model_loader.resolve_model_path(args.model))
     _, cache_dtype = cfg.resolve_dtypes(model_loader.checkpoint_dtype(hf))
     rows, width = kv_cache_rows(hf)
@@ -241,10 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="CPU features, kernel variants, threads and NUMA layout")
     i.add_argument("--json", action="store_true")
     i.add_argument("--model", default=None, help="also show this model's KV cache: bytes per token, tokens that fit")
-    i.add_argument("--dtype", default="auto")
-    i.add_argument("--kv-cache-dtype", default="auto")
+    i.add_argument("--dtype", default=UNSET)
+    i.add_argument("--kv-cache-dtype", default=UNSET)
     i.add_argument("--kv-cache-space", type=float, default=None, help="GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
-    i.add_argument("--block-size", type=int, default=32)
+    i.add_argument("--block-size", type=int, default=UNSET)
     i.set_defaults(func=cmd_info)
 
     # ---- bench: latency / throughput / serve / plot (code in armserve.benchmarks) ----

@@ -5,29 +5,32 @@ from __future__ import annotations
 
 import argparse
 
+# A flag not given is left out of engine_kwargs: EngineConfig (armserve/config.py) holds the defaults.
+UNSET = argparse.SUPPRESS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by every subcommand that loads a model (vLLM's names)."""
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--dtype", default=UNSET, help="auto (the default), float32, bfloat16 or float16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens one engine step may carry (prompts longer are prefilled in chunks); default "
                         "512 for a server (time to first token under load), 2048 offline (throughput)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--max-num-seqs", type=int, default=UNSET)
+    p.add_argument("--block-size", type=int, default=UNSET)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--kv-cache-space", type=float, default=None,
                    help="KV cache size in GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
-    p.add_argument("--kv-cache-dtype", default="auto",
+    p.add_argument("--kv-cache-dtype", default=UNSET,
                    help="auto (the model dtype) or int8 (8-bit cache with per-token-per-head scales)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=UNSET)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step module by module (no replayed decode step graphs)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=UNSET,
                    help="split the model over this many ranks, each a process on its own cores (one "
                         "'|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly)")
-    p.add_argument("--backend", default="torch", choices=["torch", "openvino"],
+    p.add_argument("--backend", default=UNSET, choices=["torch", "openvino"],
                    help="torch: armserve's own engine; openvino: OpenVINO GenAI's continuous-batching pipeline "
                         "(pip install armserve[openvino], and python -m armserve.engine.openvino_backend --install-exporter "
                         "for the exporter; the model is exported to OpenVINO IR once)")
@@ -39,31 +42,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "openvino backend exports the model (default: as the checkpoint is)")
 
 
+ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
+                "enable_prefix_caching", "kv_cache_space", "kv_cache_dtype", "seed", "enforce_eager", "chat_template",
+                "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    template = args.chat_template
+    """EngineConfig's arguments from the flags given (a chat template file is read)."""
+    kwargs = {f: getattr(args, f) for f in ENGINE_FLAGS if hasattr(args, f)}
+    template = kwargs["chat_template"]
     if template:
         import os
 
         if os.path.isfile(template):
             with open(template) as f:
-                template = f.read()
-    return dict(
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching,
-        kv_cache_space=args.kv_cache_space,
-        kv_cache_dtype=args.kv_cache_dtype,
-        seed=args.seed,
-        enforce_eager=args.enforce_eager,
-        chat_template=template,
-        tensor_parallel_size=args.tensor_parallel_size,
-        backend=args.backend,
-        quantization=args.quantization,
-        grammar_compile_timeout=args.grammar_compile_timeout,
-    )
+                kwargs["chat_template"] = f.read()
+    return kwargs
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

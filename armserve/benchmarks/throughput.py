@@ -46,11 +46,12 @@ def main(args: argparse.Namespace) -> int:
     model = args.model or bundled_model_path()
     llm = LLM(model, **engine_kwargs(args))
     tok = llm.get_tokenizer()
+    seed = llm.llm_engine.config.seed  # (--seed, or the engine's default)
     if args.dataset_path:
-        reqs = file_requests(tok, args.dataset_path, args.num_prompts, args.output_len, args.input_len, args.seed)
+        reqs = file_requests(tok, args.dataset_path, args.num_prompts, args.output_len, args.input_len, seed)
     else:
         reqs = random_requests(tok, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
-                               seed=args.seed)
+                               seed=seed)
     prompts = [{"prompt_token_ids": tok.encode(r.prompt, add_special_tokens=False)} for r in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in reqs]
     llm.generate(prompts[:1], params[0].clone(max_tokens=2), use_tqdm=False)  # warm-up
