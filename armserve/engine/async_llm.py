@@ -6,11 +6,11 @@ each request an async stream of deltas.
     await add_request()  ── input processor ──► AddCommand ──► engine.add_processed_request, step, ...
     async for out in stream ◄── call_soon_threadsafe ◄── ("outputs", deltas, stats) per step
 
-The core runs in a child process (`engine_process=True`, the default, as vLLM v1; engine/core_client.py):
-this process keeps the HTTP server, tokenizing and streaming, the core schedules, steps and
-detokenizes, and the two never wait for each other's GIL. With `engine_process=False` (or the environment
-variable ARMSERVE_ENGINE_PROCESS=0, or vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) the core runs in a
-thread of this process instead: less start-up, the same behaviour.
+The core runs in a child process (`engine_process=True`, the default, as vLLM v1): this process
+keeps the HTTP server, tokenizing and streaming, the core schedules, steps and detokenizes, and
+the two never wait for each other's GIL. With `engine_process=False` (or the environment variable
+ARMSERVE_ENGINE_PROCESS=0, or vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) the core runs in a thread of
+this process instead: less start-up, the same behaviour (engine/core_client.py has both).
 
 With `data_parallel_size=N` there are N cores, each with its own KV cache and cores to compute
 on; each request goes to the core with the fewest requests in flight.

@@ -18,11 +18,13 @@ in `llm_engine.create_backend`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from armserve.config import EngineConfig
-from armserve.engine.input_processor import EngineCoreRequest, warm_up_request
+from armserve.engine.input_processor import EngineCoreRequest
+from armserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from armserve.engine.stats import SchedulerStats
@@ -53,8 +55,8 @@ class BackendOutput:
 
     sequences: list[SequenceOutput] = field(default_factory=list)
     num_prompt_tokens: int = 0  # prompt tokens computed
-    # Requests scheduled for the first time -> their prompt tokens found in the prefix cache.
-    started: dict[str, int] = field(default_factory=dict)
+    # Requests scheduled in this step -> their prompt tokens found in the prefix cache.
+    scheduled: dict[str, int] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)  # a request id per preempted sequence
     # Request id -> the prompt logprobs of this step's chunk: rows of (token ids, logprobs), ranks.
     prompt_logprobs: dict[str, tuple[list[list[int]], list[list[float]], list[int]]] = field(default_factory=dict)
@@ -99,9 +101,11 @@ class EngineBackend(Protocol):
 
 
 def run_dummy_request(backend: EngineBackend, num_tokens: int) -> None:
-    """Add a greedy request of `num_tokens` dummy prompt tokens and step until it is done."""
+    """Run a greedy request of `num_tokens` dummy prompt tokens and 2 generated to its end."""
     if num_tokens < 1:
         return
-    backend.add_request(warm_up_request(num_tokens, backend.vocab_size))
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ids = [1 + i % (backend.vocab_size - 1) for i in range(num_tokens)]
+    backend.add_request(EngineCoreRequest("armserve-warm-up", None, ids, params, 2, time.time(), [params]))
     while backend.has_unfinished_requests():
         backend.step()

@@ -68,13 +68,6 @@ class EngineCoreRequest:
         return len(self.seq_params)
 
 
-def warm_up_request(num_tokens: int, vocab_size: int) -> EngineCoreRequest:
-    """A dummy greedy request of `num_tokens` prompt tokens and 2 generated (backends' warm_up)."""
-    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    return EngineCoreRequest("armserve-warm-up", None, [1 + i % (vocab_size - 1) for i in range(num_tokens)],
-                             params, 2, time.time(), [params])
-
-
 @dataclass(slots=True)
 class InputProcessor:
     """Turns prompts into `EngineCoreRequest`s for one model and one KV cache.

@@ -270,7 +270,6 @@ class _Request:
     num_tokens: list[int]  # tokens read so far, per sequence
     seq_index: dict[int, int] = field(default_factory=dict)  # pipeline sequence id -> completion index
     done: set[int] = field(default_factory=set)  # sequences ended (by the pipeline, or aborted)
-    started: bool = False
     got_tokens: bool = False
 
 
@@ -459,9 +458,7 @@ class OpenVINOBackend:
         self.pipe.step()
         status = self._genai.GenerationStatus
         for rid, req in list(self._requests.items()):
-            if not req.started:
-                req.started = True
-                out.started[rid] = 0  # (the pipeline does not report prefix-cache hits)
+            out.scheduled[rid] = 0  # (the pipeline does not report prefix-cache hits)
             while req.handle.can_read():
                 for seq_id, res in req.handle.read().items():
                     seq = self._read(req, seq_id, res)

@@ -81,10 +81,11 @@ class OutputProcessor:
         """One backend step -> (the outputs of the requests that progressed, the sequences a stop
         string ended that the backend must stop, how many new tokens were taken)."""
         requests = self.requests
-        for rid, num_cached in out.started.items():
+        for rid, num_cached in out.scheduled.items():
             r = requests[rid]
-            r.metrics.first_scheduled_time = scheduled_time
             r.num_cached_tokens = num_cached
+            if r.metrics.first_scheduled_time is None:
+                r.metrics.first_scheduled_time = scheduled_time
         for rid in out.preempted:
             requests[rid].metrics.num_preemptions += 1
         for rid, rows in out.prompt_logprobs.items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -28,15 +27,6 @@ from armserve.layers.linear import ParallelContext
 from armserve import model_loader
 
 logger = logging.getLogger("armserve")
-
-
-@dataclass(slots=True)
-class _Live:
-    """A request's sequences, until each has finished or been aborted."""
-
-    seqs: list[Request]
-    live: set[int]  # indices of the sequences still in the scheduler
-    started: bool = False
 
 
 class TorchBackend:
@@ -112,7 +102,7 @@ class TorchBackend:
         self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids,
                                                   compile_timeout=config.grammar_compile_timeout)
         self.runner.structured = self.structured
-        self._requests: dict[str, _Live] = {}
+        self._requests: dict[str, list[Request]] = {}  # request id -> its sequences, until all have finished
         self._seq_of: dict[str, tuple[str, int]] = {}  # sequence (Request) id -> (request id, index)
         from armserve import kernels
 
@@ -153,22 +143,23 @@ class TorchBackend:
             seqs.append(req)
             self._seq_of[req.request_id] = (rid, i)
             self.scheduler.add_request(req)
-        self._requests[rid] = _Live(seqs, set(range(n)))
+        self._requests[rid] = seqs
 
     def abort_request(self, request_id: str, indices: Sequence[int] | None = None) -> None:
         """Stop sequences now and free their KV blocks. Unknown ids are ignored."""
-        live = self._requests.get(request_id)
-        if live is None:
+        seqs = self._requests.get(request_id)
+        if seqs is None:
             return
-        for i in list(live.live) if indices is None else [i for i in indices if i in live.live]:
-            self.scheduler.finish_request(live.seqs[i].request_id, RequestStatus.FINISHED_ABORTED)
-            self._end(request_id, live, i)
+        for i in range(len(seqs)) if indices is None else indices:
+            self.scheduler.finish_request(seqs[i].request_id, RequestStatus.FINISHED_ABORTED)  # (no-op if finished)
+        self._forget_if_done(request_id)
 
-    def _end(self, request_id: str, live: _Live, index: int) -> None:
-        live.live.discard(index)
-        self._seq_of.pop(live.seqs[index].request_id, None)
-        if not live.live:
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self._requests[request_id]
+        if all(s.is_finished for s in seqs):
             del self._requests[request_id]
+            for s in seqs:
+                del self._seq_of[s.request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -182,13 +173,9 @@ class TorchBackend:
             return out
         seq_of = self._seq_of
         for s in sched.scheduled:
-            req = s.request
-            rid, index = seq_of[req.request_id]
-            live = self._requests[rid]
-            # (the first sequence is always scheduled first: it is ahead of the others in the queue)
-            if not live.started:
-                live.started = True
-                out.started[rid] = max(live.seqs[0].num_cached_tokens, 0)
+            rid = seq_of[s.request.request_id][0]
+            # (set when the first sequence is first scheduled, which is never after the others)
+            out.scheduled[rid] = max(self._requests[rid][0].num_cached_tokens, 0)
         out.preempted = [seq_of[r.request_id][0] for r in sched.preempted]
         out.num_prompt_tokens = sum(
             max(0, min(s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens))
@@ -200,6 +187,7 @@ class TorchBackend:
         prompt_lp = result.prompt_logprobs
         for child, lpt in prompt_lp.items():
             out.prompt_logprobs[seq_of[child][0]] = (lpt.token_ids.tolist(), lpt.logprobs.tolist(), lpt.ranks.tolist())
+        ended = []
         # This loop runs once per step for every scheduled sequence: keep it lean.
         for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):
             req = s.request
@@ -211,8 +199,11 @@ class TorchBackend:
             seq = SequenceOutput(rid, index, [token], None if lp is None else [lp])
             if req.is_finished:
                 seq.finish_reason, seq.stop_reason = req.status.value, req.stop_reason  # type: ignore[assignment]
-                self._end(rid, self._requests[rid], index)
+                ended.append(rid)
             out.sequences.append(seq)
+        for rid in ended:
+            if rid in self._requests:
+                self._forget_if_done(rid)
         return out
 
     def scheduler_stats(self) -> SchedulerStats:
