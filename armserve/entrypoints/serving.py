@@ -5,8 +5,9 @@ helpers (SSE, usage, reading a stream to its end).
 One request's path: validate the body (pydantic) -> `SamplingParams` -> prompt token ids
 (chat template or tokenizer) -> `process` (engine/input_processor.py: checks, n fan-out) ->
 `AsyncLLM.add_processed_request` (engine errors become 400s before any byte is sent) -> either
-collect the deltas into one response or stream them as SSE chunks ending in `data: [DONE]`. The endpoints: serving_chat.py (/v1/chat/completions),
-serving_completion.py (/v1/completions), serving_responses.py (/v1/responses).
+collect the deltas into one response or stream them as SSE chunks ending in `data: [DONE]`. The
+endpoints: serving_chat.py (/v1/chat/completions), serving_completion.py (/v1/completions),
+serving_responses.py (/v1/responses).
 """
 
 from __future__ import annotations
