@@ -12,10 +12,10 @@ from typing import Any, Iterator
 
 import torch
 
-from armserve import gguf_quants
-from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.model_loader.source import ModelLoadError, ModelSource
 from armserve.models import gguf_model_class
+from armserve.quantization import QuantizedTensor
+from armserve.quantization.gguf import convert
 
 # llama.cpp's standard tensor names -> Hugging Face's (a family adds or overrides block names
 # with its `gguf_block_names`)
@@ -171,7 +171,7 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
         kind = parts[2] if parts[0] == "blk" else parts[0]
         qt = None
         if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
-            qt = gguf_quants.convert(t.tensor_type.name, t.data)
+            qt = convert(t.tensor_type.name, t.data)
         if qt is not None:
             if permute and kind in ("attn_q", "attn_k"):
                 nh = n_head if kind == "attn_q" else n_kv
@@ -203,7 +203,7 @@ def _experts(t, parts: list[str], keep_quantized: bool, path: str) -> Iterator[t
     for e in range(t.data.shape[0]):
         name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
         data = t.data[e]  # [rows, bytes of a row] for block types, [rows, cols] for float ones
-        qt = gguf_quants.convert(t.tensor_type.name, data) if keep_quantized else None
+        qt = convert(t.tensor_type.name, data) if keep_quantized else None
         if qt is not None:
             yield name, qt
             continue
