@@ -214,4 +214,3 @@ def qgemm_dense_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
 
     w = kernel_scales(qt).dequantize().to(torch.bfloat16)
     return (x.double() @ w.double().T).to(x.dtype)
-

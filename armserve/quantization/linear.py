@@ -91,8 +91,8 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"quantized layer is missing shard(s) {missing}")
         col = 0
         shards = (self._pending[s] for s, _ in self.shards)
-        for (fmt, group), run in itertools.groupby(shards, key=lambda q: (q.fmt, q.group)):
-            run = list(run)
+        for (fmt, group), same in itertools.groupby(shards, key=lambda q: (q.fmt, q.group)):
+            run = list(same)
             szp = torch.cat([q.szp for q in run]) if fmt == "w4" else None
             qt = kernel_scales(QuantizedTensor(fmt, torch.cat([q.codes for q in run]),
                                                torch.cat([q.scales for q in run]), szp, group))
