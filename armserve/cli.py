@@ -147,7 +147,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     qcfg = quantize_model(
         args.model, args.out, scheme=args.scheme,

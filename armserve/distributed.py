@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from armserve import kernels
+from armserve.kernels.library import DTYPE_CODES
 
 logger = logging.getLogger("armserve")
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Slots hold at most this much; larger all-reduces and gathers go in pieces.
 MAX_SLOT_BYTES = 64 << 20
 
@@ -82,7 +82,7 @@ class ShmGroup:
         """x <- sum over ranks of x (in place; x contiguous)."""
         flat = x.view(-1)
         step = self.slot_bytes // x.element_size()
-        code = _DTYPE_CODES[x.dtype]
+        code = DTYPE_CODES[x.dtype]
         for a in range(0, flat.numel(), step):
             part = flat[a:a + step]
             self.seq += 1

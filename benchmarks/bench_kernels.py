@@ -107,7 +107,7 @@ def matmul_cases(dtype: torch.dtype):
     weight (> 32 MiB together) so it streams from memory, as in a real decode step, not from L3."""
     import torch.nn.functional as F
 
-    from armserve.layers.quantized_linear import QuantizedLinear, quantize_weight
+    from armserve.quantization import QuantizedLinear, quantize_weight
 
     n, k, copies = 5632, 2048, 4
     dense = [torch.randn(n, k).to(dtype) for _ in range(copies)]
@@ -235,7 +235,7 @@ def write_qdense(args) -> None:
     the weight dequantized to bf16 panel by panel for the dense tiles (kernels.qgemm_dense), and the
     dense GEMM on the same weight dequantized once and prepacked (what the dequantization costs)."""
     from armserve import kernels
-    from armserve.layers.quantized_linear import pack, quantize_weight
+    from armserve.quantization import pack, quantize_weight
 
     peak = 0.0
     rows = []
@@ -245,7 +245,7 @@ def write_qdense(args) -> None:
             qt = quantize_weight(w, 32, symmetric=False) if fmt == "w4" else None
             if fmt == "w8":
                 sc = w.view(n, k // 32, 32).abs().amax(-1) / 127
-                from armserve.layers.quantized_linear import QuantizedTensor
+                from armserve.quantization import QuantizedTensor
                 qt = QuantizedTensor("w8", torch.round(w / sc.repeat_interleave(32, 1)).clamp(-127, 127)
                                      .to(torch.int8), sc, None, 32)
             packed = pack(qt)

@@ -177,7 +177,7 @@ def checkpoint(name: str) -> str:
 
 def quantized(name: str, folder: str) -> str:
     """`armserve quantize` of the folder: int4 experts and projections (group 32), made once."""
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     out = os.path.join(pm.CACHE, f"{name}-shape-random-w4a8")
     if not os.path.isfile(os.path.join(out, "config.json")):

@@ -38,7 +38,7 @@ CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-bench")
 
 
 def quantized_copy(model: str, name: str, lm_head: str = "int8") -> str:
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     # "-mse": made by the squared-error rounding search (older caches used min/max rounding)
     out = os.path.join(CACHE, f"{name}-w4a8-g32-head-{lm_head}-mse")

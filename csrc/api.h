@@ -1,9 +1,9 @@
 // The library's C ABI, declared once: every exported function's signature is written here and
 // nowhere else. The per-ISA tables (kernels.h, qgemm.h, dense_gemm.h) take their members' types
 // from these declarations (decltype), step-graph replay (graph.cpp) unpacks recorded arguments
-// by the declared parameter types, and Python (armserve/ops.py) reads each function's argument
-// types from `armserve_signature` (api.cpp): a signature changed here changes everywhere, and a
-// definition that disagrees with it does not compile.
+// by the declared parameter types, and Python (armserve/kernels/library.py) reads each
+// function's argument types from `armserve_signature` (api.cpp): a signature changed here changes
+// everywhere, and a definition that disagrees with it does not compile.
 #pragma once
 #include <cstdint>
 
@@ -175,7 +175,7 @@ const char* armserve_signature(const char* name);
   X(armserve_gemm_bf16)                                                                                        \
   X(armserve_gemm_f32)
 
-// Everything Python binds (armserve/ops.py asks for this list and each signature).
+// Everything Python binds (armserve/kernels/library.py asks for this list and each signature).
 #define ARMSERVE_EXPORTS(X)                                                                                    \
   ARMSERVE_RECORDABLE(X)                                                                                       \
   X(armserve_pack_bf16)                                                                                        \

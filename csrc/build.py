@@ -63,8 +63,8 @@ VARIANTS = {
     },
 }
 # NOTE: no -lgomp at link time. The library's GOMP_* symbols bind at load time to the OpenMP
-# runtime PyTorch already loaded (armserve/ops.py loads it globally first), so the process has
-# one OpenMP thread pool, not two fighting over the cores.
+# runtime PyTorch already loaded (armserve/kernels/library.py loads it globally first), so the
+# process has one OpenMP thread pool, not two fighting over the cores.
 LINK = ["-shared"]
 
 

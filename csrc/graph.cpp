@@ -3,7 +3,7 @@
 // A batch-1 decode step of a 0.5B model is ~350 kernel calls of a few microseconds each; made
 // one by one from Python (module calls, ctypes argument conversion, fresh output tensors) they
 // cost about as much as the matmuls themselves. armserve/engine/step_graph.py records the calls
-// of one step (ops.py appends each call's arguments while capturing) into an array of GraphOp,
+// of one step (kernels/capture.py appends each call's arguments while capturing) into an array of GraphOp,
 // and `armserve_graph_run` replays it: the CPU analogue of a CUDA graph. Every pointer in it is a
 // buffer the graph owns (or a weight); what changes per step (token ids, positions, cache slots,
 // context lengths, block tables) is written into the graph's input buffers before each replay.
@@ -42,7 +42,7 @@ using armserve::dtype_size;
 constexpr int64_t kRowChunk = 1024;
 
 // Argument `pos` of a recorded call: floats come from o.f and everything else from o.i, each in
-// the order of the declared parameters (ops.Recording splits them the same way).
+// the order of the declared parameters (kernels/capture.py's Recording splits them the same way).
 template <size_t N>
 constexpr int count_before(const bool (&is_float)[N], size_t pos, bool want) {
   int c = 0;

@@ -1,6 +1,6 @@
 // The table each ISA variant of armserve's CPU kernels fills (the C ABI itself is api.h).
 //
-// Tensors are passed as raw pointers plus sizes; Python (armserve/ops.py) owns the memory and
+// Tensors are passed as raw pointers plus sizes; Python (armserve/kernels/) owns the memory and
 // calls through ctypes, so the build needs no torch headers.
 #pragma once
 #include <cstdint>

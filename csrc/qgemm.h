@@ -4,7 +4,7 @@
 // channels, and a single per-token scale would spend the 8 bits on them.
 // C ABI and the per-ISA table.
 //
-// Packed weight layout (built once at load by armserve/layers/quantized_linear.py):
+// Packed weight layout (built once at load by armserve/quantization/formats.py, `pack`):
 //
 //   W4: tiles of 16 output rows, each one contiguous run of bytes read front to back. Per tile,
 //       per group of G input columns: G/8 chunks of 64 weight bytes, then 64 bytes of scales.

@@ -390,7 +390,7 @@ def test_deepseek_gguf_round_trip(tiny_checkpoints, tmp_path, split_kv_b):
 def test_deepseek_gguf_q8_0_stays_quantized_and_close(tiny_checkpoints, tmp_path):
     """Q8_0 blocks: MLA's q/kv-a/o projections and the experts run as int8 weights, kv_b (split,
     3-d blocks) is dequantized for absorption; next-token log-probs stay close to the F32 file's."""
-    from armserve.layers.quantized_linear import QuantizedLinear
+    from armserve.quantization import QuantizedLinear
 
     folder = tiny_checkpoints["deepseek_v3"]
     f32, q8 = str(tmp_path / "f32.gguf"), str(tmp_path / "q8.gguf")
@@ -432,8 +432,8 @@ def test_deepseek_v2_gguf_header_gives_its_config(tiny_checkpoints, tmp_path):
 def test_quantize_deepseek(tiny_checkpoints, tmp_path):
     """`armserve quantize`: experts (routed and shared) and MLA's q/kv-a/o projections int4,
     kv_b_proj and the router kept float; the folder runs and stays close to its dequantized self."""
-    from armserve.layers.quantized_linear import QuantizedLinear
-    from armserve.quantize import quantize_model
+    from armserve.quantization import QuantizedLinear
+    from armserve.quantization.quantize import quantize_model
 
     out = tmp_path / "q"
     quantize_model(tiny_checkpoints["deepseek_v3"], str(out), group_size=32, progress=False)

@@ -13,7 +13,7 @@ import torch
 from armserve import LLM, SamplingParams
 from armserve.kernels.reference import fused_moe_ref
 from armserve.layers.fused_moe import fused_experts, kernel_experts, select_experts
-from armserve.layers.quantized_linear import QuantizedLinear, kernel_scales, quantize_weight, quantize_weight_int8
+from armserve.quantization import QuantizedLinear, kernel_scales, quantize_weight, quantize_weight_int8
 from armserve.models.llama import LlamaMLP
 from conftest import CACHE, assert_next_token_logprobs_close, make_tiny_checkpoint
 
@@ -169,7 +169,7 @@ def test_quantize_moe_experts(tiny_checkpoints, tmp_path):
     """`armserve quantize` turns every expert (Mixtral's w1/w2/w3 too) into int4 and leaves the
     router in float; the folder runs on the w4a8 kernels and stays close to its own dequantized
     weights."""
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     out = tmp_path / "q"
     quantize_model(tiny_checkpoints["mixtral"], str(out), group_size=32, progress=False)
@@ -272,7 +272,7 @@ def test_moe_gguf_stacked_experts(tiny_checkpoints, tokenizer_dir, tmp_path, nam
     with an expert count; Qwen2-/Qwen3-MoE with their expert widths, Qwen3's head width and
     top-k renormalisation from the file) and gives transformers' greedy tokens; Q8_0 experts
     stay quantized (w8a8) and stay close."""
-    from armserve.layers.quantized_linear import QuantizedLinear
+    from armserve.quantization import QuantizedLinear
 
     folder = tiny_checkpoints[name]
     if name == "mixtral":  # llama.cpp's Mixtral files carry no sliding window: one without

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams
-from armserve.layers.quantized_linear import QuantizedLinear
+from armserve.quantization import QuantizedLinear
 from conftest import CACHE, assert_next_token_logprobs_close, make_tiny_checkpoint
 from test_models import NUM_TOKENS, PROMPTS, assert_matches_hf
 from test_moe import hf_greedy
@@ -159,7 +159,7 @@ def test_phi3_gguf_matches_transformers(phi3, tmp_path, name):
 def test_quantize_phi3(phi3, tmp_path):
     """`armserve quantize` makes the fused qkv_proj and gate_up_proj int4 too; the folder loads
     them as Llama's shards and stays close to its own dequantized weights."""
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     out = tmp_path / "q"
     quantize_model(phi3["longrope"], str(out), group_size=32, progress=False)

@@ -13,16 +13,9 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams, kernels
-from armserve.gguf_quants import convert
-from armserve.layers.quantized_linear import (
-    QuantizedLinear,
-    QuantizedTensor,
-    pack,
-    qgemm_dense_ref,
-    qlinear_ref,
-    quantize_act_ref,
-    quantize_weight,
-)
+from armserve.kernels.reference import qgemm_dense_ref, qlinear_ref, quantize_act_ref
+from armserve.quantization import QuantizedLinear, QuantizedTensor, pack, quantize_weight
+from armserve.quantization.gguf import convert
 from conftest import assert_next_token_logprobs_close
 
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
@@ -277,7 +270,7 @@ def test_quantize_cli_end_to_end(tiny_llama, tmp_path):
 def test_quantize_lm_head_choices(tiny_llama, tmp_path, lm_head, fmt):
     """--lm-head keep leaves it in --dtype; int4 quantizes it like the other layers; both load and
     agree with their own dequantized weights."""
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     cfg = quantize_model(tiny_llama, str(tmp_path / "q"), lm_head=lm_head, progress=False)
     assert cfg["lm_head"] == lm_head and (("lm_head" in cfg["modules_not_converted"]) == (lm_head == "keep"))
@@ -301,7 +294,7 @@ def test_w4a8_perplexity_within_5_percent_of_float32(smollm2_hf_reference, tmp_p
     """SmolLM2 on held-in public-domain prose: `armserve quantize` w4a8 (group 32) and the GGUF's
     own Q4_1 blocks run as w4a8, against the float32 model (issue: within 5%)."""
     from armserve.evaluate import perplexity
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     text = open(os.path.join(os.path.dirname(__file__), "data", "prose.txt")).read()
     base = LLM(smollm2_hf_reference, dtype="float32", kv_cache_space=0.1, max_model_len=1088)

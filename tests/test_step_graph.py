@@ -222,7 +222,7 @@ def test_graph_steps_on_two_threads_replay_as_one_region(tiny_checkpoints, qwen2
     elif case == "int8-cache":
         kw = {"kv_cache_dtype": "int8"}
     elif case == "w4a8":
-        from armserve.quantize import quantize_model
+        from armserve.quantization.quantize import quantize_model
 
         model = str(tmp_path / "w4a8")
         quantize_model(tiny_llama, model, group_size=32, progress=False)
@@ -250,7 +250,7 @@ def test_graph_steps_equal_eager_int8_cache_with_key_smoothing(qwen2_biased):
 
 
 def test_graph_steps_equal_eager_quantized(tiny_llama, tmp_path):
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     out = str(tmp_path / "w4a8")
     quantize_model(tiny_llama, out, group_size=32, progress=False)

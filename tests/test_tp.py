@@ -21,7 +21,7 @@ from armserve import cpu
 from armserve.cpu import core_groups
 from armserve.distributed import CommSpec, ShmGroup, TPError, make_comm_spec
 from armserve.layers.linear import Linear, ParallelContext, parallel_context
-from armserve.layers.quantized_linear import QuantizedLinear, quantize_weight, quantize_weight_int8
+from armserve.quantization import QuantizedLinear, quantize_weight, quantize_weight_int8
 
 from test_engine import BLOCK_BYTES_TINY, GREEDY, mixed_prompts, tiny, token_lists
 
@@ -197,7 +197,7 @@ def test_tp2_quantized_equals_tp1(tiny_llama, tiny_checkpoints, tmp_path, kind):
     QuantizedLinear at TP=2 too, holding half of it. `armserve quantize` w4a8 (group 32, the LM
     head int8); a Llama GGUF mixing Q4_0, Q8_0 and a float k beside them, its LM head the Q8_0
     token table; a Qwen2-MoE GGUF with Q8_0 experts."""
-    from armserve.quantize import quantize_model
+    from armserve.quantization.quantize import quantize_model
 
     tokenizer = None
     if kind == "w4a8":

@@ -6,8 +6,13 @@ where the kernels round.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from armserve.quantization.formats import QuantizedTensor
 
 
 def rms_norm_ref(
@@ -172,3 +177,40 @@ def fused_moe_ref(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             g, u = gu.chunk(2)
             out[t] += weights[t, j] * (w_down[e].float() @ (F.silu(g) * u))
     return out
+
+
+def quantize_act_ref(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per token and group of `group` columns: (codes [m, k], scales [m, k // group],
+    group sums [m, k // group]). One scale per group, not per token, so an outlier channel only
+    costs its own group precision."""
+    xf = x.float().reshape(-1, x.shape[-1])
+    m, k = xf.shape
+    xg = xf.view(m, k // group, group)
+    amax = xg.abs().amax(dim=-1)
+    nz = amax > 0
+    scale = torch.where(nz, amax / 127.0, torch.ones_like(amax))
+    # NOTE: not `127.0 / amax`: PyTorch computes a scalar-by-tensor division as a reciprocal times
+    # 127, one ulp off the IEEE quotient the kernels use, which flips rounding ties.
+    inv = torch.where(nz, torch.full_like(amax, 127.0) / amax, torch.ones_like(amax))
+    q = torch.round(xg * inv[..., None]).to(torch.int8)  # round half to even, as the kernels
+    return q.view(m, k), scale, q.sum(dim=-1, dtype=torch.int32)
+
+
+def qlinear_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """What the kernels compute: int8 activations times the dequantized weight (with the
+    kernels' scales, `kernel_scales`), in float64."""
+    from armserve.quantization.formats import kernel_scales  # (the quantization package imports the kernels)
+
+    q, scale, _ = quantize_act_ref(x, qt.group)
+    xd = q.double() * scale.double().repeat_interleave(qt.group, dim=1)
+    y = xd @ kernel_scales(qt).dequantize().double().T
+    return y.to(x.dtype).reshape(*x.shape[:-1], qt.codes.shape[0])
+
+
+def qgemm_dense_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
+    """What `kernels.qgemm_dense` (the prefill path) computes: x times the weight dequantized with the
+    kernels' scales and rounded to bf16, summed in float64."""
+    from armserve.quantization.formats import kernel_scales
+
+    w = kernel_scales(qt).dequantize().to(torch.bfloat16)
+    return (x.double() @ w.double().T).to(x.dtype)

@@ -74,32 +74,6 @@ class KernelExperts:
     down: torch.Tensor
 
 
-def _projection(layer: nn.Module, rows: int, k: int) -> tuple[str, int, list[int]] | None:
-    """(format, group, addresses of the row blocks [0, rows), [rows, 2 rows), ...) of a bias-free
-    expert projection the fused kernel can read, or None."""
-    from armserve.layers.quantized_linear import QuantizedLinear
-
-    if getattr(layer, "bias", None) is not None:
-        return None
-    packed = getattr(layer, "packed", None)
-    if not isinstance(layer, QuantizedLinear):
-        if packed is None or packed.dtype != torch.bfloat16:  # float32 (its own GEMM) / float16 weights
-            return None
-        block = -(-k // 2) * 64  # bytes of one 16-row block (dense_gemm.h)
-        return "bf16", 0, [packed.data_ptr() + i * rows // 16 * block for i in range(layer.out_features // rows)]
-    parts = layer.parts
-    if not parts or any(p.packed is None or p.fmt != parts[0].fmt or p.group != parts[0].group for p in parts):
-        return None
-    fmt, group = parts[0].fmt, parts[0].group
-    tile = (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)  # bytes of one 16-row tile (qgemm.h)
-    addrs = []
-    for p in parts:  # a part may hold several of the row ranges (a fused gate_up), or one
-        if p.col % rows or p.n % rows:
-            return None
-        addrs += [p.packed.data_ptr() + i * rows // 16 * tile for i in range(p.n // rows)]
-    return fmt, group, addrs
-
-
 def kernel_experts(experts: nn.ModuleList) -> KernelExperts | None:
     """The experts as the fused kernel reads them, worked out once per layer; None where it
     cannot (float32 / float16 weights, a bias, an activation other than SiLU, formats that differ
@@ -115,8 +89,9 @@ def kernel_experts(experts: nn.ModuleList) -> KernelExperts | None:
     projections = []
     if inter % 16 == 0 and all(type(e.act) is SiluAndMul for e in experts):  # (GeluAndMul derives from it)
         for e in experts:
-            gu = _projection(e.gate_up_proj, inter, hidden)
-            dn = _projection(e.down_proj, hidden, inter)
+            # (the kernel adds no bias; each layer knows where its packed row blocks are)
+            gu = None if e.gate_up_proj.bias is not None else e.gate_up_proj.row_blocks(inter)
+            dn = None if e.down_proj.bias is not None else e.down_proj.row_blocks(hidden)
             if gu is None or dn is None or len(gu[2]) != 2 or len(dn[2]) != 1:
                 break
             projections.append((gu, dn))

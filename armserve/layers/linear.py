@@ -161,11 +161,19 @@ class Linear(nn.Module):
             self.packed = pack(self.weight.data)
             self.weight = None  # the packed copy is the weight now
 
+    def row_blocks(self, rows: int) -> tuple[str, int, list[int]] | None:
+        """("bf16", 0, addresses of the packed row blocks [0, rows), [rows, 2 rows), ...) for the
+        fused MoE kernel (layers/fused_moe.py), or None unless packed in bfloat16."""
+        if self.packed is None or self.packed.dtype != torch.bfloat16:  # float32 (its own GEMM) / float16
+            return None
+        block = -(-self.in_features // 2) * 64  # bytes of one 16-row block (dense_gemm.h)
+        return "bf16", 0, [self.packed.data_ptr() + i * rows // 16 * block for i in range(self.out_features // rows)]
+
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         if self.packed is not None:
             out = kernels.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
             if self.bias is not None:
-                out = kernels.add_bias(out, self.bias) if kernels.use_kernel("small", out) else out.add_(self.bias)
+                out = kernels.add_bias(out, self.bias)
         else:
             # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
             # the weight near copy speed and PyTorch's bf16 GEMM does not.

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from armserve.layers.linear import ParallelContext, parallel_context
-from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor
 from armserve.model_loader import gguf, safetensors
 from armserve.model_loader.source import ModelLoadError, ModelSource, bundled_model_path, resolve_model_path
 from armserve.models import UnsupportedArchitectureError, get_model_class, model_type_class
+from armserve.quantization import QuantizedTensor
+from armserve.quantization.checkpoint import armserve_quantization
 
-__all__ = ["ModelLoadError", "ModelSource", "armserve_quantization", "bundled_model_path", "checkpoint_dtype",
-           "checkpoint_weights", "eos_token_ids", "load_config", "load_model", "load_tokenizer", "resolve_model_path"]
+__all__ = ["ModelLoadError", "ModelSource", "bundled_model_path", "checkpoint_dtype", "checkpoint_weights",
+           "eos_token_ids", "load_config", "load_model", "load_tokenizer", "resolve_model_path"]
 
 
 def load_config(src: ModelSource):
@@ -85,18 +86,6 @@ def checkpoint_dtype(config) -> torch.dtype | None:
     return d if isinstance(d, torch.dtype) else None
 
 
-def armserve_quantization(config) -> dict | None:
-    """The quantization_config written by `armserve quantize`, if this checkpoint has one."""
-    q = getattr(config, "quantization_config", None)
-    if isinstance(q, dict) and q.get("quant_method") == "armserve":
-        return q
-    if q is not None and not isinstance(q, dict):
-        q = q.to_dict() if hasattr(q, "to_dict") else None
-        if q and q.get("quant_method") == "armserve":
-            return q
-    return None
-
-
 def checkpoint_weights(src: ModelSource, config, dequantize: bool = False
                        ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """The checkpoint's tensors under Hugging Face names (GGUF names mapped by the model class);
@@ -133,9 +122,6 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         raise ModelLoadError(
             f"checkpoint {src.path} is missing {len(missing)} weight(s), e.g. {shown}"
         )
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.finalize()  # repack into the kernel layout once
-    model.process_weights_after_loading()
+    model.process_weights_after_loading()  # repack the weights into the kernel layouts once
     model.eval()
     return model

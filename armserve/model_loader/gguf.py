@@ -12,10 +12,10 @@ from typing import Any, Iterator
 
 import torch
 
-from armserve import gguf_quants
-from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.model_loader.source import ModelLoadError, ModelSource
 from armserve.models import gguf_model_class
+from armserve.quantization import QuantizedTensor
+from armserve.quantization.gguf import convert
 
 # llama.cpp's standard tensor names -> Hugging Face's (a family adds or overrides block names
 # with its `gguf_block_names`)
@@ -123,8 +123,11 @@ def _field(reader, key: str):
     return f.parts[f.data[0]].tolist()[0] if f.data else None
 
 
-def _unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's interleaving of rotary pairs in q/k rows (weights and biases)."""
+def _unpermute_qk(w: torch.Tensor | QuantizedTensor, n_head: int) -> torch.Tensor | QuantizedTensor:
+    """Undo llama.cpp's interleaving of rotary pairs in q/k rows (weights, quantized too, and biases)."""
+    if isinstance(w, QuantizedTensor):  # each row has its own scales: permute them alike
+        szp = None if w.szp is None else _unpermute_qk(w.szp, n_head)
+        return QuantizedTensor(w.fmt, _unpermute_qk(w.codes, n_head), _unpermute_qk(w.scales, n_head), szp, w.group)
     d = w.shape[0]
     rest = w.shape[1:]
     return w.reshape(n_head, d // n_head // 2, 2, *rest).transpose(1, 2).reshape(d, *rest)
@@ -171,23 +174,19 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
         kind = parts[2] if parts[0] == "blk" else parts[0]
         qt = None
         if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
-            qt = gguf_quants.convert(t.tensor_type.name, t.data)
-        if qt is not None:
-            if permute and kind in ("attn_q", "attn_k"):
-                nh = n_head if kind == "attn_q" else n_kv
-                qt = QuantizedTensor(qt.fmt, _unpermute_qk(qt.codes, nh), _unpermute_qk(qt.scales, nh),
-                                     None if qt.szp is None else _unpermute_qk(qt.szp, nh), qt.group)
+            qt = convert(t.tensor_type.name, t.data)
+        w = qt if qt is not None else _dequantize(t, t.data, path)
+        if permute and kind in ("attn_q", "attn_k"):
+            w = _unpermute_qk(w, n_head if kind == "attn_q" else n_kv)
+        if isinstance(w, QuantizedTensor):
             if kind == "token_embd":
                 # Lookups need float rows; a tied lm_head reads the same table as a quantized GEMM.
                 if not has_output:
-                    yield "lm_head.weight", qt
-                yield name, qt.dequantize()
+                    yield "lm_head.weight", w
+                yield name, w.dequantize()
             else:
-                yield name, qt
+                yield name, w
             continue
-        w = _dequantize(t, t.data, path)
-        if permute and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
-            w = _unpermute_qk(w, n_head if parts[2] == "attn_q" else n_kv)
         if norm_offset and name.endswith("norm.weight"):
             w -= norm_offset
         if kind == "ffn_gate_inp_shexp" and w.dim() == 1:
@@ -203,11 +202,8 @@ def _experts(t, parts: list[str], keep_quantized: bool, path: str) -> Iterator[t
     for e in range(t.data.shape[0]):
         name = f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.{parts[3]}"
         data = t.data[e]  # [rows, bytes of a row] for block types, [rows, cols] for float ones
-        qt = gguf_quants.convert(t.tensor_type.name, data) if keep_quantized else None
-        if qt is not None:
-            yield name, qt
-            continue
-        yield name, _dequantize(t, data, path)
+        qt = convert(t.tensor_type.name, data) if keep_quantized else None
+        yield name, qt if qt is not None else _dequantize(t, data, path)
 
 
 def _dequantize(t, data, path: str) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Hugging Face folders: safetensors weights (one file or shards with their index, else
-pytorch_model*.bin), and the int4 / int8 weights that `armserve quantize` writes into them."""
+pytorch_model*.bin), and the int4 / int8 weights that `armserve quantize` writes into them
+(quantization/checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -10,29 +11,8 @@ from typing import Iterator
 
 import torch
 
-from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.model_loader.source import ModelLoadError
-
-
-def _read_quantized(f, prefix: str, keys: set[str], quantized_config: bool, dequantize: bool):
-    """An `armserve quantize` weight: nibble-packed int4 codes + scales (+ zero points), or int8
-    codes (a .qweight of dtype int8, symmetric) + scales."""
-    if not quantized_config:
-        raise ModelLoadError(f"{prefix}.qweight found but config.json has no armserve quantization_config")
-    packed = f.get_tensor(prefix + ".qweight")
-    if packed.dtype == torch.int8:
-        scales = f.get_tensor(prefix + ".scales").float()
-        qt = QuantizedTensor("w8", packed.contiguous(), scales, None, packed.shape[1] // scales.shape[1])
-        return prefix + ".weight", (qt.dequantize() if dequantize else qt)
-    codes = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
-    scales = f.get_tensor(prefix + ".scales").float()
-    if prefix + ".zeros" in keys:
-        szp = scales * f.get_tensor(prefix + ".zeros").float()
-    else:
-        szp = scales * 8.0  # symmetric: codes are q + 8
-    # NOTE: the group size follows from the shapes (per-channel layers have one group per row).
-    qt = QuantizedTensor("w4", codes.contiguous(), scales, szp, codes.shape[1] // scales.shape[1])
-    return prefix + ".weight", (qt.dequantize() if dequantize else qt)
+from armserve.quantization import QuantizedTensor, checkpoint
 
 
 def iter_weights(folder: str, quantized_config: bool = False, dequantize: bool = False
@@ -70,7 +50,12 @@ def iter_weights(folder: str, quantized_config: bool = False, dequantize: bool =
                 keys = set(f.keys())
                 for name in f.keys():
                     if name.endswith(".qweight"):
-                        yield _read_quantized(f, name[: -len(".qweight")], keys, quantized_config, dequantize)
+                        prefix = name[: -len(".qweight")]
+                        if not quantized_config:
+                            raise ModelLoadError(f"{prefix}.qweight found but config.json has no armserve "
+                                                 "quantization_config")
+                        qt = checkpoint.decode(f.get_tensor, prefix, keys)
+                        yield prefix + ".weight", (qt.dequantize() if dequantize else qt)
                     elif name.endswith((".scales", ".zeros")) and name.rsplit(".", 1)[0] + ".qweight" in keys:
                         continue  # read with its .qweight
                     else:

@@ -32,10 +32,10 @@ from armserve.layers.fused_moe import fused_experts, select_experts
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.linear import Linear
 from armserve.layers.mla import MLAAttention
-from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters, yarn_mscale
 from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from armserve.models.moe import SparseMoeBlock
+from armserve.quantization import QuantizedTensor
 
 
 class DeepseekAttention(nn.Module):

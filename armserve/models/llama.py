@@ -20,8 +20,8 @@ from armserve.layers.attention import Attention, key_channel_rms
 from armserve.layers.layernorm import RMSNorm
 from armserve.layers.linear import (ColumnParallelLinear, Linear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                     VocabEmbedding, get_parallel_context, parallel_context)
-from armserve.layers.quantized_linear import QuantizedLinear, QuantizedTensor, quantize_weight_int8
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from armserve.quantization import QuantizedLinear, QuantizedTensor, quantize_weight_int8
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    qkv_bias = False
+    qkv_bias: bool | None = False  # None: the config's attention_bias
     qk_norm = False
 
     # ---- what checkpoints call this class (models/__init__.py collects every family's MODELS) ----
@@ -189,6 +189,8 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__} cannot be split for tensor parallelism: "
                              f"use tensor_parallel_size 1, not {self.tp.world}")
         self.config = config
+        if self.qkv_bias is None:
+            self.qkv_bias = bool(getattr(config, "attention_bias", False))
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.layers = self.make_layers(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -224,16 +226,16 @@ class LlamaForCausalLM(nn.Module):
             if kernels.use_kernel("gemv", hidden):
                 return kernels.cast(kernels.gemv(hidden, w), torch.float32)
             return F.linear(hidden, w).float()
-        logits = self.lm_head(hidden)
-        # the kernels' cast: a decode step then stays kernel calls only (engine/step_graph.py)
-        return kernels.cast(logits, torch.float32) if kernels.use_kernel("small", logits) else logits.float()
+        # the kernels' cast on a decode step's rows: the step then stays kernel calls only (engine/step_graph.py)
+        return kernels.cast(self.lm_head(hidden), torch.float32)
 
     def process_weights_after_loading(self) -> None:
-        """Prepack every bfloat16 / float32 dense weight for the GEMM kernel, once. A head tied
-        to the embedding table gets a packed copy of it (the lookup keeps the row-major table):
-        vocab x hidden x 2 (4) more bytes, for the head's speed at every batch size."""
+        """Prepack every weight for its GEMM kernel, once: bfloat16 / float32 dense weights and the
+        quantized layers' shards. A head tied to the embedding table gets a packed copy of it (the
+        lookup keeps the row-major table): vocab x hidden x 2 (4) more bytes, for the head's speed
+        at every batch size."""
         for m in self.modules():
-            if isinstance(m, Linear):
+            if isinstance(m, (Linear, QuantizedLinear)):
                 m.finalize()
         if self.lm_head is None and kernels.use_kernel("dense_pack", self.embed_tokens.weight):
             vocab, hidden = self.embed_tokens.weight.shape
@@ -362,13 +364,9 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     the config's attention_bias, and head_dim from the config."""
 
     architectures, model_types, gguf_architectures = ("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)
-    qk_norm = True
+    qkv_bias, qk_norm = None, True
     gguf_block_names = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
     gguf_permuted_qk = False
-
-    def __init__(self, config) -> None:
-        self.qkv_bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config)
 
 
 MODELS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)

@@ -143,14 +143,10 @@ class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
     expert."""
 
     architectures, model_types, gguf_architectures = ("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)
-    qk_norm = True
+    qkv_bias, qk_norm = None, True  # (bias only with the config's attention_bias)
     gguf_block_names = {"ffn_gate_inp": "mlp.gate", "attn_q_norm": "self_attn.q_norm",
                         "attn_k_norm": "self_attn.k_norm"}
     gguf_norm_topk_prob = True
-
-    def __init__(self, config) -> None:
-        self.qkv_bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config)
 
 
 MODELS = (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)

@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from armserve.layers.quantized_linear import QuantizedTensor
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from armserve.models.llama import LlamaForCausalLM
+from armserve.quantization import QuantizedTensor
 
 
 def _rotary(config) -> RotaryEmbedding:
@@ -60,16 +60,6 @@ def _longrope_cos_sin(rotary_dim: int, max_position: int, params: dict, config) 
     inv_freq = 1.0 / (torch.tensor(ext, dtype=torch.float32) * float(params["rope_theta"]) ** exponents)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention
-
-
-def _split_rows(t: torch.Tensor | QuantizedTensor, sizes: list[int]) -> list[torch.Tensor | QuantizedTensor]:
-    """A fused weight (or bias) cut into row blocks; a quantized one too (each row has its own
-    scales)."""
-    if not isinstance(t, QuantizedTensor):
-        return list(t.split(sizes))
-    zero = t.szp.split(sizes) if t.szp is not None else [None] * len(sizes)
-    return [QuantizedTensor(t.fmt, c, s, z, t.group)
-            for c, s, z in zip(t.codes.split(sizes), t.scales.split(sizes), zero)]
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
@@ -139,7 +129,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             else:
                 yield name, t
                 continue
-            for part, piece in zip(parts, _split_rows(t, sizes)):
+            for part, piece in zip(parts, t.split(sizes)):  # a weight or bias, float or quantized
                 yield name.replace(fused, f".{part}."), piece
 
 

@@ -1,4 +1,5 @@
-"""GGUF quantized blocks -> armserve's int4/int8 formats, bit-exactly, without a float detour.
+"""GGUF quantized blocks -> armserve's int4/int8 formats (formats.py), bit-exactly, without a
+float detour.
 
     Q4_0  (32 per block: d, 4-bit q; w = d * (q - 8))          -> w4, group 32, szp = 8 d
     Q4_1  (32 per block: d, m, 4-bit q; w = d * q + m)          -> w4, group 32, szp = -m
@@ -17,9 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from armserve.layers.quantized_linear import QuantizedTensor
-
-SUPPORTED = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q6_K")
+from armserve.quantization.formats import QuantizedTensor
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -109,25 +108,16 @@ def _q6_k(data: np.ndarray) -> QuantizedTensor:
 
 
 def _w4(u: np.ndarray, scale: np.ndarray, szp: np.ndarray, group: int) -> QuantizedTensor:
-    rows = u.shape[0]
-    return QuantizedTensor(
-        "w4",
-        torch.from_numpy(np.ascontiguousarray(u, dtype=np.uint8).reshape(rows, -1)),
-        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
-        torch.from_numpy(np.ascontiguousarray(szp, dtype=np.float32).reshape(rows, -1)),
-        group,
-    )
+    return QuantizedTensor("w4", _rows(u, np.uint8), _rows(scale, np.float32), _rows(szp, np.float32), group)
 
 
 def _w8(q: np.ndarray, scale: np.ndarray, group: int) -> QuantizedTensor:
-    rows = q.shape[0]
-    return QuantizedTensor(
-        "w8",
-        torch.from_numpy(np.ascontiguousarray(q, dtype=np.int8).reshape(rows, -1)),
-        torch.from_numpy(np.ascontiguousarray(scale, dtype=np.float32).reshape(rows, -1)),
-        None,
-        group,
-    )
+    return QuantizedTensor("w8", _rows(q, np.int8), _rows(scale, np.float32), None, group)
+
+
+def _rows(a: np.ndarray, dtype: type) -> torch.Tensor:
+    """[rows, blocks, ...] as a contiguous [rows, rest] tensor of `dtype`."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype).reshape(a.shape[0], -1))
 
 
 _CONVERTERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q8_0": _q8_0, "Q6_K": _q6_k}

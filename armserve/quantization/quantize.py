@@ -1,15 +1,10 @@
 """`armserve quantize MODEL OUT --scheme w4a8`: write an int4-weight checkpoint folder.
 
 Output: `model.safetensors` (or shards plus an index), config.json with a `quantization_config`
-section, and the tokenizer. Every linear weight of the decoder layers becomes
-    {name}.qweight  uint8 [n, k / 2]   two 4-bit codes per byte, low nibble = even column
-    {name}.scales   float16 [n, k / g]  one scale per group of g columns
-    {name}.zeros    float16 [n, k / g]  zero point in code units (asymmetric only; symmetric uses 8)
-so that w = scale * (code - zero), each group's scale and zero chosen to minimise its squared
-rounding error (quantized_linear.quantize_weight). Embeddings and norms stay in `--dtype`. An untied LM head
-becomes int8 by default (`--lm-head int8|int4|keep`):
-    lm_head.qweight int8 [n, k]        symmetric codes, w = scale * code
-    lm_head.scales  float16 [n, k / 32]
+section, and the tokenizer. Every linear weight of the decoder layers becomes int4 codes with
+one scale (and zero point) per group (stored as checkpoint.py says), each group's scale and zero
+chosen to minimise its squared rounding error (formats.quantize_weight). Embeddings and norms
+stay in `--dtype`. An untied LM head becomes int8 by default (`--lm-head int8|int4|keep`).
 `LLM(OUT)` and `armserve serve OUT` load the folder directly and run it with the w4a8 kernels
 (activations quantized to int8 on the fly).
 """
@@ -23,7 +18,8 @@ import shutil
 import torch
 
 from armserve import model_loader
-from armserve.layers.quantized_linear import quantize_weight, quantize_weight_int8
+from armserve.quantization import checkpoint
+from armserve.quantization.formats import quantize_weight, quantize_weight_int8
 
 # Decoder-layer projections that are quantized (MoE experts included: Mixtral names its experts'
 # gate/down/up w1/w2/w3; DeepSeek's shared experts, MLA's q projections and kv down-projection
@@ -36,13 +32,6 @@ LINEAR_SUFFIXES = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.we
                    ".w1.weight", ".w2.weight", ".w3.weight",
                    "q_a_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight")
 SHARD_BYTES = 2 * 2**30
-
-
-def _float_weights(src: model_loader.ModelSource, config):
-    if model_loader.armserve_quantization(config):
-        raise ValueError(f"{src.path} is already quantized by armserve")
-    # (a GGUF file's names mapped by its family: Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA)
-    return model_loader.checkpoint_weights(src, config, dequantize=True)
 
 
 def quantize_model(
@@ -63,6 +52,7 @@ def quantize_model(
     each group's range), "int4" (the scheme's own format) or "keep" (`dtype`).
     """
     from safetensors.torch import save_file
+    from tqdm.auto import tqdm
 
     if lm_head not in ("int8", "int4", "keep"):
         raise ValueError(f"lm_head must be int8, int4 or keep, got {lm_head!r}")
@@ -96,29 +86,17 @@ def quantize_model(
     tensors: dict[str, torch.Tensor] = {}
     shards: list[dict[str, torch.Tensor]] = []
     size = 0
-    weights = list(_float_weights(src, config))
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(weights), desc="Quantizing", unit="tensor", dynamic_ncols=True)
-    for name, w in weights:
+    if checkpoint.armserve_quantization(config):
+        raise ValueError(f"{src.path} is already quantized by armserve")
+    # (a GGUF file's names mapped by its family: Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA)
+    weights = list(model_loader.checkpoint_weights(src, config, dequantize=True))
+    for name, w in tqdm(weights, desc="Quantizing", unit="tensor", dynamic_ncols=True, disable=not progress):
         if wanted(name) and w.dim() == 2:
             g = w.shape[1] if group_size == "channel" else group_size
-            qt = quantize_weight(w, g, symmetric)
-            prefix = name[: -len(".weight")]
-            codes = qt.codes
-            out_t = {
-                prefix + ".qweight": (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(),
-                prefix + ".scales": qt.scales.to(torch.float16),
-            }
-            if not symmetric:
-                out_t[prefix + ".zeros"] = (qt.szp / qt.scales).to(torch.float16)
+            out_t = checkpoint.encode(name[: -len(".weight")], quantize_weight(w, g, symmetric), symmetric)
             names_done.append(name)
         elif lm_head == "int8" and name == "lm_head.weight" and not skipped(name):
-            qt = quantize_weight_int8(w)
-            # int8 codes are stored as they are (a .qweight of dtype int8 marks the format)
-            out_t = {"lm_head.qweight": qt.codes.contiguous(), "lm_head.scales": qt.scales.to(torch.float16)}
+            out_t = checkpoint.encode("lm_head", quantize_weight_int8(w), symmetric)
         else:
             # Norms (1-D) stay float32: they are tiny and precision-sensitive.
             out_t = {name: w.contiguous() if w.dim() == 1 else w.to(keep_dtype).contiguous()}
@@ -129,10 +107,6 @@ def quantize_model(
                 tensors, size = {}, 0
             tensors[k] = v
             size += nbytes
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
     if not names_done:
         raise ValueError(f"no linear weights to quantize in {model!r}")
     shards.append(tensors)

@@ -1,0 +1,202 @@
+"""armserve's quantized weight formats: `QuantizedTensor`, rounding float weights to them, and
+the packed layout the qgemm kernels read (csrc/qgemm.h).
+
+Dequantized meaning of the formats, per group of `group` input columns:
+    w4:  w = scale * u - szp      u in 0..15 (unsigned code), szp = scale * zero point
+    w8:  w = scale * q            q in -127..127
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class QuantizedTensor:
+    """One checkpoint weight [n, k] in an armserve quantized format (unpacked, row-major)."""
+
+    fmt: str  # "w4" or "w8"
+    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8: int8 [n, k]
+    scales: torch.Tensor  # float32 [n, k // group]
+    szp: torch.Tensor | None  # w4: float32 [n, k // group] (scale * zero point); w8: None
+    group: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [n, k]."""
+        g = self.group
+        s = self.scales.repeat_interleave(g, dim=1)
+        if self.fmt == "w4":
+            return self.codes.float() * s - self.szp.repeat_interleave(g, dim=1)
+        return self.codes.float() * s
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
+        """Output rows (dim 0) or input columns (dim 1, whole groups only) [start, start + length),
+        copied, so that the rest can be freed (a tensor-parallel rank keeps its part only)."""
+        g = self.group if dim == 1 else 1
+        if start % g or length % g:
+            raise ValueError(f"cannot be split at input columns {start}..{start + length} of {self.shape[1]}: "
+                             f"not on the boundaries of its quantization groups of {g} columns (use a "
+                             "tensor_parallel_size that splits the layer there, or quantization='none')")
+
+        def cut(t: torch.Tensor, scale: int) -> torch.Tensor:
+            return t.narrow(dim, start // scale, length // scale).clone(memory_format=torch.contiguous_format)
+
+        return QuantizedTensor(self.fmt, cut(self.codes, 1), cut(self.scales, g),
+                               None if self.szp is None else cut(self.szp, g), self.group)
+
+    def split(self, sizes: list[int]) -> list[QuantizedTensor]:
+        """Row blocks of `sizes` rows, as torch.Tensor.split (a fused checkpoint weight cut into its
+        projections; each row has its own scales), copied as `narrow` does."""
+        return [self.narrow(0, start, n) for start, n in zip(itertools.accumulate(sizes, initial=0), sizes)]
+
+
+def quantize_weight(w: torch.Tensor, group: int, symmetric: bool, search: bool = True) -> QuantizedTensor:
+    """Round a float weight [n, k] to int4 codes with one scale (and zero point) per group.
+
+    `search` (the default) picks each group's scale and offset to minimise the squared error of
+    the dequantized group, as llama.cpp's k-quant rounding does, instead of stretching the 16 levels
+    over [min, max]: a slightly narrower range that clips one outlier usually rounds the other 31
+    weights better (about a quarter less squared error on Qwen2.5's projections).
+    """
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"input size {k} is not a multiple of the group size {group}")
+    scale = torch.empty(n, k // group)
+    szp = torch.empty(n, k // group)
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    # Row chunks bound the temporaries (an LM head is 100M+ weights).
+    step = max(1, (1 << 22) // k)
+    for r in range(0, n, step):
+        e = min(r + step, n)
+        wg = w[r:e].float().reshape(-1, group)
+        s, m, u = (_round_symmetric if symmetric else _round_asymmetric)(wg, search)
+        scale[r:e] = s.view(e - r, -1)
+        szp[r:e] = m.view(e - r, -1)
+        codes[r:e] = u.view(e - r, k)
+    return QuantizedTensor("w4", codes, scale, szp, group)
+
+
+def _codes(x: torch.Tensor, s: torch.Tensor, szp: torch.Tensor) -> torch.Tensor:
+    """Nearest codes 0..15 of x [groups, g] for w = s * u - szp (s, szp [groups, 1])."""
+    return torch.clamp(torch.round((x + szp) / s), 0, 15)
+
+
+def _sq_err(x: torch.Tensor, s: torch.Tensor, szp: torch.Tensor) -> torch.Tensor:
+    return (_codes(x, s, szp) * s - szp - x).square().sum(dim=1, keepdim=True)
+
+
+# Candidate inverse step sizes, in steps per group range: llama.cpp's k-quants try the 21 values
+# 14.0..16.0 (`make_qkx2_quants`); wider ranges found nothing more on Qwen2.5's weights.
+_SEARCH_STEPS = [14.0 + 0.1 * i for i in range(21)]
+
+
+def _round_asymmetric(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, szp, codes) of groups x [groups, g], asymmetric: w = scale * u - szp, u in 0..15."""
+    g = x.shape[1]
+    lo = x.amin(dim=1, keepdim=True)
+    hi = x.amax(dim=1, keepdim=True)
+    rng = hi - lo
+    flat = rng <= 0
+    # Like GGUF's Q4_1: the group's exact minimum is the offset (a real-valued zero point), so the
+    # 16 levels span [min, max] without wasting any on a range that includes 0.
+    s = torch.where(flat, torch.ones_like(rng), rng / 15.0)
+    szp = -lo
+    if search:
+        err = _sq_err(x, s, szp)
+        inv = 1.0 / torch.where(flat, torch.ones_like(rng), rng)  # (x - lo is 0 in a flat group)
+        sx = x.sum(dim=1, keepdim=True)
+        for steps in _SEARCH_STEPS:
+            u = torch.clamp(torch.round((x - lo) * (inv * steps)), 0, 15)
+            # least-squares line x ~ a * u + b through this rounding
+            su = u.sum(dim=1, keepdim=True)
+            suu = u.square().sum(dim=1, keepdim=True)
+            sxu = (x * u).sum(dim=1, keepdim=True)
+            det = g * suu - su * su
+            ok = det > 0
+            det = torch.where(ok, det, torch.ones_like(det))
+            a = (g * sxu - su * sx) / det
+            b = (suu * sx - su * sxu) / det
+            # a float16 scale must stay a normal number (the kernels read it as float16)
+            ok &= a > 6.2e-5
+            a = torch.where(ok, a, s)
+            b = torch.where(ok, -b, szp)
+            e = _sq_err(x, a, b)
+            better = e < err
+            err = torch.where(better, e, err)
+            s = torch.where(better, a, s)
+            szp = torch.where(better, b, szp)
+    return s, szp, _codes(x, s, szp).to(torch.uint8)
+
+
+def _round_symmetric(x: torch.Tensor, search: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, szp, codes) of groups x [groups, g], symmetric: codes u = q + 8, q in -8..7."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    s = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+    if search:
+        err = _sq_err(x, s, 8 * s)
+        for f in (0.80, 0.85, 0.90, 0.95, 1.05, 1.10):
+            a = s * f
+            e = _sq_err(x, a, 8 * a)
+            better = e < err
+            err = torch.where(better, e, err)
+            s = torch.where(better, a, s)
+    return s, 8 * s, _codes(x, s, 8 * s).to(torch.uint8)
+
+
+def quantize_weight_int8(w: torch.Tensor) -> QuantizedTensor:
+    """Symmetric int8 codes, one scale per 32 columns (per row when k is not a multiple of 32).
+
+    Used for a float shard of a fused layer whose other shards are quantized (GGUF files mix
+    types, e.g. Q5_0 q/k beside Q6_K v): int8 keeps it within ~0.4% of each group's range.
+    """
+    n, k = w.shape
+    group = 32 if k % 32 == 0 else k
+    wg = w.float().reshape(n, k // group, group)
+    scale = wg.abs().amax(dim=-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.clamp(torch.round(wg / scale[..., None]), -127, 127).to(torch.int8)
+    return QuantizedTensor("w8", codes.reshape(n, k), scale, None, group)
+
+
+# ---- packing into the kernel layout (csrc/qgemm.h) -----------------------------------------
+
+
+def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
+    """`qt` with the scales the kernels apply: float16 for w4 (packed inline, see csrc/qgemm.h),
+    float32 for w8. Rounding a scale to float16 moves it by at most 2^-11 of itself, far below the
+    4-bit step; GGUF Q4_0 / Q4_1 scales are float16 already, so only derived ones (Q4_K's d * sc,
+    `armserve quantize`'s s * zero) change."""
+    if qt.fmt != "w4":
+        return qt
+    return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), qt.szp.half().float(), qt.group)
+
+
+def pack(qt: QuantizedTensor) -> torch.Tensor:
+    """The packed bytes the qgemm kernels read (csrc/qgemm.h): 16-row tiles, each group's weight
+    chunks followed by its scales (w4: float16 s and s * zero point; w8: float32 s)."""
+    n, k = qt.codes.shape
+    g = qt.group
+    n_pad = -(-n // 16) * 16
+    tiles, ng = n_pad // 16, k // g
+    rows = (0, 0, 0, n_pad - n)  # zero rows up to whole tiles
+    codes = F.pad(qt.codes, rows)
+    if qt.fmt == "w4":
+        u = codes.view(tiles, 16, k // 8, 2, 4)
+        wb = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).reshape(tiles, ng, g // 8 * 64)
+        sc = torch.stack([F.pad(qt.scales, rows), F.pad(qt.szp, rows)], dim=0)  # [2, n_pad, ng]
+        sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous().half()  # [tiles, ng, 2, 16]
+        wb = wb.to(torch.uint8)
+    else:
+        wb = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, ng, g // 4 * 64)
+        sc = F.pad(qt.scales, rows).float().view(tiles, 16, ng).permute(0, 2, 1).contiguous()  # [tiles, ng, 16]
+        wb = wb.view(torch.uint8)
+    return torch.cat([wb, sc.view(torch.uint8).view(tiles, ng, 64)], dim=2).flatten()
+
