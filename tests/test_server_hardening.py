@@ -25,7 +25,7 @@ import psutil
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from test_server import HELLO, MAX_MODEL_LEN, ServerProcess, auth_server, server  # noqa: F401
+from test_server import HELLO, MAX_MODEL_LEN, ServerProcess
 
 pytestmark = pytest.mark.needs_model
 
