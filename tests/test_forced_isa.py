@@ -34,20 +34,61 @@ SAME_ON_EVERY_VARIANT = [
 ]
 
 
+# NOTE: each variant's run is one process on one thread (conftest), so the variants run side by
+# side on a machine's two cores; the two-thread replays (test_step_graph) wait until they are all
+# done and then run one variant at a time, since a two-thread team next to another process would
+# measure nothing but the contention.
+TWO_THREADS = "two_threads"
+
+
 def _auto_isa() -> str:
     from armserve import ops
 
     return ops.isa()
 
 
-@pytest.mark.parametrize("variant", [v for v in kernel_isas() if v != _auto_isa()])
-def test_isa_sensitive_files_pass_with_variant_forced(variant):
+VARIANTS = [v for v in kernel_isas() if v != _auto_isa()]
+
+
+def _pytest(variant: str, keyword: str, log: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES, "-k", keyword]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, "ARMSERVE_ISA": variant}, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def forced_runs(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
+    """Per variant: (exit code, output) of its runs of FILES, without SAME_ON_EVERY_VARIANT."""
+    tmp = tmp_path_factory.mktemp("forced-isa")
+    runs: dict[str, list[tuple[int, str]]] = {v: [] for v in VARIANTS}
+
+    def finish(variant: str, proc: subprocess.Popen, log: str) -> None:
+        try:
+            code = proc.wait(1500)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = proc.wait()
+        with open(log) as f:
+            runs[variant].append((code, f.read()))
+
+    same = " or ".join(SAME_ON_EVERY_VARIANT)
+    side_by_side = {v: (_pytest(v, f"not ({same} or {TWO_THREADS})", str(tmp / f"{v}.log")), str(tmp / f"{v}.log"))
+                    for v in VARIANTS}
+    for v, (proc, log) in side_by_side.items():
+        finish(v, proc, log)
+    for v in VARIANTS:
+        log = str(tmp / f"{v}-{TWO_THREADS}.log")
+        finish(v, _pytest(v, TWO_THREADS, log), log)
+    return runs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_isa_sensitive_files_pass_with_variant_forced(forced_runs, variant):
+    for code, output in forced_runs[variant]:
+        tail = "\n".join(output.splitlines()[-40:])
+        assert code == 0, f"ARMSERVE_ISA={variant} pytest {' '.join(FILES)} failed:\n{tail}"
     env = {**os.environ, "ARMSERVE_ISA": variant}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES,
-           "-k", f"not ({' or '.join(SAME_ON_EVERY_VARIANT)})"]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=1500)
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-    assert proc.returncode == 0, f"ARMSERVE_ISA={variant} pytest {' '.join(FILES)} failed:\n{tail}"
     # The forced variant was really the one used (ops raises on an unknown or unsupported name).
     check = subprocess.run([sys.executable, "-c", "from armserve import ops; print(ops.isa())"], env=env,
                            capture_output=True, text=True, timeout=300)
