@@ -3,6 +3,7 @@ Hugging Face checkpoints made with transformers for each architecture."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -47,6 +48,15 @@ def isa(request):
     ops.select_isa(request.param)
     yield request.param
     ops.select_isa(before)
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model(folder: str):
+    """transformers' float32 model of `folder`, kept for the next call on the same folder (a test
+    compares several prompts against it; loading it for each took longer than generating)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def on_one_and_two_threads(fn):
