@@ -5,7 +5,7 @@ A forced variant stands for the CPUs it is built for in every decision (bf16 dot
 native bfloat16 and so `dtype="auto"`, matmul token limits, which steps replay from step graphs),
 so `ARMSERVE_ISA=avx2` on an AVX-512 machine runs what an AVX2-only CPU runs. The kernel tests
 already cover every variant through the `isa` fixture; these files pick the variant once, at
-import, like the engine does.
+import, like the engine does. Their tests that no variant can change run once, in the suite itself.
 """
 
 from __future__ import annotations
@@ -50,36 +50,32 @@ def _auto_isa() -> str:
 VARIANTS = [v for v in kernel_isas() if v != _auto_isa()]
 
 
-def _pytest(variant: str, keyword: str, log: str) -> subprocess.Popen:
+def _pytest(variant: str, keyword: str, log: str) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES, "-k", keyword]
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, "ARMSERVE_ISA": variant}, stdout=out,
-                                stderr=subprocess.STDOUT)
+                                stderr=subprocess.STDOUT), log
+
+
+def _finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
+    try:
+        code = proc.wait(1500)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    with open(log) as f:
+        return code, f.read()
 
 
 @pytest.fixture(scope="module")
 def forced_runs(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
     """Per variant: (exit code, output) of its runs of FILES, without SAME_ON_EVERY_VARIANT."""
     tmp = tmp_path_factory.mktemp("forced-isa")
-    runs: dict[str, list[tuple[int, str]]] = {v: [] for v in VARIANTS}
-
-    def finish(variant: str, proc: subprocess.Popen, log: str) -> None:
-        try:
-            code = proc.wait(1500)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = proc.wait()
-        with open(log) as f:
-            runs[variant].append((code, f.read()))
-
     same = " or ".join(SAME_ON_EVERY_VARIANT)
-    side_by_side = {v: (_pytest(v, f"not ({same} or {TWO_THREADS})", str(tmp / f"{v}.log")), str(tmp / f"{v}.log"))
-                    for v in VARIANTS}
-    for v, (proc, log) in side_by_side.items():
-        finish(v, proc, log)
+    side_by_side = {v: _pytest(v, f"not ({same} or {TWO_THREADS})", str(tmp / f"{v}.log")) for v in VARIANTS}
+    runs = {v: [_finish(*started)] for v, started in side_by_side.items()}
     for v in VARIANTS:
-        log = str(tmp / f"{v}-{TWO_THREADS}.log")
-        finish(v, _pytest(v, TWO_THREADS, log), log)
+        runs[v].append(_finish(*_pytest(v, TWO_THREADS, str(tmp / f"{v}-{TWO_THREADS}.log"))))
     return runs
 
 
