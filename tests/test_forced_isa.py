@@ -20,10 +20,10 @@ from conftest import kernel_isas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILES = ["test_step_graph.py", "test_engine.py", "test_models.py"]
-# Tests of those files that no variant changes, so they run once, in the suite itself: argument,
-# config and loader checks (Python), the capture guard (Python), and csrc/graph.cpp's elementwise
-# ops (compiled once, with no ISA flags).
-SAME_ON_EVERY_VARIANT = [
+# Tests of those files that run once, in the suite itself: those no variant changes (argument,
+# config and loader checks and the capture guard, all Python; csrc/graph.cpp's elementwise ops,
+# compiled once with no ISA flags), and one whose every ISA path the forced runs check elsewhere.
+RUN_ONCE = [
     "test_add_bias_matches_torch", "test_mul_cols_matches_torch", "test_embedding_gathers_rows",
     "test_cast_rounds_like_torch", "test_argmax_matches_torch_with_ties_nans_and_signed_zeros",
     "test_capture_notes_pytorch_compute_and_refuses_to_replay", "test_enforce_eager_cli_flag",
@@ -31,6 +31,11 @@ SAME_ON_EVERY_VARIANT = [
     "test_bad_sampling_params_name_the_field", "test_bad_engine_arguments", "test_broken_model_folders",
     "test_chat_uses_the_template", "test_mistral_sliding_window_is_used", "test_gguf_load_prints_no_warnings",
     "test_gguf_file_is_parsed_once_per_load",
+    # Real Gemma 3 in float32 against transformers: each kernel it runs (attention at head_dim 256,
+    # GELU-tanh, sliding windows) is checked on every variant by test_kernels' `isa` fixture, a real
+    # model in float32 against transformers on every variant by SmolLM2's test, and the real
+    # Gemma 3 on every variant by its quantized perplexity test.
+    "test_gemma3_gguf_matches_transformers",
 ]
 
 
@@ -69,10 +74,11 @@ def _finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
 
 @pytest.fixture(scope="module")
 def forced_runs(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
-    """Per variant: (exit code, output) of its runs of FILES, without SAME_ON_EVERY_VARIANT."""
+    """Per variant: (exit code, output) of its runs of FILES without RUN_ONCE: all but the two-thread
+    replays, then those."""
     tmp = tmp_path_factory.mktemp("forced-isa")
-    same = " or ".join(SAME_ON_EVERY_VARIANT)
-    side_by_side = {v: _pytest(v, f"not ({same} or {TWO_THREADS})", str(tmp / f"{v}.log")) for v in VARIANTS}
+    once = " or ".join(RUN_ONCE)
+    side_by_side = {v: _pytest(v, f"not ({once} or {TWO_THREADS})", str(tmp / f"{v}.log")) for v in VARIANTS}
     runs = {v: [_finish(*started)] for v, started in side_by_side.items()}
     for v in VARIANTS:
         runs[v].append(_finish(*_pytest(v, TWO_THREADS, str(tmp / f"{v}-{TWO_THREADS}.log"))))
