@@ -3,6 +3,7 @@ Hugging Face checkpoints made with transformers for each architecture."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -47,6 +48,15 @@ def isa(request):
     kernels.select_isa(request.param)
     yield request.param
     kernels.select_isa(before)
+
+
+@functools.lru_cache(maxsize=1)
+def hf_model(folder: str):
+    """transformers' float32 model of `folder`, kept for the next call on the same folder (a test
+    compares several prompts against it; loading it for each took longer than generating)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def on_one_and_two_threads(fn):
@@ -326,3 +336,44 @@ def tiny_deepseek_checkpoints(tokenizer_dir: str) -> dict[str, str]:
             os.path.join(CACHE, "tiny-deepseek-v3"), "DeepseekV3ForCausalLM", tokenizer_dir, perturb_norms=True,
             q_lora_rank=32, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5, **TINY_MLA),
     }
+
+
+# ---- servers shared by the server test files (one of each for the session) ---------------------
+
+
+@pytest.fixture(scope="session")
+def server(tiny_llama, tmp_path_factory):
+    """`armserve serve` on the tiny checkpoint, default flags."""
+    from server_process import ServerProcess
+
+    srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.02"], str(tmp_path_factory.mktemp("srv") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def auth_server(tiny_llama, tmp_path_factory):
+    """API key from the environment, two served names and the DeepSeek-R1 reasoning parser."""
+    from server_process import API_KEY, ServerProcess
+
+    srv = ServerProcess(
+        tiny_llama,
+        ["--kv-cache-space", "0.02", "--served-model-name", "tiny", "tiny-alias", "--reasoning-parser", "deepseek_r1"],
+        str(tmp_path_factory.mktemp("auth") / "server.log"),
+        env={"ARMSERVE_API_KEY": API_KEY},
+    )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(smollm2_gguf, tmp_path_factory):
+    """The bundled SmolLM2 served as `smollm2` with the hermes tool parser: test_server's sensible
+    answers and test_server_tools' structured outputs and tools (plain chats ignore the parser)."""
+    from server_process import ServerProcess
+
+    srv = ServerProcess(smollm2_gguf, ["--kv-cache-space", "0.2", "--max-model-len", "2048", "--served-model-name",
+                                       "smollm2", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+                        str(tmp_path_factory.mktemp("smol") / "server.log"))
+    yield srv
+    srv.stop()

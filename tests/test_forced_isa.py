@@ -5,7 +5,7 @@ A forced variant stands for the CPUs it is built for in every decision (bf16 dot
 native bfloat16 and so `dtype="auto"`, matmul token limits, which steps replay from step graphs),
 so `ARMSERVE_ISA=avx2` on an AVX-512 machine runs what an AVX2-only CPU runs. The kernel tests
 already cover every variant through the `isa` fixture; these files pick the variant once, at
-import, like the engine does.
+import, like the engine does. Their tests that no variant can change run once, in the suite itself.
 """
 
 from __future__ import annotations
@@ -20,6 +20,30 @@ from conftest import kernel_isas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FILES = ["test_step_graph.py", "test_engine.py", "test_models.py"]
+# Tests of those files that run once, in the suite itself: those no variant changes (argument,
+# config and loader checks and the capture guard, all Python; csrc/graph.cpp's elementwise ops,
+# compiled once with no ISA flags), and one whose every ISA path the forced runs check elsewhere.
+RUN_ONCE = [
+    "test_add_bias_matches_torch", "test_mul_cols_matches_torch", "test_embedding_gathers_rows",
+    "test_cast_rounds_like_torch", "test_argmax_matches_torch_with_ties_nans_and_signed_zeros",
+    "test_capture_notes_pytorch_compute_and_refuses_to_replay", "test_enforce_eager_cli_flag",
+    "test_bad_requests_are_refused_and_engine_keeps_working", "test_request_larger_than_the_whole_cache_is_refused",
+    "test_bad_sampling_params_name_the_field", "test_bad_engine_arguments", "test_broken_model_folders",
+    "test_chat_uses_the_template", "test_mistral_sliding_window_is_used", "test_gguf_load_prints_no_warnings",
+    "test_gguf_file_is_parsed_once_per_load",
+    # Real Gemma 3 in float32 against transformers: each kernel it runs (attention at head_dim 256,
+    # GELU-tanh, sliding windows) is checked on every variant by test_kernels' `isa` fixture, a real
+    # model in float32 against transformers on every variant by SmolLM2's test, and the real
+    # Gemma 3 on every variant by its quantized perplexity test.
+    "test_gemma3_gguf_matches_transformers",
+]
+
+
+# NOTE: each variant's run is one process on one thread (conftest), so the variants run side by
+# side on a machine's two cores; the two-thread replays (test_step_graph) wait until they are all
+# done and then run one variant at a time, since a two-thread team next to another process would
+# measure nothing but the contention.
+TWO_THREADS = "two_threads"
 
 
 def _auto_isa() -> str:
@@ -28,13 +52,45 @@ def _auto_isa() -> str:
     return kernels.isa()
 
 
-@pytest.mark.parametrize("variant", [v for v in kernel_isas() if v != _auto_isa()])
-def test_isa_sensitive_files_pass_with_variant_forced(variant):
+VARIANTS = [v for v in kernel_isas() if v != _auto_isa()]
+
+
+def _pytest(variant: str, keyword: str, log: str) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES, "-k", keyword]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, "ARMSERVE_ISA": variant}, stdout=out,
+                                stderr=subprocess.STDOUT), log
+
+
+def _finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
+    try:
+        code = proc.wait(1500)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+    with open(log) as f:
+        return code, f.read()
+
+
+@pytest.fixture(scope="module")
+def forced_runs(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
+    """Per variant: (exit code, output) of its runs of FILES without RUN_ONCE: all but the two-thread
+    replays, then those."""
+    tmp = tmp_path_factory.mktemp("forced-isa")
+    once = " or ".join(RUN_ONCE)
+    side_by_side = {v: _pytest(v, f"not ({once} or {TWO_THREADS})", str(tmp / f"{v}.log")) for v in VARIANTS}
+    runs = {v: [_finish(*started)] for v, started in side_by_side.items()}
+    for v in VARIANTS:
+        runs[v].append(_finish(*_pytest(v, TWO_THREADS, str(tmp / f"{v}-{TWO_THREADS}.log"))))
+    return runs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_isa_sensitive_files_pass_with_variant_forced(forced_runs, variant):
+    for code, output in forced_runs[variant]:
+        tail = "\n".join(output.splitlines()[-40:])
+        assert code == 0, f"ARMSERVE_ISA={variant} pytest {' '.join(FILES)} failed:\n{tail}"
     env = {**os.environ, "ARMSERVE_ISA": variant}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES]
-    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=1500)
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-    assert proc.returncode == 0, f"ARMSERVE_ISA={variant} pytest {' '.join(FILES)} failed:\n{tail}"
     # The forced variant was really the one used (kernels raises on an unknown or unsupported name).
     check = subprocess.run([sys.executable, "-c", "from armserve import kernels; print(kernels.isa())"], env=env,
                            capture_output=True, text=True, timeout=300)

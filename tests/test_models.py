@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams
+from conftest import hf_model
 
 PROMPTS = [
     "The capital of France is",
@@ -20,9 +21,7 @@ TOP = 5
 
 def hf_greedy(folder: str, prompt_ids: list[int], num_tokens: int):
     """transformers' greedy tokens and the log-softmax of its logits at each step."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_model(folder)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),

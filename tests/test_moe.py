@@ -15,7 +15,7 @@ from armserve.kernels.reference import fused_moe_ref
 from armserve.layers.fused_moe import fused_experts, kernel_experts, select_experts
 from armserve.quantization import QuantizedLinear, kernel_scales, quantize_weight, quantize_weight_int8
 from armserve.models.llama import LlamaMLP
-from conftest import CACHE, assert_next_token_logprobs_close, make_tiny_checkpoint
+from conftest import CACHE, assert_next_token_logprobs_close, hf_model, make_tiny_checkpoint
 
 H, I, E = 64, 96, 6
 
@@ -140,9 +140,7 @@ N = 32
 
 
 def hf_greedy(folder: str, ids: list[int]) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = hf_model(folder)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                              max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)

@@ -49,13 +49,19 @@ def ov_smollm2(smollm2_hf_reference):
     return LLM(smollm2_hf_reference, backend="openvino", dtype="float32", kv_cache_space=0.5)
 
 
-def test_greedy_float32_equals_torch_backend_and_transformers(ov_smollm2, smollm2_hf_reference):
+@pytest.fixture(scope="module")
+def torch_smollm2(smollm2_hf_reference):
+    """The same folder on the torch backend: the reference the openvino outputs must equal."""
+    return LLM(smollm2_hf_reference, dtype="float32", kv_cache_space=0.5)
+
+
+def test_greedy_float32_equals_torch_backend_and_transformers(ov_smollm2, torch_smollm2, smollm2_hf_reference):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in ov_smollm2.generate(PROMPTS, p, use_tqdm=False)]
-    ref = LLM(smollm2_hf_reference, dtype="float32", kv_cache_space=0.5)
+    ref = torch_smollm2
     want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, p, use_tqdm=False)]
     assert got == want
     tok = AutoTokenizer.from_pretrained(smollm2_hf_reference)
@@ -69,10 +75,10 @@ def test_greedy_float32_equals_torch_backend_and_transformers(ov_smollm2, smollm
         assert x[0, -32:].tolist() == ids, prompt
 
 
-def test_sampling_params_match_the_torch_backend(ov_smollm2, smollm2_hf_reference):
+def test_sampling_params_match_the_torch_backend(ov_smollm2, torch_smollm2):
     """Greedy with penalties, min_tokens, stop strings and stop ids: the same tokens, text and
     finish reasons as the torch backend; the chosen token's logprob within float noise."""
-    ref = LLM(smollm2_hf_reference, dtype="float32", kv_cache_space=0.5)
+    ref = torch_smollm2
     msgs = [{"role": "user", "content": "Say hi."}]
     for p in [SamplingParams(temperature=0, max_tokens=40, logprobs=0),
               SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[282]),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -16,102 +15,12 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from server_process import API_KEY, ServerProcess, free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# ---- fixtures (`server` and `auth_server`: conftest.py, one of each for the session) -----------
 
-
-class ServerProcess:
-    """`armserve serve MODEL ...` on 127.0.0.1; `.url`, `.base_url` (/v1) and `.log()`."""
-
-    def __init__(self, model: str, args: list[str], log_path: str, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.base_url = f"{self.url}/v1"
-        self.log_path = log_path
-        full_env = dict(os.environ)
-        full_env.update({"OMP_NUM_THREADS": "1", "ARMSERVE_LOG_STATS_INTERVAL": "0.2"})
-        full_env.pop("ARMSERVE_API_KEY", None)
-        full_env.update(env or {})
-        # NOTE: one thread per server: the machine has 2 shared cores (see conftest).
-        code = "import sys, torch; torch.set_num_threads(1); from armserve.cli import main; sys.exit(main())"
-        cmd = [sys.executable, "-c", code, "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not become healthy:\n{self.log()[-3000:]}")
-            time.sleep(0.3)
-
-    def log(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def metrics(self, per_engine: bool = False) -> dict[str, float]:
-        """Prometheus samples of the `armserve:` and `vllm:` metrics, keyed by name plus sorted labels;
-        summed over data-parallel engines unless `per_engine` (then `engine` is a key label too)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if not line.startswith(("armserve:", "vllm:")):
-                continue
-            m = re.match(r"^([^{ ]+)(\{.*\})? (\S+)$", line)
-            assert m, line
-            name, labels, value = m.groups()
-            extra = [kv for kv in re.findall(r'(\w+="[^"]*")', labels or "")
-                     if not kv.startswith("model_name=") and (per_engine or not kv.startswith("engine="))]
-            key = name + (("{" + ",".join(sorted(extra)) + "}") if extra else "")
-            out[key] = out.get(key, 0.0) + float(value)
-        return out
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
-
-
-# ---- fixtures ----------------------------------------------------------------------------------
-
-API_KEY = "test-secret-key"
 MAX_MODEL_LEN = 512  # the tiny checkpoint's max_position_embeddings
 HELLO = [{"role": "user", "content": "Hello! Tell me a story."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama, tmp_path_factory):
-    srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.02"], str(tmp_path_factory.mktemp("srv") / "server.log"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def auth_server(tiny_llama, tmp_path_factory):
-    """API key from the environment, two served names and the DeepSeek-R1 reasoning parser."""
-    srv = ServerProcess(
-        tiny_llama,
-        ["--kv-cache-space", "0.02", "--served-model-name", "tiny", "tiny-alias", "--reasoning-parser", "deepseek_r1"],
-        str(tmp_path_factory.mktemp("auth") / "server.log"),
-        env={"ARMSERVE_API_KEY": API_KEY},
-    )
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
@@ -625,27 +534,22 @@ def test_chat_cli(server):
 # ---- the real model ----------------------------------------------------------------------------
 
 
-def test_smollm2_answers_sensibly(smollm2_gguf, tmp_path):
-    srv = ServerProcess(smollm2_gguf, ["--kv-cache-space", "0.1", "--max-model-len", "1024",
-                                       "--served-model-name", "smollm2"], str(tmp_path / "smollm2.log"))
-    try:
-        client = OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
-        # A completion with a wide margin: greedy chat answers of a 135M int4 model flip easily.
-        c = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
-                                      temperature=0)
-        assert c.choices[0].text.startswith(" Paris"), c.choices[0].text
-        r = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Which city is the capital of France?"}],
-            max_tokens=32, temperature=0)
-        answer = r.choices[0].message.content
-        assert answer.strip(), answer
-        assert r.choices[0].finish_reason in ("stop", "length")
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Which city is the capital of France?"}],
-            max_tokens=32, temperature=0, stream=True) if c.choices)
-        assert streamed == answer
-    finally:
-        srv.stop()
+def test_smollm2_answers_sensibly(smollm2_server):
+    client = OpenAI(base_url=smollm2_server.base_url, api_key="unused", max_retries=0, timeout=300)
+    # A completion with a wide margin: greedy chat answers of a 135M int4 model flip easily.
+    c = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4,
+                                  temperature=0)
+    assert c.choices[0].text.startswith(" Paris"), c.choices[0].text
+    r = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        max_tokens=32, temperature=0)
+    answer = r.choices[0].message.content
+    assert answer.strip(), answer
+    assert r.choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+        max_tokens=32, temperature=0, stream=True) if c.choices)
+    assert streamed == answer
 
 
 def test_tools_with_auto_choice_need_the_server_flag(server):

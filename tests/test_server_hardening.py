@@ -25,7 +25,7 @@ import psutil
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from test_server import HELLO, MAX_MODEL_LEN, ServerProcess, auth_server, server  # noqa: F401
+from test_server import HELLO, MAX_MODEL_LEN, ServerProcess
 
 pytestmark = pytest.mark.needs_model
 
@@ -91,12 +91,18 @@ def _clen(reply: bytes) -> int:
 # ---- admission control ----------------------------------------------------------------------
 
 
+CORS_ORIGIN = "http://app.example"
+CORS_FLAGS = ["--allowed-origins", CORS_ORIGIN, "--allow-credentials", "--allowed-methods", "GET", "POST",
+              "--allowed-headers", "authorization", "content-type"]
+
+
 @pytest.fixture(scope="module")
 def small_queue_server(tiny_llama, tmp_path_factory):
-    """Two running slots and a queue of two: the fifth concurrent request must be refused."""
+    """Two running slots and a queue of two: the fifth concurrent request must be refused. Also the
+    CORS test's flags (they act only on requests with an Origin, which the others never send)."""
     srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.002", "--max-num-seqs", "2", "--max-waiting-requests", "2",
                                      "--max-request-body-bytes", "1000000", "--body-read-timeout", "1",
-                                     "--header-read-timeout", "1"],
+                                     "--header-read-timeout", "1", *CORS_FLAGS],
                         str(tmp_path_factory.mktemp("admission") / "server.log"))
     yield srv
     srv.stop()
@@ -265,28 +271,23 @@ def test_cors_default_never_echoes_an_origin_with_credentials(server):
     assert r.headers.get("access-control-allow-credentials") is None
 
 
-def test_cors_flags_allow_credentials_for_listed_origins_only(tiny_llama, tmp_path):
-    good, evil = "http://app.example", "http://evil.example"
-    srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.02", "--allowed-origins", good, "--allow-credentials",
-                                     "--allowed-methods", "GET", "POST", "--allowed-headers", "authorization",
-                                     "content-type"], str(tmp_path / "server.log"))
-    try:
-        ok = httpx.options(f"{srv.base_url}/chat/completions", timeout=10, headers={
-            "Origin": good, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
-        assert ok.status_code == 200
-        assert ok.headers["access-control-allow-origin"] == good
-        assert ok.headers["access-control-allow-credentials"] == "true"
-        bad = httpx.options(f"{srv.base_url}/chat/completions", timeout=10, headers={
-            "Origin": evil, "Access-Control-Request-Method": "POST"})
-        assert bad.status_code == 400
-        assert bad.headers.get("access-control-allow-origin") != evil
-        method = httpx.options(f"{srv.base_url}/chat/completions", timeout=10, headers={
-            "Origin": good, "Access-Control-Request-Method": "DELETE"})
-        assert method.status_code == 400
-        r = httpx.get(f"{srv.base_url}/models", headers={"Origin": evil}, timeout=10)
-        assert r.headers.get("access-control-allow-origin") is None
-    finally:
-        srv.stop()
+def test_cors_flags_allow_credentials_for_listed_origins_only(tiny_llama, small_queue_server):
+    good, evil = CORS_ORIGIN, "http://evil.example"
+    srv = small_queue_server  # started with CORS_FLAGS
+    ok = httpx.options(f"{srv.base_url}/chat/completions", timeout=10, headers={
+        "Origin": good, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+    assert ok.status_code == 200
+    assert ok.headers["access-control-allow-origin"] == good
+    assert ok.headers["access-control-allow-credentials"] == "true"
+    bad = httpx.options(f"{srv.base_url}/chat/completions", timeout=10, headers={
+        "Origin": evil, "Access-Control-Request-Method": "POST"})
+    assert bad.status_code == 400
+    assert bad.headers.get("access-control-allow-origin") != evil
+    method = httpx.options(f"{srv.base_url}/chat/completions", timeout=10, headers={
+        "Origin": good, "Access-Control-Request-Method": "DELETE"})
+    assert method.status_code == 400
+    r = httpx.get(f"{srv.base_url}/models", headers={"Origin": evil}, timeout=10)
+    assert r.headers.get("access-control-allow-origin") is None
     # '*' with credentials is refused at start-up, before loading anything
     bad = subprocess.run([sys.executable, "-m", "armserve.cli", "serve", tiny_llama, "--port", "0",
                           "--allow-credentials"], capture_output=True, text=True, timeout=120)

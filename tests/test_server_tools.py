@@ -41,12 +41,9 @@ PARIS = [{"role": "user", "content": "What's the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def smol(smollm2_gguf, tmp_path_factory):
-    srv = ServerProcess(smollm2_gguf, ["--kv-cache-space", "0.2", "--max-model-len", "2048",
-                                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
-                        str(tmp_path_factory.mktemp("smol") / "server.log"))
-    yield srv
-    srv.stop()
+def smol(smollm2_server):
+    """SmolLM2 with the hermes parser (conftest.py: shared with test_server's SmolLM2 test)."""
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

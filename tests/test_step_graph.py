@@ -197,39 +197,55 @@ def test_bucketed_graph_steps_pad_and_equal_eager(qwen2_biased):
 
 
 TEAM_SCRIPT = """
-import json, sys, torch
+import json, sys, traceback, torch
 from armserve import LLM, kernels
 sys.path.insert(0, sys.argv[1])
 import test_step_graph as t
-model, kw = sys.argv[2], json.loads(sys.argv[3])
 assert torch.get_num_threads() == 2, torch.get_num_threads()
-eager, graph, llm = t.eager_and_graph(model, [1, 3, 11], **kw)
-print(json.dumps({"equal": graph == eager, "replays": llm.llm_engine.runner.graphs.replays,
-                  "team": kernels.capture.graph_team_replays()}))
+res = {}
+for case, (model, kw) in json.loads(sys.argv[2]).items():
+    try:
+        team = kernels.capture.graph_team_replays()
+        eager, graph, llm = t.eager_and_graph(model, [1, 3, 11], **kw)
+        res[case] = {"equal": graph == eager, "replays": llm.llm_engine.runner.graphs.replays,
+                     "team": kernels.capture.graph_team_replays() - team}
+        del llm
+    except Exception:
+        res[case] = {"error": traceback.format_exc()[-3000:]}
+print(json.dumps(res))
 """
+TEAM_CASES = ["bf16", "float32", "int8-cache", "w4a8"]
 
 
-@pytest.mark.parametrize("case", ["bf16", "float32", "int8-cache", "w4a8"])
-def test_graph_steps_on_two_threads_replay_as_one_region(tiny_checkpoints, qwen2_biased, tiny_llama, tmp_path, case):
-    # (a fresh process: the suite runs on one thread, and a replay on one thread makes no region)
+@pytest.fixture(scope="module")
+def w4a8_tiny(tiny_llama, tmp_path_factory) -> str:
+    from armserve.quantization.quantize import quantize_model
+
+    out = str(tmp_path_factory.mktemp("w4a8") / "w4a8")
+    quantize_model(tiny_llama, out, group_size=32, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_thread_runs(tiny_checkpoints, qwen2_biased, w4a8_tiny) -> dict:
+    """Every case of the test below in one fresh process on two threads (the suite runs on one, and
+    a replay on one thread makes no region): one interpreter and torch import instead of four."""
     import json
     import subprocess
     import sys
 
-    model, kw = qwen2_biased, {}
-    if case == "float32":
-        model, kw = tiny_checkpoints["llama"], {"dtype": "float32"}
-    elif case == "int8-cache":
-        kw = {"kv_cache_dtype": "int8"}
-    elif case == "w4a8":
-        from armserve.quantization.quantize import quantize_model
-
-        model = str(tmp_path / "w4a8")
-        quantize_model(tiny_llama, model, group_size=32, progress=False)
-    out = subprocess.run([sys.executable, "-c", TEAM_SCRIPT, os.path.dirname(__file__), model, json.dumps(kw)],
-                         env=dict(os.environ, OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=600)
+    cases = {"bf16": (qwen2_biased, {}), "float32": (tiny_checkpoints["llama"], {"dtype": "float32"}),
+             "int8-cache": (qwen2_biased, {"kv_cache_dtype": "int8"}), "w4a8": (w4a8_tiny, {})}
+    out = subprocess.run([sys.executable, "-c", TEAM_SCRIPT, os.path.dirname(__file__), json.dumps(cases)],
+                         env=dict(os.environ, OMP_NUM_THREADS="2"), capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", TEAM_CASES)
+def test_graph_steps_on_two_threads_replay_as_one_region(two_thread_runs, case):
+    res = two_thread_runs[case]
+    assert "error" not in res, res.get("error")
     assert res["equal"], "replayed steps on two threads differ from eager ones"
     assert res["replays"] > 20 and res["team"] >= res["replays"], res
 
@@ -249,12 +265,8 @@ def test_graph_steps_equal_eager_int8_cache_with_key_smoothing(qwen2_biased):
     assert graph == eager and llm.llm_engine.runner.graphs.replays > 20
 
 
-def test_graph_steps_equal_eager_quantized(tiny_llama, tmp_path):
-    from armserve.quantization.quantize import quantize_model
-
-    out = str(tmp_path / "w4a8")
-    quantize_model(tiny_llama, out, group_size=32, progress=False)
-    eager, graph, llm = eager_and_graph(out, [1, 6])  # quantized layers replay at any batch size
+def test_graph_steps_equal_eager_quantized(w4a8_tiny):
+    eager, graph, llm = eager_and_graph(w4a8_tiny, [1, 6])  # quantized layers replay at any batch size
     assert graph == eager and set(llm.llm_engine.runner.graphs.graphs) == {1, 6}
 
 
