@@ -29,6 +29,19 @@ def test_latency_prompts_have_exactly_the_asked_length(tokenizer_dir, n):
     assert len(ids) == n and all(0 <= i < len(tok) for i in ids)
 
 
+def test_bench_latency_threads_flag_sets_the_engines_threads(tiny_llama, tmp_path):
+    """`--threads N` is the engine's thread count, not overridden by the engine's own choice (one
+    per physical core) when OMP_NUM_THREADS is unset."""
+    out = tmp_path / "lat.json"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    r = subprocess.run([sys.executable, "-m", "armserve.cli", "bench", "latency", "--model", tiny_llama, *ENGINE,
+                        "--threads", "1", "--input-lens", "5", "--output-len", "2", "--num-iters", "1",
+                        "--num-iters-warmup", "0", "--output-json", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["threads"] == 1
+
+
 def test_bench_latency_end_to_end(tiny_llama, tmp_path):
     out = tmp_path / "lat.json"
     r = run_bench("latency", "--model", tiny_llama, *ENGINE, "--input-lens", "5,40", "--output-len", "6",

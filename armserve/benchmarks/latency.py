@@ -48,6 +48,8 @@ def main(args: argparse.Namespace) -> int:
     from armserve.sampling_params import SamplingParams
 
     if args.threads:
+        # the engine keeps its own thread count unless OMP_NUM_THREADS names one (cpu.init_threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
     input_lens = [int(x) for x in args.input_lens.split(",") if x.strip()]
     if not input_lens or min(input_lens) < 1:

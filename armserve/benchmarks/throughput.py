@@ -42,6 +42,8 @@ def main(args: argparse.Namespace) -> int:
     from armserve.sampling_params import SamplingParams
 
     if args.threads:
+        # the engine keeps its own thread count unless OMP_NUM_THREADS names one (cpu.init_threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
     model = args.model or bundled_model_path()
     llm = LLM(model, **engine_kwargs(args))
