@@ -93,6 +93,24 @@ def test_tp2_phi3_equals_tp1(tokenizer_dir):
     assert a2.num_heads == a1.num_heads // 2
 
 
+def test_tp2_gemma3_equals_tp1(tokenizer_dir):
+    """Gemma 3 (scaled embedding split by vocabulary, (1 + w) q/k norms per head, sliding and global
+    layers, GELU-tanh MLP split by width): the same greedy tokens as TP=1, one KV head per rank."""
+    from conftest import CACHE, make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(
+        os.path.join(CACHE, "tiny-gemma3-2kv"), "Gemma3ForCausalLM", tokenizer_dir, perturb_norms=True,
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})
+    one, two = tp_pair(folder)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(one.get_tokenizer())]
+    assert token_lists(two.generate(prompts, GREEDY, use_tqdm=False)) == \
+        token_lists(one.generate(prompts, GREEDY, use_tqdm=False))
+    assert two.llm_engine.model.layers[0].self_attn.num_kv_heads == 1
+
+
 def test_tp2_chunked_prefill_preemption_and_prefix_caching(tiny_llama):
     """Under TP=2: prompts chunked into 16-token steps through a 10-block cache (preempting)
     give the tokens each prompt gets alone at TP=1; prefix-cache hits change nothing either."""

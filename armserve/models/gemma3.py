@@ -84,7 +84,6 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     }
     gguf_permuted_qk = False
     gguf_norm_offset = 1.0  # llama.cpp's converter stores Gemma's norm weights as 1 + w
-    supports_tp = False  # not tested under tensor parallelism yet
 
     def __init__(self, config) -> None:
         super().__init__(config)
