@@ -255,3 +255,11 @@ class EngineConfig:
             )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(OFFLINE_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+
+
+def check_engine_args(engine_args: dict) -> None:
+    """A TypeError naming any engine argument EngineConfig does not know (before anything loads)."""
+    known = set(EngineConfig.__dataclass_fields__) - {"model"}  # type: ignore[attr-defined]
+    unknown = set(engine_args) - known
+    if unknown:
+        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")

@@ -6,7 +6,7 @@ import time
 from typing import Any, Sequence
 
 from armserve.prompts import render_chat
-from armserve.config import EngineConfig
+from armserve.config import EngineConfig, check_engine_args
 from armserve.engine.input_processor import PromptType
 from armserve.engine.llm_engine import LLMEngine
 from armserve.outputs import RequestOutput
@@ -25,12 +25,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
-        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)  # type: ignore[attr-defined]
-        if unknown:
-            raise TypeError(
-                f"unknown engine argument(s): {', '.join(sorted(unknown))}; "
-                f"known: {', '.join(sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model'))}"
-            )
+        check_engine_args(engine_args)
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def get_tokenizer(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -26,7 +27,7 @@ import numpy as np
 from armserve.benchmarks.datasets import (SampleRequest, ServerTokenizer, file_requests, load_local_tokenizer,
                                           random_requests)
 from armserve.benchmarks.metrics import (LATENCY_METRICS, METRIC_NAMES, RequestResult, calculate_metrics,
-                                         parse_percentiles, parse_slo)
+                                         parse_percentiles, parse_slo, percentile_key)
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
@@ -166,7 +167,7 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, requests
     url = base_url.rstrip("/") + ENDPOINTS[backend]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     rng = np.random.default_rng(seed)
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = None
     if show_progress:
         from tqdm.auto import tqdm
@@ -181,11 +182,8 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, requests
                                      read_bufsize=1 << 20) as session:
         async def one(req: SampleRequest) -> RequestResult:
             payload = build_payload(backend, model, req, ignore_eos, extra_body)
-            if sem is None:
+            async with sem:
                 res = await send_request(session, url, payload, req.prompt_len, headers, count_tokens)
-            else:
-                async with sem:
-                    res = await send_request(session, url, payload, req.prompt_len, headers, count_tokens)
             if bar is not None:
                 bar.update(1)
             return res
@@ -248,8 +246,7 @@ def format_summary(m: dict[str, Any], rate: float, concurrency: int | None, burs
         row(f"Mean {tag} (ms):", m[f"mean_{name}_ms"])
         row(f"Median {tag} (ms):", m[f"median_{name}_ms"])
         for p in percentiles:
-            key = f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
-            row(f"P{p:g} {tag} (ms):", m[f"{key}_{name}_ms"])
+            row(f"P{p:g} {tag} (ms):", m[f"{percentile_key(p)}_{name}_ms"])
     if extra:
         lines.append(" Roofline ".center(w, "-"))
         for k, v in extra.items():

@@ -13,11 +13,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from armserve.sampling_params import SamplingParams, StructuredOutputsParams
+from armserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("armserve")
 
-MAX_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # torch generators take 64-bit seeds; n > 1 adds i
 
 
@@ -81,8 +80,7 @@ def tool_parameters(fn: FunctionDefinition) -> dict[str, Any]:
     return fn.parameters or {"type": "object", "properties": {}}
 
 
-def structured_from_response_format(rf: dict[str, Any] | None, field: str = "response_format") -> \
-        StructuredOutputsParams | None:
+def structured_from_response_format(rf: dict[str, Any] | None) -> StructuredOutputsParams | None:
     """OpenAI's response_format (chat) / text.format (responses) as StructuredOutputsParams."""
     if not rf:
         return None
@@ -96,9 +94,15 @@ def structured_from_response_format(rf: dict[str, Any] | None, field: str = "res
         spec = rf.get("json_schema", rf)
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise ValueError(f"{field}: json_schema needs a 'schema' object")
+            raise ValueError("response_format: json_schema needs a 'schema' object")
         return StructuredOutputsParams(json=schema)
-    raise ValueError(f"{field}: type {kind!r} is not supported; use text, json_object or json_schema")
+    raise ValueError(f"response_format: type {kind!r} is not supported; use text, json_object or json_schema")
+
+
+# Request fields that are SamplingParams fields of the same name and meaning.
+_PASSED_TO_SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
+                       "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -166,30 +170,11 @@ class _SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises `SamplingParamsError` naming the bad field."""
-        return SamplingParams(
-            n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            # None: the engine generates up to max_model_len - prompt length.
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            structured_outputs=self.structured(),
-        )
+        """Raises `SamplingParamsError` naming the bad field. A field left out or null takes
+        SamplingParams' default; max_tokens None: the engine generates up to max_model_len."""
+        given = {f: v for f in _PASSED_TO_SAMPLING if (v := getattr(self, f)) is not None}
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              structured_outputs=self.structured())
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -381,20 +366,11 @@ class ResponsesRequest(OpenAIBaseModel):
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
             choice = {"type": "function", "function": {"name": choice["name"]}}
-        fmt = (self.text or {}).get("format")
         return ChatCompletionRequest(
             model=self.model, messages=self.messages(), tools=tools or None, tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p,
-            response_format=structured_response_format(fmt))
-
-
-def structured_response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The Responses API's flat text.format as chat's response_format."""
-    if not fmt or fmt.get("type") != "json_schema":
-        return fmt
-    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),
-                                                   "strict": fmt.get("strict")}}
+            response_format=(self.text or {}).get("format"))
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -275,14 +275,22 @@ class OpenAIServing:
         except PromptError as e:
             raise APIError(str(e), 400, "messages") from None
 
-    def tool_setup(self, body: ChatCompletionRequest, params: SamplingParams) -> tuple[str, list[dict[str, Any]] | None]:
-        """A chat request's tool mode (tool_mode) and its tools as the template takes them."""
+    async def submit_chat(self, body: ChatCompletionRequest, raw: Request, rid: str, prompt_param: str = "messages",
+                          max_param: str = "max_tokens") -> tuple[SamplingParams, RequestStream, int, tuple[str, str | None]]:
+        """A chat request rendered, checked and sent to the engine: its sampling parameters, its
+        stream, its prompt's length and its tool mode (tool_mode) with the forced function's name."""
+        params = body.to_sampling_params()
         mode = self.tool_mode(body.effective_tool_choice, bool(body.tools))
         if mode == "auto":
             # NOTE: the parser needs the call markers, which some tokenizers (Qwen's from GGUF) count
             # as special tokens and would drop from the text (vLLM's parsers do the same).
             params.skip_special_tokens = False
-        return mode, [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        request = await self.prepare(raw, lambda tok: self.process(rid, self.render_chat(
+            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
+            body.chat_template_kwargs, tools, tok), params, prompt_param, max_param))
+        stream = await self.submit(request)
+        return params, stream, len(request.prompt_token_ids), (mode, body.forced_function)
 
     def tool_mode(self, tool_choice: str | dict[str, Any], has_tools: bool, param: str = "tool_choice") -> str:
         """How tool calls come out: "named" / "required" (forced by the grammar), "auto" (parsed

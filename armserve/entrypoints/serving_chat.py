@@ -40,17 +40,10 @@ class OpenAIServingChat:
         """POST /v1/chat/completions: one JSON response, or SSE chunks when `stream`."""
         body.warn_ignored_fields()
         model = self.serving.model_name(body.model)
-        params = body.to_sampling_params()
-        mode, tools = self.serving.tool_setup(body, params)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        request = await self.serving.prepare(raw, lambda tok: self.serving.process(rid, self.serving.render_chat(
-            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
-            body.chat_template_kwargs, tools, tok), params, "messages", max_param))
-        stream = await self.serving.submit(request)
-        num_prompt = len(request.prompt_token_ids)
+        params, stream, num_prompt, tool = await self.serving.submit_chat(body, raw, rid, "messages", max_param)
         created = int(time.time())
-        tool = (mode, body.forced_function)
         if body.stream:
             opts = body.stream_options
             return EngineStreamingResponse(
