@@ -96,9 +96,6 @@ def load_or_measure(path: str | None, threads: int | None = None) -> dict[str, A
     return roof
 
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
-
-
 def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
     """Bytes of weights one decode step reads for one model: every weight except an untied input
     embedding (a step reads one row of it).
@@ -106,6 +103,9 @@ def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
     `path` is an HF folder (safetensors) or a GGUF file. `dtype` is the dtype the engine computes in;
     None counts the bytes as stored (right for llama.cpp, which runs a GGUF as it is).
     """
+    from armserve.config import resolve_dtype
+
+    itemsize = resolve_dtype(dtype).itemsize if dtype is not None else None
     path = os.path.expanduser(path)
     sizes: dict[str, tuple[int, int]] = {}  # name -> (elements, bytes as stored)
     if path.endswith(".gguf") and os.path.isfile(path):
@@ -130,7 +130,7 @@ def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
                     sizes[name] = (numel, numel * stored)
         embedding, head = "embed_tokens.weight", "lm_head.weight"
     untied = head in sizes
-    return sum(stored if dtype is None else numel * _DTYPE_BYTES[dtype]
+    return sum(stored if itemsize is None else numel * itemsize
                for name, (numel, stored) in sizes.items() if not (untied and name.endswith(embedding)))
 
 

@@ -28,6 +28,7 @@ from armserve.benchmarks.datasets import (SampleRequest, ServerTokenizer, file_r
                                           random_requests)
 from armserve.benchmarks.metrics import (LATENCY_METRICS, METRIC_NAMES, RequestResult, calculate_metrics,
                                          parse_percentiles, parse_slo, percentile_key)
+from armserve.entrypoints.chat_client import ChatClientError, first_model
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
@@ -320,14 +321,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _first_model(base_url: str, api_key: str | None) -> str | None:
-    import httpx
-
     try:
-        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30,
-                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
-        data = r.json().get("data") or []
-        return data[0]["id"] if data else None
-    except (httpx.HTTPError, ValueError, KeyError):
+        return first_model(base_url.rstrip("/") + "/v1", api_key)
+    except (ChatClientError, OSError, ValueError, KeyError):
         return None
 
 
@@ -361,8 +357,7 @@ def main(args: argparse.Namespace) -> int:
     if args.dataset_name == "file":
         if not args.dataset_path:
             raise ValueError("--dataset-name file needs --dataset-path")
-        requests = file_requests(tok, args.dataset_path, args.num_prompts + 1, args.output_len, args.input_len,
-                                 args.seed)
+        requests = file_requests(tok, args.dataset_path, args.num_prompts + 1, args.output_len, args.input_len)
     else:
         requests = random_requests(tok, args.num_prompts + 1, args.input_len or 128, args.output_len,
                                    args.random_range_ratio, args.random_prefix_len, args.seed)

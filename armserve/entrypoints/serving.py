@@ -1,13 +1,7 @@
-"""The serving base every endpoint shares: request parsing, model names, chat rendering, the engine
-request (the engine's input processor, its refusals as 400s), tool setup, and the response
-helpers (SSE, usage, reading a stream to its end).
-
-One request's path: validate the body (pydantic) -> `SamplingParams` -> prompt token ids
-(chat template or tokenizer) -> `process` (engine/input_processor.py: checks, n fan-out) ->
-`AsyncLLM.add_processed_request` (engine errors become 400s before any byte is sent) -> either
-collect the deltas into one response or stream them as SSE chunks ending in `data: [DONE]`. The
-endpoints: serving_chat.py (/v1/chat/completions), serving_completion.py (/v1/completions),
-serving_responses.py (/v1/responses).
+"""The serving base every endpoint (serving_chat.py, serving_completion.py, serving_responses.py)
+shares: request parsing, model names, chat rendering, the engine request (the engine's input
+processor, its refusals as 400s before any byte is sent), tool setup, and the response helpers
+(SSE, usage, reading a stream to its end).
 """
 
 from __future__ import annotations
@@ -17,8 +11,9 @@ import copy
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -67,10 +62,11 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 class EngineStreamingResponse(StreamingResponse):
-    """An SSE response that closes its engine streams however the response ends.
+    """An SSE response that closes its engine streams however the response ends (the body
+    generators leave that to it).
 
     NOTE: if the client disconnects before the body generator even starts, the generator's
-    own `finally` never runs; closing here still aborts the requests and frees their blocks.
+    own `finally` would never run; closing here still aborts the requests and frees their blocks.
     """
 
     def __init__(self, content: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
@@ -202,8 +198,16 @@ class OpenAIServing:
         return APIError(f"This model's maximum context length is {self.engine.max_model_len} tokens, but {but}",
                         400, param, "context_length_exceeded")
 
-    def too_long(self, e: PromptTooLongError, param: str) -> APIError:
-        return self.context_error(f"the prompt has at least {e.num_tokens} tokens. Shorten the prompt.", param)
+    @contextmanager
+    def prompt_errors(self, param: str) -> Iterator[None]:
+        """A PromptError inside as a 400 naming `param` (context_length_exceeded if too long)."""
+        try:
+            yield
+        except PromptTooLongError as e:
+            raise self.context_error(f"the prompt has at least {e.num_tokens} tokens. Shorten the prompt.",
+                                     param) from None
+        except PromptError as e:
+            raise APIError(str(e), 400, param) from None
 
     def process(self, request_id: str, ids: list[int], params: SamplingParams, prompt_param: str,
                 max_param: str = "max_tokens", text: str | None = None) -> EngineCoreRequest:
@@ -265,15 +269,11 @@ class OpenAIServing:
             raise APIError("this model has no chat template; start the server with --chat-template "
                            "or use /v1/completions", 400, "messages")
         convo = [m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m for m in messages]
-        try:
+        with self.prompt_errors("messages"):
             return render_chat(tokenizer, convo, tools=tools, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
                                chat_template_kwargs=chat_template_kwargs,
                                max_tokens=self.engine.max_model_len if limit else None)
-        except PromptTooLongError as e:
-            raise self.too_long(e, "messages") from None
-        except PromptError as e:
-            raise APIError(str(e), 400, "messages") from None
 
     async def submit_chat(self, body: ChatCompletionRequest, raw: Request, rid: str, prompt_param: str = "messages",
                           max_param: str = "max_tokens") -> tuple[SamplingParams, RequestStream, int, tuple[str, str | None]]:

@@ -135,8 +135,6 @@ class OpenAIServingChat:
                 yield sse(final)
         except RequestFailedError as e:
             yield sse(APIError(str(e), e.status).body())
-        finally:
-            stream.close()
         yield "data: [DONE]\n\n"
 
     def _logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,

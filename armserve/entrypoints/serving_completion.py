@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from armserve.prompts import PromptError, PromptTooLongError, encode_text
+from armserve.prompts import encode_text
 from armserve.engine.async_llm import RequestStream
 from armserve.engine.exceptions import RequestFailedError
 from armserve.engine.input_processor import EngineCoreRequest
@@ -50,12 +50,8 @@ class OpenAIServingCompletion:
             for i, p in enumerate(texts):
                 sub_id = rid if len(texts) == 1 else f"{rid}-{i}"
                 if isinstance(p, str):
-                    try:
+                    with self.serving.prompt_errors("prompt"):
                         ids = encode_text(tok, p, max_tokens=self.serving.engine.max_model_len)
-                    except PromptTooLongError as e:
-                        raise self.serving.too_long(e, "prompt") from None
-                    except PromptError as e:
-                        raise APIError(str(e), 400, "prompt") from None
                     requests.append(self.serving.process(sub_id, ids, params, "prompt", text=p))
                 else:
                     requests.append(self.serving.process(sub_id, p, params, "prompt"))
@@ -165,9 +161,6 @@ class OpenAIServingCompletion:
                             "choices": [], "usage": usage(num_prompt, sum(num_tokens), sum(cached))})
         except RequestFailedError as e:
             yield sse(APIError(str(e), e.status).body())
-        finally:
-            for s in streams:
-                s.close()
         yield "data: [DONE]\n\n"
 
     def _legacy_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], top_k: int,

@@ -137,8 +137,6 @@ class OpenAIServingResponses:
                         response=final_obj)
         except RequestFailedError as e:
             yield event("error", code="timeout" if e.status == 504 else "engine_dead", message=str(e), param=None)
-        finally:
-            stream.close()
 
 
 def _response_object(base: dict[str, Any], output: list[dict[str, Any]], finish: str | None, num_prompt: int,
