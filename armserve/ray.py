@@ -57,10 +57,8 @@ class ArmserveDeployment:
         metrics = PrometheusMetrics(name, engine_args.get("data_parallel_size", 1))
         self.engine = AsyncLLM(EngineConfig(model=path, served_model_name=name, **engine_args),
                                log_stats=False, stat_loggers=[metrics])
-        self._openai_app = build_app(self.engine, [name], metrics, server_args.get("api_key"),
-                             server_args.get("reasoning_parser"), access_log=server_args.get("access_log", False),
-                             tool_call_parser=server_args.get("tool_call_parser"),
-                             enable_auto_tool_choice=server_args.get("enable_auto_tool_choice", False))
+        # _SERVER_ARGS are build_app's own names; no access log unless asked for
+        self._openai_app = build_app(self.engine, [name], metrics, **{"access_log": False, **server_args})
 
     def __serve_build_asgi_app__(self):
         return self._openai_app

@@ -12,7 +12,6 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from fastapi import Request
@@ -27,7 +26,7 @@ from armserve.engine.input_processor import ContextLengthError, EngineCoreReques
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, ChatMessage
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.tool_parsers import ToolCall, ToolCallStream, get_tool_parser
-from armserve.outputs import Logprob, PositionLogprobs, RequestOutput
+from armserve.outputs import CompletionOutput, Logprob, RequestOutput
 from armserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("armserve")
@@ -104,17 +103,6 @@ async def run_unless_disconnected(request: Request, work: Awaitable[Response]) -
     except asyncio.CancelledError:
         pass
     return Response(status_code=499)  # nobody reads it; the access log shows the disconnect
-
-
-@dataclass
-class Choice:
-    """Accumulated state of one completion while collecting or streaming."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class OpenAIServing:
@@ -330,9 +318,9 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
 
-async def collect(stream: RequestStream, n: int) -> tuple[list[Choice], RequestOutput]:
-    """Read a stream to the end; raises EngineDeadError if the engine stopped meanwhile."""
-    choices = [Choice() for _ in range(n)]
+async def collect(stream: RequestStream, n: int) -> tuple[list[CompletionOutput], RequestOutput]:
+    """Read a stream to the end: each completion whole; raises EngineDeadError if the engine stopped meanwhile."""
+    choices = [CompletionOutput(i, "", [], None, None) for i in range(n)]
     last: RequestOutput | None = None
     try:
         async for out in stream:
