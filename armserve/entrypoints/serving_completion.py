@@ -26,7 +26,7 @@ from armserve.entrypoints.serving import (
     sse,
     usage,
 )
-from armserve.outputs import PositionLogprobs, RequestOutput
+from armserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from armserve.sampling_params import SamplingParams
 
 
@@ -92,17 +92,11 @@ class OpenAIServingCompletion:
             cached += last.num_cached_tokens
             for i, c in enumerate(choices):
                 num_generated += len(c.token_ids)
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
-                                                     len(ptext) if echo else 0)
-                    if echo:
-                        logprobs = _join_legacy(self._prompt_legacy_logprobs(pids, last.prompt_logprobs,
-                                                                             params.logprobs), logprobs)
                 out_choices.append({
                     "index": p_idx * params.n + i,
                     "text": (ptext + c.text) if echo else c.text,
-                    "logprobs": logprobs,
+                    "logprobs": self._logprobs(c, params.logprobs, len(ptext) if echo else 0,
+                                               (pids, last.prompt_logprobs) if echo else None),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })
@@ -138,16 +132,11 @@ class OpenAIServingCompletion:
                     idx = p_idx * n + c.index
                     num_tokens[idx] += len(c.token_ids)
                     text = c.text
-                    logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
-                                                         text_offset[idx])
-                    if echo and not echoed[idx]:
-                        if params.logprobs is not None:
-                            # NOTE: complete by now: the engine fills them before the first token.
-                            plp = self._prompt_legacy_logprobs(pids, out.prompt_logprobs, params.logprobs)
-                            logprobs = _join_legacy(plp, self._legacy_logprobs(
-                                c.token_ids, c.logprobs or [], params.logprobs, len(ptext)))
+                    # NOTE: the prompt's logprobs are complete by now: the engine fills them before the first token.
+                    echo_now = echo and not echoed[idx]
+                    logprobs = self._logprobs(c, params.logprobs, len(ptext) if echo_now else text_offset[idx],
+                                              (pids, out.prompt_logprobs) if echo_now else None)
+                    if echo_now:
                         text = ptext + text
                         echoed[idx] = True
                     if logprobs is not None and logprobs["tokens"]:
@@ -179,17 +168,20 @@ class OpenAIServingCompletion:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _prompt_legacy_logprobs(self, ids: list[int], prompt_logprobs: list[PositionLogprobs | None] | None,
-                                top_k: int) -> dict[str, Any]:
-        # The first prompt token has no logprob (nothing precedes it).
-        first = self.serving.tokenizer.decode([ids[0]])
+    def _logprobs(self, c: CompletionOutput, top_k: int | None, offset: int,
+                  prompt: tuple[list[int], list[PositionLogprobs | None] | None] | None) -> dict[str, Any] | None:
+        """Legacy logprobs of a completion's tokens from text offset `offset`, after those of the
+        echoed `prompt` (its token ids and prompt logprobs) when given; None unless asked for."""
+        if top_k is None:
+            return None
+        out = self._legacy_logprobs(c.token_ids, c.logprobs or [], top_k, offset)
+        if prompt is None:
+            return out
+        ids, prompt_logprobs = prompt
+        first = self.serving.tokenizer.decode([ids[0]])  # no logprob: nothing precedes it
         rest = self._legacy_logprobs(ids[1:], [p or {} for p in (prompt_logprobs or [None])[1:]], top_k, len(first))
-        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
-                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
-
-
-def _join_legacy(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    return {k: a[k] + b[k] for k in a}
+        head = {"tokens": first, "token_logprobs": None, "top_logprobs": None, "text_offset": 0}
+        return {k: [head[k], *rest[k], *out[k]] for k in head}
 
 
 async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
