@@ -47,10 +47,8 @@ class LLM:
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -81,11 +79,8 @@ class LLM:
         `tools` (OpenAI function tools) reach the template; to force a call, constrain the output
         with `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`.
         """
-        convs: list[ChatMessages]
-        if messages and isinstance(messages[0], dict):
-            convs = [messages]  # type: ignore[list-item]
-        else:
-            convs = list(messages)  # type: ignore[arg-type]
+        one = bool(messages) and isinstance(messages[0], dict)
+        convs: list[ChatMessages] = [messages] if one else list(messages)  # type: ignore[list-item, arg-type]
         prompts = [
             {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template, tools)} for c in convs
         ]

@@ -263,8 +263,8 @@ class OpenAIServing:
                                chat_template_kwargs=chat_template_kwargs,
                                max_tokens=self.engine.max_model_len if limit else None)
 
-    async def submit_chat(self, body: ChatCompletionRequest, raw: Request, rid: str, prompt_param: str = "messages",
-                          max_param: str = "max_tokens") -> tuple[SamplingParams, RequestStream, int, tuple[str, str | None]]:
+    async def submit_chat(self, body: ChatCompletionRequest, raw: Request, rid: str, prompt_param: str,
+                          max_param: str) -> tuple[SamplingParams, RequestStream, int, tuple[str, str | None]]:
         """A chat request rendered, checked and sent to the engine: its sampling parameters, its
         stream, its prompt's length and its tool mode (tool_mode) with the forced function's name."""
         params = body.to_sampling_params()
