@@ -85,11 +85,11 @@ class OpenAIServingChat:
         num_tokens = [0] * n
         cached = 0
 
-        def chunk(choice: dict[str, Any] | None) -> str:
+        def chunk(choice: dict[str, Any] | None, final: bool = False) -> str:
             obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                    "model": model, "choices": [choice] if choice is not None else []}
             if include_usage:
-                obj["usage"] = usage(num_prompt, sum(num_tokens), cached) if continuous_usage else None
+                obj["usage"] = usage(num_prompt, sum(num_tokens), cached) if continuous_usage or final else None
             return sse(obj)
 
         try:
@@ -130,9 +130,7 @@ class OpenAIServingChat:
                     yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish, "stop_reason": c.stop_reason})
             if include_usage:
-                final = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [], "usage": usage(num_prompt, sum(num_tokens), cached)}
-                yield sse(final)
+                yield chunk(None, final=True)
         except RequestFailedError as e:
             yield sse(APIError(str(e), e.status).body())
         yield "data: [DONE]\n\n"

@@ -117,11 +117,11 @@ class OpenAIServingCompletion:
         echoed = [False] * (n * len(prompts))
         cached = [0] * len(prompts)
 
-        def chunk(choice: dict[str, Any]) -> str:
+        def chunk(choice: dict[str, Any] | None, final: bool = False) -> str:
             obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                   "model": model, "choices": [choice]}
+                                   "model": model, "choices": [choice] if choice is not None else []}
             if include_usage:
-                obj["usage"] = usage(num_prompt, sum(num_tokens), sum(cached)) if continuous_usage else None
+                obj["usage"] = usage(num_prompt, sum(num_tokens), sum(cached)) if continuous_usage or final else None
             return sse(obj)
 
         try:
@@ -146,8 +146,7 @@ class OpenAIServingCompletion:
                     yield chunk({"index": idx, "text": text, "logprobs": logprobs,
                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": usage(num_prompt, sum(num_tokens), sum(cached))})
+                yield chunk(None, final=True)
         except RequestFailedError as e:
             yield sse(APIError(str(e), e.status).body())
         yield "data: [DONE]\n\n"
