@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
 from armserve.prompts import render_chat
-from armserve.config import EngineConfig
+from armserve.config import TASK_RUNNERS, EngineConfig
 from armserve.engine.input_processor import PromptType
 from armserve.engine.llm_engine import LLMEngine
-from armserve.outputs import RequestOutput
+from armserve.outputs import EmbeddingRequestOutput, RequestOutput
+from armserve.pooling_params import PoolingParams
 from armserve.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -22,9 +24,16 @@ class LLM:
     (`dtype`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`, `block_size`,
     `enable_prefix_caching`, `seed`) plus `kv_cache_space` in GiB. `backend="openvino"` serves
     it through OpenVINO GenAI instead of armserve's own engine (engine/openvino_backend.py).
+    `runner` ("auto", "generate", "pooling"; vLLM's older `task="embed"` too) says what the model
+    is for: "auto" pools with an embedding model (BertModel, ...; then use `embed`).
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
+        if "task" in engine_args:  # vLLM's older name for runner
+            task = engine_args.pop("task")
+            if task not in TASK_RUNNERS:
+                raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASK_RUNNERS)}")
+            engine_args.setdefault("runner", TASK_RUNNERS[task])
         unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)  # type: ignore[attr-defined]
         if unknown:
             raise TypeError(
@@ -71,6 +80,32 @@ class LLM:
             engine.abort_request(ids)  # leave the engine as it was
             raise
         return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed one or many inputs with an embedding model (runner pooling); outputs in input
+        order, each `out.outputs.embedding` a list of floats (vLLM's shape)."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt in prompts:  # type: ignore[union-attr]
+                ids.append(engine.add_pooling_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        return [EmbeddingRequestOutput.from_output(o) for o in self._run(ids, use_tqdm)]
 
     def chat(
         self,
