@@ -37,6 +37,10 @@ OPENVINO_QUANTIZATIONS = ("int8", "int4")
 RUNNERS = ("auto", "generate", "pooling")
 TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
+# Inputs one /v1/embeddings or /pooling request may carry (OpenAI's limit); more: a 400. The server
+# keeps at most max_num_seqs of them in the engine at once, so a batch never trips admission (429).
+MAX_EMBEDDING_INPUTS = 2048
+
 # The engines `backend` picks from (engine/backend.py: create_engine builds each).
 BACKENDS = ("torch", "openvino")
 

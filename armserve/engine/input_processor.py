@@ -125,10 +125,12 @@ class InputProcessor:
                                  time.time() if arrival_time is None else arrival_time, seq_params)
 
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
-                        arrival_time: float | None = None) -> EngineCoreRequest:
+                        arrival_time: float | None = None, tokenizer: Any = None) -> EngineCoreRequest:
         """The engine request of an input to pool (embed): its token ids, cut to
         `truncate_prompt_tokens` on the tokenizer's truncation side when asked, else refused past
-        max_model_len (`ContextLengthError`, max_tokens 0)."""
+        max_model_len (`ContextLengthError`, max_tokens 0). `tokenizer`: a copy of the model's to
+        use instead (a server's worker thread)."""
+        tokenizer = tokenizer or self.tokenizer
         if self.pooler is None:
             raise RunnerError("this model generates text (runner generate) and has no pooling: serve an "
                               "embedding model (or start with --runner pooling) for embeddings")
@@ -139,16 +141,16 @@ class InputProcessor:
             self.pooler.check_dimensions(params.dimensions)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        text, ids = prompt_to_ids(self.tokenizer, prompt)
+        text, ids = prompt_to_ids(tokenizer, prompt)
         k = params.truncate_prompt_tokens
         if k is not None:
             k = self.max_model_len if k == -1 else min(k, self.max_model_len)
             if len(ids) > k:
                 if text is not None and (not isinstance(prompt, dict) or "prompt_token_ids" not in prompt):
                     # the tokenizer cuts text and keeps its special tokens ([CLS] ... [SEP])
-                    ids = list(self.tokenizer(text, truncation=True, max_length=k)["input_ids"])
+                    ids = list(tokenizer(text, truncation=True, max_length=k)["input_ids"])
                 else:
-                    ids = ids[-k:] if getattr(self.tokenizer, "truncation_side", "right") == "left" else ids[:k]
+                    ids = ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
         if not ids:
             raise PromptTokensError("the input is empty")
         vocab = self.vocab_size

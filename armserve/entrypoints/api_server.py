@@ -27,6 +27,7 @@ from armserve.entrypoints.middleware import BodyRefused, ServerLimits, ServerMid
 from armserve.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
+    EmbeddingRequest,
     CompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
@@ -35,6 +36,7 @@ from armserve.entrypoints.protocol import (
 from armserve.entrypoints.serving import OpenAIServing
 from armserve.entrypoints.serving_chat import OpenAIServingChat
 from armserve.entrypoints.serving_completion import OpenAIServingCompletion
+from armserve.entrypoints.serving_embedding import OpenAIServingEmbedding
 from armserve.entrypoints.serving_responses import OpenAIServingResponses
 from armserve.sampling_params import SamplingParams
 
@@ -123,6 +125,7 @@ def build_app(
     chat_serving = OpenAIServingChat(serving)
     completion_serving = OpenAIServingCompletion(serving)
     responses_serving = OpenAIServingResponses(serving)
+    embedding_serving = OpenAIServingEmbedding(serving)
     app.state.draining = False
 
     @app.exception_handler(APIError)
@@ -189,20 +192,34 @@ def build_app(
     # NOTE: the routes parse their bodies themselves (serving.parse: large ones off the event
     # loop); _with_body_schemas puts each body's schema in /openapi.json all the same.
     bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-              "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest}
+              "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+              "/v1/embeddings": EmbeddingRequest, "/pooling": EmbeddingRequest}
     _with_body_schemas(app, bodies)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
+        serving.check_runner(False, "/v1/chat/completions")
         return await chat_serving.create_chat_completion(await serving.parse(raw, ChatCompletionRequest), raw)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
+        serving.check_runner(False, "/v1/completions")
         return await completion_serving.create_completion(await serving.parse(raw, CompletionRequest), raw)
 
     @app.post("/v1/responses")
     async def responses(raw: Request) -> Response:
+        serving.check_runner(False, "/v1/responses")
         return await responses_serving.create_response(await serving.parse(raw, ResponsesRequest), raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request) -> dict[str, Any]:
+        serving.check_runner(True, "/v1/embeddings")
+        return await embedding_serving.create_embedding(await serving.parse(raw, EmbeddingRequest), raw)
+
+    @app.post("/pooling")
+    async def pooling(raw: Request) -> dict[str, Any]:
+        serving.check_runner(True, "/pooling")
+        return await embedding_serving.create_embedding(await serving.parse(raw, EmbeddingRequest), raw, pooling=True)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:

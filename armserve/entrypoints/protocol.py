@@ -422,3 +422,29 @@ class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
 
+
+
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """POST /v1/embeddings (OpenAI's fields plus vLLM's `truncate_prompt_tokens`, `normalize`);
+    also /pooling, vLLM's name for the same request."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input(s) as a list: one text or token-id list each."""
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]

@@ -227,6 +227,19 @@ class OpenAIServing:
 
     # ---- shared checks -------------------------------------------------------------------
 
+    def check_runner(self, pooling: bool, endpoint: str) -> None:
+        """A 400 (code `model_not_supported`) when this server's model cannot answer `endpoint`:
+        text endpoints on an embedding model, embedding endpoints on a generating one."""
+        if (self.engine.input_processor.pooler is not None) == pooling:
+            return
+        if pooling:
+            msg = (f"{endpoint} needs an embedding model; the model '{self.served_model_names[0]}' generates text "
+                   "(runner generate). Serve an embedding model (BertModel, XLMRobertaModel, ...) for embeddings.")
+        else:
+            msg = (f"{endpoint} needs a text-generation model; the model '{self.served_model_names[0]}' is an "
+                   "embedding model (runner pooling): use /v1/embeddings or /pooling.")
+        raise APIError(msg, 400, "model", "model_not_supported")
+
     def check_token_ids(self, ids: list[int], what: str, param: str) -> None:
         """A 400 naming the first id outside the vocabulary; `what` names the ids in the message."""
         vocab = len(self.tokenizer)
