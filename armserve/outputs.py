@@ -92,3 +92,39 @@ class EmbeddingRequestOutput:
     @classmethod
     def from_output(cls, out: RequestOutput) -> "EmbeddingRequestOutput":
         return cls(out.request_id, EmbeddingOutput(out.pooled.tolist()), out.prompt_token_ids, out.finished)
+
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """One pair's score (vLLM's ScoringOutput): a cross-encoder's relevance probability, or the
+    cosine similarity of an embedding model's two vectors."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair, shaped like vLLM's: `out.outputs.score`."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One input's class probabilities (vLLM's ClassificationOutput)."""
+
+    probs: list[float]
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per input: `out.outputs.probs`."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -245,3 +245,15 @@ def test_wrong_model_kind_is_refused(embed_server, server):
     r = httpx.post(f"{server.base_url}/embeddings", json={"input": "hi"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_supported", r.text
     assert httpx.get(f"{embed_server.url}/health", timeout=10).status_code == 200
+
+
+def test_score_and_rerank_with_an_embedding_model(minilm, embed_server):
+    """An embedding model scores a pair by the cosine similarity of its two vectors, as
+    sentence-transformers' `similarity` does; /rerank orders by it."""
+    query, docs = SENTENCES[2], SENTENCES[:2] + SENTENCES[3:]
+    st = sentence_transformer(minilm)
+    want = st.similarity(st.encode([query]), st.encode(docs))[0].tolist()
+    s = httpx.post(f"{embed_server.url}/score", json={"text_1": query, "text_2": docs}, timeout=60).json()
+    assert [d["score"] for d in s["data"]] == pytest.approx(want, abs=1e-4)
+    r = httpx.post(f"{embed_server.url}/v1/rerank", json={"query": query, "documents": docs}, timeout=60).json()
+    assert [x["index"] for x in r["results"]] == sorted(range(len(docs)), key=lambda i: -want[i])

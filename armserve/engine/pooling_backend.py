@@ -29,7 +29,7 @@ from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.stats import SchedulerStats
-from armserve.layers.pooler import finish, pool
+from armserve.layers.pooler import classify_probs, finish, pool
 from armserve.model_loader.pooling import pooler_config, sentence_max_len
 from armserve.models import get_model_class
 from armserve.pooling_params import PoolingParams
@@ -68,7 +68,8 @@ class PoolingBackend:
         self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
         self.dtype, _ = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
         self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
-        self.pooler = pooler_config(src, hf, cls.default_pooling_type)
+        self.pooler = pooler_config(src, hf, cls.default_pooling_type, cls.pooling_task)
+        self.model.sep_token_id = self.tokenizer.sep_token_id  # pairs' token types (models/bert.py)
         self.vocab_size = hf.vocab_size
         self.eos_token_ids: set[int] = set()
         bs = config.block_size
@@ -111,15 +112,17 @@ class PoolingBackend:
         ids = torch.tensor([t for r in reqs for t in r.all_token_ids], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lens])
         hidden = self.model(ids, positions, lens)
-        pooled = pool(hidden, lens, self.pooler.pooling_type)
+        classify = self.pooler.task == "classify"
+        pooled = classify_probs(self.model.classify(hidden, lens)) if classify else \
+            pool(hidden, lens, self.pooler.pooling_type)
         for r, vec in zip(reqs, pooled):
             rid = r.request_id
             p = self._params.pop(rid)
-            normalize = self.pooler.normalize if p.normalize is None else p.normalize
+            if not classify:
+                vec = finish(vec, self.pooler.normalize if p.normalize is None else p.normalize, p.dimensions)
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             out.scheduled[rid] = 0
-            out.sequences.append(SequenceOutput(rid, 0, [], finish_reason="stop",
-                                                pooled=finish(vec, normalize, p.dimensions).clone()))
+            out.sequences.append(SequenceOutput(rid, 0, [], finish_reason="stop", pooled=vec.clone()))
         out.num_prompt_tokens = sum(lens)
         return out
 

@@ -448,3 +448,41 @@ class EmbeddingRequest(OpenAIBaseModel):
         if p and isinstance(p[0], int):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
+
+
+class ScoreRequest(OpenAIBaseModel):
+    """POST /score and /v1/score (vLLM's): `text_1` against `text_2` (one against many, or side
+    by side); `data_1`/`data_2` are accepted for them too."""
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _both_sides(self) -> "ScoreRequest":
+        self.text_1 = self.text_1 if self.text_1 is not None else self.data_1
+        self.text_2 = self.text_2 if self.text_2 is not None else self.data_2
+        if self.text_1 is None or self.text_2 is None:
+            raise ValueError("give text_1 and text_2")
+        return self
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankRequest(OpenAIBaseModel):
+    """POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shape)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]

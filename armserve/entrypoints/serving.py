@@ -227,18 +227,26 @@ class OpenAIServing:
 
     # ---- shared checks -------------------------------------------------------------------
 
-    def check_runner(self, pooling: bool, endpoint: str) -> None:
-        """A 400 (code `model_not_supported`) when this server's model cannot answer `endpoint`:
-        text endpoints on an embedding model, embedding endpoints on a generating one."""
-        if (self.engine.input_processor.pooler is not None) == pooling:
+    @property
+    def task(self) -> str:
+        """What this server's model does: "generate", "embed" or "classify" (a cross-encoder)."""
+        pooler = self.engine.input_processor.pooler
+        return "generate" if pooler is None else pooler.task
+
+    def check_task(self, endpoint: str, *tasks: str) -> None:
+        """A 400 (code `model_not_supported`) when this server's model does none of `tasks`: text
+        endpoints on a pooling model, embeddings on a generating model or a cross-encoder, ..."""
+        task = self.task
+        if task in tasks:
             return
-        if pooling:
-            msg = (f"{endpoint} needs an embedding model; the model '{self.served_model_names[0]}' generates text "
-                   "(runner generate). Serve an embedding model (BertModel, XLMRobertaModel, ...) for embeddings.")
-        else:
-            msg = (f"{endpoint} needs a text-generation model; the model '{self.served_model_names[0]}' is an "
-                   "embedding model (runner pooling): use /v1/embeddings or /pooling.")
-        raise APIError(msg, 400, "model", "model_not_supported")
+        what = {"generate": "generates text", "embed": "is an embedding model",
+                "classify": "is a cross-encoder (classification) model"}[task]
+        use = {"generate": "/v1/chat/completions, /v1/completions", "embed": "/v1/embeddings, /pooling, /score",
+               "classify": "/score, /rerank, /classify"}[task]
+        need = {"generate": "a text-generation model", "embed": "an embedding model",
+                "classify": "a cross-encoder"}
+        raise APIError(f"{endpoint} needs {' or '.join(need[t] for t in tasks)}; the model "
+                       f"'{self.served_model_names[0]}' {what}: use {use}.", 400, "model", "model_not_supported")
 
     def check_token_ids(self, ids: list[int], what: str, param: str) -> None:
         """A 400 naming the first id outside the vocabulary; `what` names the ids in the message."""

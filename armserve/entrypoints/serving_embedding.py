@@ -29,6 +29,38 @@ def encode_vector(vector: Any, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
+def pooling_request(serving: OpenAIServing, request_id: str, prompt: Any, params: PoolingParams, tok: Any,
+                    param: str) -> EngineCoreRequest:
+    """`process_pooling` with its refusals as 400s naming `param` (the input's place in the body)."""
+    try:
+        return serving.engine.input_processor.process_pooling(request_id, prompt, params, tokenizer=tok)
+    except ContextLengthError as e:
+        raise serving.context_error(f"{param} has {e.num_prompt_tokens} tokens. Shorten it or set "
+                                    "truncate_prompt_tokens.", param.split("[")[0]) from None
+    except (PromptTokensError, PromptError) as e:
+        raise APIError(f"{param}: {e}", 400, param.split("[")[0]) from None
+    except RequestError as e:  # dimensions the model cannot give
+        raise APIError(str(e), 400, "dimensions" if "dimensions" in str(e) else param.split("[")[0]) from None
+
+
+async def run_pooling(serving: OpenAIServing, requests: list[EngineCoreRequest]) -> list[Any]:
+    """Each request's pooled output, in order; at most max_num_seqs of them in the engine at once,
+    so that a large batch never trips the server's own admission limit."""
+    window = serving.engine.config.max_num_seqs
+    vectors: list[Any] = []
+    for start in range(0, len(requests), window):
+        streams = []
+        try:
+            for r in requests[start:start + window]:
+                streams.append(await serving.submit(r))
+            outs = await asyncio.gather(*(collect(s, 1) for s in streams))
+        finally:
+            for s in streams:  # one failure: leave nothing of the batch running
+                s.close()
+        vectors.extend(out.pooled for _, out in outs)
+    return vectors
+
+
 class OpenAIServingEmbedding:
     """The embeddings and pooling endpoints over the shared `OpenAIServing`."""
 
@@ -51,33 +83,26 @@ class OpenAIServingEmbedding:
         except PoolingParamsError as e:
             raise APIError(str(e), 400, str(e).split()[0]) from None
         rid = f"embd-{uuid.uuid4().hex}"
-        processor = serving.engine.input_processor
 
         def process(tok: Any) -> list[EngineCoreRequest]:
             requests = []
             for i, p in enumerate(inputs):
                 param = "input" if len(inputs) == 1 else f"input[{i}]"
-                try:
-                    if isinstance(p, str):
+                prompt: Any = p
+                if isinstance(p, str):
+                    try:
                         if not check_text(p, param):
                             raise APIError(f"{param} is an empty string", 400, "input")
-                        prompt: Any = {"prompt": p}
-                        if not body.add_special_tokens:
-                            prompt["prompt_token_ids"] = tok.encode(p, add_special_tokens=False)
-                    else:
-                        prompt = p
-                    requests.append(processor.process_pooling(f"{rid}-{i}", prompt, params, tokenizer=tok))
-                except ContextLengthError as e:
-                    raise serving.context_error(f"{param} has {e.num_prompt_tokens} tokens. Shorten it or set "
-                                                "truncate_prompt_tokens.", "input") from None
-                except (PromptTokensError, PromptError) as e:
-                    raise APIError(f"{param}: {e}", 400, "input") from None
-                except RequestError as e:  # dimensions the model cannot give
-                    raise APIError(str(e), 400, "dimensions" if "dimensions" in str(e) else "input") from None
+                    except PromptError as e:
+                        raise APIError(str(e), 400, "input") from None
+                    prompt = {"prompt": p}
+                    if not body.add_special_tokens:
+                        prompt["prompt_token_ids"] = tok.encode(p, add_special_tokens=False)
+                requests.append(pooling_request(serving, f"{rid}-{i}", prompt, params, tok, param))
             return requests
 
         requests = await serving.prepare(raw, process)
-        vectors = await self._run(requests, serving.engine.config.max_num_seqs)
+        vectors = await run_pooling(serving, requests)
         num_tokens = sum(len(r.prompt_token_ids) for r in requests)
         kind = "pooling" if pooling else "embedding"
         data = [{"index": i, "object": kind, ("data" if pooling else "embedding"): encode_vector(v, body.encoding_format)}
@@ -85,18 +110,3 @@ class OpenAIServingEmbedding:
         return {"id": rid, "object": "list", "created": int(time.time()), "model": model, "data": data,
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
                           "prompt_tokens_details": None}}
-
-    async def _run(self, requests: list[EngineCoreRequest], window: int) -> list[Any]:
-        """Each request's vector, in order; at most `window` of them in the engine at once."""
-        vectors: list[Any] = []
-        for start in range(0, len(requests), window):
-            streams = []
-            try:
-                for r in requests[start:start + window]:
-                    streams.append(await self.serving.submit(r))
-                outs = await asyncio.gather(*(collect(s, 1) for s in streams))
-            finally:
-                for s in streams:  # one failure: leave nothing of the batch running
-                    s.close()
-            vectors.extend(out.pooled for _, out in outs)
-        return vectors

@@ -30,6 +30,9 @@ class PoolerConfig:
     # Matryoshka models (config `is_matryoshka` / `matryoshka_dimensions`) may be cut to fewer
     # values (`dimensions`); None: not Matryoshka; (): any size up to `size`.
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # "embed": vectors; "classify": a cross-encoder's class probabilities (sigmoid of its one
+    # logit: a relevance score; softmax over several), `size` of them
+    task: str = "embed"
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError naming `dimensions` unless this model's vectors can be cut to it."""
@@ -60,6 +63,12 @@ def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.
     seq = torch.repeat_interleave(torch.arange(len(seq_lens)), lens)
     sums = torch.zeros(len(seq_lens), hidden.shape[1], dtype=torch.float32).index_add_(0, seq, hidden.float())
     return sums / lens[:, None].float()
+
+
+def classify_probs(logits: torch.Tensor) -> torch.Tensor:
+    """A cross-encoder's logits [rows, labels] as probabilities: sigmoid of a single logit (what
+    sentence-transformers' CrossEncoder returns), softmax over several."""
+    return torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, dim=-1)
 
 
 def finish(vector: torch.Tensor, normalize: bool, dimensions: int | None = None) -> torch.Tensor:

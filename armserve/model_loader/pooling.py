@@ -30,9 +30,12 @@ def _read_json(path: str) -> Any:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
-def pooler_config(src: ModelSource, config, default_type: str) -> PoolerConfig:
+def pooler_config(src: ModelSource, config, default_type: str, task: str = "embed") -> PoolerConfig:
     """The checkpoint's pooling (`config`: its transformers config, for the vector size and
-    Matryoshka dimensions); `default_type` when it has no sentence-transformers files."""
+    Matryoshka dimensions); `default_type` when it has no sentence-transformers files. A
+    cross-encoder (`task` "classify") pools its first token into its head: `num_labels` scores."""
+    if task == "classify":
+        return PoolerConfig("CLS", False, config.num_labels, None, "classify")
     size = config.hidden_size
     dims = getattr(config, "matryoshka_dimensions", None)
     matryoshka = tuple(int(d) for d in dims) if dims else (() if getattr(config, "is_matryoshka", False) else None)

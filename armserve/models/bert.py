@@ -10,7 +10,13 @@ vector (layers/pooler.py).
 - RoBERTa / XLM-RoBERTa: the same blocks; positions start after the padding id
   (`pad_token_id + 1`), as fairseq numbered them, and there is one token type.
 - Checkpoint names come with or without the task head's prefix (`bert.`, `roberta.`); the
-  pretraining pooler (`pooler.dense`) and heads are not used.
+  pretraining pooler (`pooler.dense`) and heads are not used by the embedding models.
+- Cross-encoders (`*ForSequenceClassification`: rerankers) add their head over the first token:
+  BERT's pooler (dense + tanh) then `classifier`; RoBERTa's `classifier.dense` + tanh then
+  `classifier.out_proj`. `classify` returns the logits.
+- Token types: BERT numbers the tokens after a pair's first [SEP] as segment 1; with
+  `sep_token_id` set (the pooling backend sets it from the tokenizer) they are derived from the
+  ids, so a pair `[CLS] query [SEP] document [SEP]` needs nothing else. RoBERTa has one type.
 """
 
 from __future__ import annotations
@@ -108,6 +114,7 @@ class BertModel(nn.Module):
     model_types: tuple[str, ...] = ("bert",)
     gguf_architectures: tuple[str, ...] = ()
     is_pooling_model = True
+    pooling_task = "embed"  # "classify": a cross-encoder's logits (`classify`)
     default_pooling_type = "CLS"  # vLLM's default for encoders when the checkpoint says nothing
     # positions start here (RoBERTa: after the padding id)
     position_offset_from_pad = False
@@ -125,6 +132,8 @@ class BertModel(nn.Module):
         self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         self.position_offset = (config.pad_token_id + 1) if self.position_offset_from_pad else 0
+        self.sep_token_id: int | None = None  # token types from the ids (module docstring)
+        self.make_head(config)
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -133,9 +142,14 @@ class BertModel(nn.Module):
         """Tokens a sequence may have: the position table less the offset RoBERTa starts at."""
         return self.config.max_position_embeddings - self.position_offset
 
+    def make_head(self, config) -> None:
+        """A task head's layers (the cross-encoders'); none for the embedding models."""
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        if token_type_ids is None and self.sep_token_id is not None and self.token_type_embeddings.num_embeddings > 1:
+            token_type_ids = _segments(input_ids, seq_lens, self.sep_token_id)
         if token_type_ids is None:
             x = x + self.token_type_embeddings.weight[0]
         else:
@@ -208,6 +222,48 @@ class BertModel(nn.Module):
                 m.finalize()
 
 
+def _segments(ids: torch.Tensor, seq_lens: list[int], sep: int) -> torch.Tensor:
+    """Token type of each row: 1 after its sequence's first [SEP], else 0."""
+    is_sep = (ids == sep).long()
+    seps_before = is_sep.cumsum(0) - is_sep  # [SEP]s before each row, over the whole step
+    lens = torch.tensor(seq_lens)
+    starts = (lens.cumsum(0) - lens).repeat_interleave(lens)
+    start_count = seps_before[starts]  # ... and before each row's sequence
+    return (seps_before - start_count > 0).long()
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT cross-encoder (reranker): CLS -> pooler dense + tanh -> classifier logits."""
+
+    architectures = ("BertForSequenceClassification",)
+    model_types = ()
+    pooling_task = "classify"
+    # head checkpoint names (after the prefix) -> this module's
+    head_names = {"pooler.dense": "head_dense", "classifier": "classifier"}
+
+    def make_head(self, config) -> None:
+        h = config.hidden_size
+        self.head_dense = Linear(h, h, bias=True)
+        self.classifier = Linear(h, config.num_labels, bias=True)
+
+    def classify(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """float32 logits [num_seqs, num_labels] from each sequence's first row."""
+        lens = torch.tensor(seq_lens)
+        first = hidden[lens.cumsum(0) - lens]
+        return self.classifier(torch.tanh(self.head_dense(first))).float()
+
+    def _own_name(self, name: str) -> tuple[str, Any] | None:
+        bare = name
+        for prefix in self.prefixes:
+            if bare.startswith(prefix):
+                bare = bare[len(prefix):]
+                break
+        part, _, attr = bare.rpartition(".")
+        if part in self.head_names:
+            return f"{self.head_names[part]}.{attr}", None
+        return super()._own_name(name)
+
+
 class RobertaModel(BertModel):
     """RoBERTa: BERT's blocks, positions numbered from `pad_token_id + 1`."""
 
@@ -224,4 +280,19 @@ class XLMRobertaModel(RobertaModel):
     model_types = ("xlm-roberta",)
 
 
-MODELS = (BertModel, RobertaModel, XLMRobertaModel)
+class RobertaForSequenceClassification(RobertaModel, BertForSequenceClassification):
+    """A RoBERTa cross-encoder: classifier.dense + tanh -> classifier.out_proj."""
+
+    architectures = ("RobertaForSequenceClassification",)
+    model_types = ()
+    head_names = {"classifier.dense": "head_dense", "classifier.out_proj": "classifier"}
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    """An XLM-RoBERTa cross-encoder (bge-reranker-base/large, mxbai-rerank)."""
+
+    architectures = ("XLMRobertaForSequenceClassification",)
+
+
+MODELS = (BertModel, RobertaModel, XLMRobertaModel, BertForSequenceClassification,
+          RobertaForSequenceClassification, XLMRobertaForSequenceClassification)
