@@ -257,3 +257,57 @@ def test_score_and_rerank_with_an_embedding_model(minilm, embed_server):
     assert [d["score"] for d in s["data"]] == pytest.approx(want, abs=1e-4)
     r = httpx.post(f"{embed_server.url}/v1/rerank", json={"query": query, "documents": docs}, timeout=60).json()
     assert [x["index"] for x in r["results"]] == sorted(range(len(docs)), key=lambda i: -want[i])
+
+
+def test_runner_flags(tiny_llama):
+    """--runner (vLLM's current flag) and --task (its older one) pick the runner; a decoder cannot
+    pool yet, and says so."""
+    import argparse
+
+    from armserve import LLM
+    from armserve.config import ConfigError
+    from armserve.engine_args import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["--task", "embed"]))["runner"] == "pooling"
+    assert engine_kwargs(p.parse_args(["--runner", "generate"]))["runner"] == "generate"
+    assert "runner" not in engine_kwargs(p.parse_args([]))
+    with pytest.raises(SystemExit):
+        engine_kwargs(p.parse_args(["--task", "embed", "--runner", "generate"]))
+    with pytest.raises(ConfigError, match="runner 'pooling' is not supported for LlamaForCausalLM"):
+        LLM(tiny_llama, runner="pooling")
+    with pytest.raises(ConfigError, match="unknown runner"):
+        LLM(tiny_llama, runner="embed")
+
+
+def test_matryoshka_dimensions(tiny_bert, tmp_path):
+    """A Matryoshka model (config `matryoshka_dimensions`) cuts its vectors to `dimensions` before
+    normalizing (sentence-transformers' truncate_dim); other sizes and other models are refused."""
+    import json
+    import shutil
+
+    from transformers import AutoModel, AutoTokenizer
+
+    from armserve import LLM, PoolingParams
+    from armserve.engine.input_processor import RequestError
+
+    folder = str(tmp_path / "mrl")
+    shutil.copytree(tiny_bert, folder)
+    with open(f"{folder}/config.json") as f:
+        cfg = json.load(f)
+    cfg["matryoshka_dimensions"] = [16, 32, 64]
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(cfg, f)
+    llm = LLM(folder, dtype="float32")
+    outs = llm.embed(SENTENCES[:2], PoolingParams(dimensions=16), use_tqdm=False)
+    tok = AutoTokenizer.from_pretrained(tiny_bert)
+    ref = AutoModel.from_pretrained(tiny_bert, dtype=torch.float32).eval()
+    with torch.no_grad():
+        cls = torch.stack([ref(**tok(s, return_tensors="pt")).last_hidden_state[0, 0] for s in SENTENCES[:2]])
+    assert_close_vectors([o.outputs.embedding for o in outs], F.normalize(cls[:, :16], dim=-1))
+    with pytest.raises(RequestError, match="dimensions 20 is not supported by this model; supported: 16, 32, 64"):
+        llm.embed("x", PoolingParams(dimensions=20), use_tqdm=False)
+    plain = LLM(tiny_bert, dtype="float32")
+    with pytest.raises(RequestError, match="does not support Matryoshka"):
+        plain.embed("x", PoolingParams(dimensions=16), use_tqdm=False)
