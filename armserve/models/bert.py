@@ -33,7 +33,8 @@ from armserve.quantization import QuantizedTensor
 
 class EncoderBatch:
     """One step's sequences laid out for attention: each sequence's token rows scattered into a
-    [num_seqs, longest] grid (`index`), and the key mask of that grid (None if all are as long)."""
+    [num_seqs, longest] grid (`index`: the grid cell of each row), and the key mask of that grid
+    (None if all are as long). Built once per step, shared by every layer."""
 
     def __init__(self, seq_lens: list[int]) -> None:
         self.num_seqs, self.longest = len(seq_lens), max(seq_lens)
@@ -44,15 +45,15 @@ class EncoderBatch:
         self.mask = None if bool(valid.all()) else valid[:, None, None, :]
 
     def to_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, H, D] token rows -> [B, H, L, D] (padding rows zero)."""
-        grid = x.new_zeros(self.num_seqs * self.longest, *x.shape[1:])
-        grid[self.index] = x
-        return grid.view(self.num_seqs, self.longest, *x.shape[1:]).transpose(1, 2)
+        """[T, C] token rows -> [B, L, C] (padding rows zero: finite, so masked-out keys add 0)."""
+        grid = x.new_zeros(self.num_seqs * self.longest, x.shape[1])
+        grid.index_copy_(0, self.index, x)
+        return grid.view(self.num_seqs, self.longest, x.shape[1])
 
     def from_grid(self, grid: torch.Tensor) -> torch.Tensor:
         """[B, H, L, D] -> [T, H*D] token rows."""
         rows = grid.transpose(1, 2).reshape(self.num_seqs * self.longest, -1)
-        return rows[self.index]
+        return rows.index_select(0, self.index)
 
 
 class BertSelfAttention(nn.Module):
@@ -66,14 +67,15 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
         T, H, D = x.shape[0], self.num_heads, self.head_dim
-        q, k, v = self.qkv_proj(x).view(T, 3, H, D).unbind(1)
+        qkv = self.qkv_proj(x)
         if batch.num_seqs == 1:  # no padding: the rows are the sequence
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-            o = o.transpose(0, 1).reshape(T, H * D)
+            q, k, v = qkv.view(T, 3, H, D).permute(1, 2, 0, 3).unbind(0)  # [H, T, D] each
+            o = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(T, H * D)
         else:
-            o = F.scaled_dot_product_attention(batch.to_grid(q), batch.to_grid(k), batch.to_grid(v),
-                                               attn_mask=batch.mask)
-            o = batch.from_grid(o)
+            # one padded grid for q, k and v together: [B, L, 3, H, D] -> 3 x [B, H, L, D]
+            grid = batch.to_grid(qkv).view(batch.num_seqs, batch.longest, 3, H, D).permute(2, 0, 3, 1, 4)
+            q, k, v = grid.unbind(0)
+            o = batch.from_grid(F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask))
         return self.norm(self.out_proj(o) + x)
 
 
