@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import httpx
 import pytest
 import torch
 
@@ -63,13 +62,19 @@ def reference_scores(cross_encoder):
 
 
 @pytest.fixture(scope="module")
-def rerank_server(cross_encoder, tmp_path_factory):
-    from server_process import ServerProcess
+def rerank_server(cross_encoder):
+    """The server's app over the cross-encoder, in this process (the engine on a thread): the
+    subprocess path is test_embeddings.py's."""
+    from fastapi.testclient import TestClient
 
-    srv = ServerProcess(cross_encoder, ["--dtype", "float32", "--served-model-name", "ce"],
-                        str(tmp_path_factory.mktemp("rerank") / "server.log"))
-    yield srv
-    srv.stop()
+    from armserve.config import EngineConfig
+    from armserve.engine.async_llm import AsyncLLM
+    from armserve.entrypoints.api_server import build_app
+    from armserve.entrypoints.metrics import PrometheusMetrics
+
+    engine = AsyncLLM(EngineConfig(model=cross_encoder, dtype="float32"), log_stats=False, engine_process=False)
+    with TestClient(build_app(engine, ["ce"], PrometheusMetrics("ce", 1), access_log=False)) as client:
+        yield client
 
 
 def test_llm_score_matches_cross_encoder(cross_encoder, reference_scores):
@@ -117,18 +122,18 @@ def test_roberta_cross_encoder_logits_match_transformers(kind, tmp_path):
 def test_rerank_and_score_endpoints(rerank_server, reference_scores):
     order = sorted(range(len(DOCS)), key=lambda i: -reference_scores[i])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        r = httpx.post(f"{rerank_server.url}{path}", json={"model": "ce", "query": QUERY, "documents": DOCS}, timeout=60)
+        r = rerank_server.post(path, json={"model": "ce", "query": QUERY, "documents": DOCS})
         assert r.status_code == 200, r.text
         results = r.json()["results"]
         assert [x["index"] for x in results] == order
         assert [x["relevance_score"] for x in results] == pytest.approx([reference_scores[i] for i in order], abs=TOL)
         assert results[0]["document"]["text"] == DOCS[order[0]]
     # Cohere's documents as objects, top_n, no documents back
-    r = httpx.post(f"{rerank_server.url}/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCS],
-                                                            "top_n": 2, "return_documents": False}, timeout=60).json()
+    r = rerank_server.post("/v1/rerank", json={"query": QUERY, "documents": [{"text": d} for d in DOCS],
+                                               "top_n": 2, "return_documents": False}).json()
     assert [x["index"] for x in r["results"]] == order[:2] and "document" not in r["results"][0]
     assert r["usage"]["total_tokens"] > 0
-    s = httpx.post(f"{rerank_server.url}/v1/score", json={"text_1": QUERY, "text_2": DOCS}, timeout=60).json()
+    s = rerank_server.post("/v1/score", json={"text_1": QUERY, "text_2": DOCS}).json()
     assert [d["score"] for d in s["data"]] == pytest.approx(reference_scores, abs=TOL)
 
 
@@ -143,6 +148,6 @@ def test_rerank_and_score_endpoints(rerank_server, reference_scores):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "model"),
 ])
 def test_rerank_refusals(rerank_server, path, body, param):
-    r = httpx.post(f"{rerank_server.url}{path}", json=body, timeout=60)
+    r = rerank_server.post(path, json=body)
     assert r.status_code == 400, r.text
     assert (r.json()["error"]["param"] or "body").split(".")[0] == param, r.text
