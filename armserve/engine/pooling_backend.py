@@ -148,13 +148,18 @@ def resolve_runner(config: EngineConfig) -> str:
     its class's `is_pooling_model`); a ConfigError when the model cannot run as asked."""
     if config.runner == "generate" or (config.runner == "auto" and config.backend != "torch"):
         return "generate"
-    hf = model_loader.load_config(model_loader.resolve_model_path(config.model))
-    pools = bool(getattr(_model_class(hf), "is_pooling_model", False))
+    src = model_loader.resolve_model_path(config.model)
+    # NOTE: no pooling family reads GGUF files (yet), and parsing a GGUF header twice costs seconds
+    if src.is_gguf:
+        architecture, pools = "a GGUF file", False
+    else:
+        hf = model_loader.load_config(src)
+        architecture, pools = hf.architectures[0], bool(getattr(_model_class(hf), "is_pooling_model", False))
     if config.runner == "auto":
         return "pooling" if pools else "generate"
     if not pools:
-        raise ConfigError(f"runner 'pooling' is not supported for {hf.architectures[0]} yet (encoder embedding "
-                          "models only: BertModel, RobertaModel, XLMRobertaModel)")
+        raise ConfigError(f"runner 'pooling' is not supported for {architecture} yet (encoder models only: "
+                          "BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification)")
     if config.backend != "torch":
         raise ConfigError("runner 'pooling' runs on the torch backend only")
     return "pooling"
