@@ -311,3 +311,22 @@ def test_matryoshka_dimensions(tiny_bert, tmp_path):
     plain = LLM(tiny_bert, dtype="float32")
     with pytest.raises(RequestError, match="does not support Matryoshka"):
         plain.embed("x", PoolingParams(dimensions=16), use_tqdm=False)
+
+
+def test_async_llm_encode(minilm):
+    """AsyncLLM.encode (vLLM's name): the vector of one input, as the offline engine gives it."""
+    import asyncio
+
+    from armserve.config import EngineConfig
+    from armserve.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(model=minilm, dtype="float32"), log_stats=False, engine_process=False)
+    try:
+        async def main():
+            return [out async for out in engine.encode(SENTENCES[1])]
+
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(outs) == 1 and outs[0].finished
+    assert_close_vectors([outs[0].pooled], reference(minilm, SENTENCES[1:2]))
