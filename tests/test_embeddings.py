@@ -330,3 +330,37 @@ def test_async_llm_encode(minilm):
         engine.shutdown()
     assert len(outs) == 1 and outs[0].finished
     assert_close_vectors([outs[0].pooled], reference(minilm, SENTENCES[1:2]))
+
+
+@pytest.mark.parametrize("mode,normalize", [("cls", False), ("lasttoken", True), ("mean", True)])
+def test_pooling_from_sentence_transformers_files(tiny_bert, tmp_path, mode, normalize):
+    """A folder sentence-transformers itself saved (its current file format) with each pooling
+    mode, with and without Normalize: armserve reads it and embeds as it does."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    from armserve import LLM
+
+    parts = [models.Transformer(tiny_bert), models.Pooling(64, pooling_mode=mode)]
+    if normalize:
+        parts.append(models.Normalize())
+    st = SentenceTransformer(modules=parts, device="cpu")
+    folder = str(tmp_path / mode)
+    st.save(folder)
+    want = torch.as_tensor(SentenceTransformer(folder, device="cpu").encode(SENTENCES))
+    outs = LLM(folder, dtype="float32").embed(SENTENCES, use_tqdm=False)
+    assert_close_vectors([o.outputs.embedding for o in outs], want)
+
+
+def test_unsupported_pooling_is_refused_at_load(tiny_bert, tmp_path):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer import modules as models
+
+    from armserve import LLM
+    from armserve.model_loader import ModelLoadError
+
+    folder = str(tmp_path / "max")
+    SentenceTransformer(modules=[models.Transformer(tiny_bert), models.Pooling(64, pooling_mode="max")],
+                        device="cpu").save(folder)
+    with pytest.raises(ModelLoadError, match="pooling 'max'"):
+        LLM(folder, dtype="float32")
