@@ -103,8 +103,8 @@ class InputProcessor:
         """The engine request of `prompt`; `RequestError` / `PromptError` (ValueErrors) naming the
         problem. `params` None: the defaults."""
         if self.pooler is not None:
-            raise RunnerError("this model is an embedding model (runner pooling): it returns vectors "
-                              "(/v1/embeddings, LLM.embed) and cannot generate text")
+            raise RunnerError("this model is an embedding model (runner pooling): it returns vectors or scores "
+                              "(LLM.embed / LLM.score, /v1/embeddings, /score, /rerank) and cannot generate text")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")

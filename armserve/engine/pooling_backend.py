@@ -86,8 +86,8 @@ class PoolingBackend:
         """Queue a pooling request (ValueError for a generation request or bad `dimensions`)."""
         params = request.pooling
         if params is None:
-            raise ValueError("this model is an embedding model (runner pooling): it pools inputs into vectors "
-                             "and cannot generate text")
+            raise ValueError("this model is an embedding model (runner pooling): it pools inputs into vectors or "
+                             "scores and cannot generate text")
         self.pooler.check_dimensions(params.dimensions)
         self._params[request.request_id] = params
         self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.params, 1,
