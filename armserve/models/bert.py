@@ -126,6 +126,9 @@ class BertModel(nn.Module):
         super().__init__()
         if get_parallel_context().world > 1:
             raise ValueError(f"{type(self).__name__} cannot be split for tensor parallelism: use tensor_parallel_size 1")
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {config.position_embedding_type!r} is not supported "
+                             "(absolute positions only)")
         self.config = config
         h = config.hidden_size
         self.word_embeddings = nn.Embedding(config.vocab_size, h)
