@@ -242,7 +242,7 @@ class OpenAIServing:
         what = {"generate": "generates text", "embed": "is an embedding model",
                 "classify": "is a cross-encoder (classification) model"}[task]
         use = {"generate": "/v1/chat/completions, /v1/completions", "embed": "/v1/embeddings, /pooling, /score",
-               "classify": "/score, /rerank, /classify"}[task]
+               "classify": "/score, /rerank, /pooling"}[task]
         need = {"generate": "a text-generation model", "embed": "an embedding model",
                 "classify": "a cross-encoder"}
         raise APIError(f"{endpoint} needs {' or '.join(need[t] for t in tasks)}; the model "
