@@ -230,12 +230,6 @@ class AsyncLLM:
         # (0 when a backend does not report its cache: then only the request bound applies)
         self.max_waiting_tokens: int = config.max_waiting_tokens or sum(self._kv_tokens)
 
-    def add_stat_logger(self, stat_logger: StatLogger) -> None:
-        """Attach a logger (e.g. Prometheus); call before submitting requests."""
-        self._stat_loggers.insert(0, stat_logger)
-        for i, snap in enumerate(self._snapshots):
-            stat_logger.record(snap, IterationStats(), i)
-
     # ---- public API (any thread / the event loop) ------------------------------------------
 
     @property
