@@ -6,7 +6,7 @@ and reports each step's outputs and statistics as one message (vLLM v1's EngineC
     add / abort / stop  ──► commands ──► inbox ──► engine.add_processed_request / abort_request / step
     streams, stat loggers ◄── messages ◄── emit(("outputs", deltas, SchedulerStats, IterationStats))
 
-It runs in its own process (`start_core_process`, the server's default) or in a thread of the
+It runs in its own process (`core_process_main`, the server's default) or in a thread of the
 caller's process (`AsyncLLM(..., engine_process=False)`). In its own process the core's Python
 (scheduling, sampling bookkeeping, detokenizing) never waits for the HTTP server's GIL: with
 the GIL shared, every time a kernel returns, the engine thread queues behind the asyncio thread
