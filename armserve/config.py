@@ -31,6 +31,16 @@ WAITING_REQUESTS_PER_SEQ = 4
 # --weight-format); the torch backend quantizes offline (`armserve quantize`).
 OPENVINO_QUANTIZATIONS = ("int8", "int4")
 
+# What the engine runs a model for (vLLM's `runner`): "generate" (text), "pooling" (one vector per
+# input: embeddings, engine/pooling_backend.py), or "auto": pooling for a model family that only
+# pools (models/bert.py), else generate. vLLM's older `task` names map onto them.
+RUNNERS = ("auto", "generate", "pooling")
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+# Inputs one /v1/embeddings or /pooling request may carry (OpenAI's limit); more: a 400. The server
+# keeps at most max_num_seqs of them in the engine at once, so a batch never trips admission (429).
+MAX_EMBEDDING_INPUTS = 2048
+
 # The engines `backend` picks from (engine/backend.py: create_engine builds each).
 BACKENDS = ("torch", "openvino")
 
@@ -170,8 +180,12 @@ class EngineConfig:
     # Seconds a structured-output grammar may take to compile before its request fails with "too
     # complex" (None: GRAMMAR_COMPILE_TIMEOUT or $ARMSERVE_GRAMMAR_COMPILE_TIMEOUT; 0: no limit).
     grammar_compile_timeout: float | None = None
+    # RUNNERS: "auto" picks from the checkpoint (LLMEngine resolves it before building the backend).
+    runner: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"unknown runner {self.runner!r}; expected one of {', '.join(RUNNERS)}")
         if self.kv_cache_space is None:
             # (vLLM's CPU name, for setups written for it; armserve's own wins)
             var = next((v for v in ("ARMSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE") if os.environ.get(v)), None)

@@ -79,6 +79,12 @@ def numa_nodes() -> dict[int, list[int]]:
     return nodes or {0: allowed_cpus()}
 
 
+def _first_node(cpus: list[int]) -> list[int]:
+    """Those of `cpus` on the first NUMA node."""
+    nodes, allowed = numa_nodes(), set(cpus)
+    return [c for c in nodes[min(nodes)] if c in allowed]
+
+
 def cpu_model() -> str:
     text = _read("/proc/cpuinfo") or ""
     for line in text.splitlines():
@@ -173,10 +179,7 @@ def core_groups(n: int, what: str = "tensor_parallel_size", unit: str = "rank") 
             except ValueError as e:
                 raise ValueError(f"{var}: {e}") from None
     else:
-        allowed = allowed_cpus()
-        if bind == "auto":
-            first_node = numa_nodes()[min(numa_nodes())]
-            allowed = [c for c in first_node if c in set(allowed)]
+        allowed = _first_node(allowed_cpus()) if bind == "auto" else allowed_cpus()
         cores = physical_cores(allowed)
         if len(cores) < n:  # SMT siblings rather than nothing
             cores = allowed
@@ -202,9 +205,7 @@ def bound_cores(var: str, bind: str) -> list[int]:
     process may use), else a core list, each core one this process may use (ValueError naming
     `var` otherwise)."""
     if bind == "auto":
-        first_node = numa_nodes()[min(numa_nodes())]
-        allowed = set(allowed_cpus())
-        return physical_cores([c for c in first_node if c in allowed])
+        return physical_cores(_first_node(allowed_cpus()))
     try:
         cores = parse_cpu_list(bind)
     except ValueError as e:

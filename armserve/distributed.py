@@ -186,15 +186,13 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
     group = None
     try:
         from armserve import model_loader
-        from armserve.cpu import init_threads
+        from armserve.cpu import init_threads, parse_cpu_list
         from armserve.engine.model_runner import ModelRunner
         from armserve.layers.linear import ParallelContext
 
         if bind:
             # A spawned process inherits the affinity of the thread that started it, which may be
             # rank 0's own binding: take this rank's cores first (cgroup limits still apply).
-            from armserve.cpu import parse_cpu_list
-
             os.sched_setaffinity(0, parse_cpu_list(bind))
         init_threads(bind=bind)
         group = comm.join(rank)

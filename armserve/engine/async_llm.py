@@ -34,6 +34,7 @@ from armserve.engine.core import AbortCommand, AddCommand
 from armserve.engine.core_client import ProcessCore, ThreadCore, engine_process_default
 from armserve.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
+from armserve.pooling_params import PoolingParams
 from armserve.engine.stat_loggers import LoggingStatLogger, StatLogger, combine_stats
 from armserve.engine.stats import IterationStats, SchedulerStats
 from armserve.outputs import CompletionOutput, RequestOutput
@@ -50,9 +51,7 @@ logger = logging.getLogger("armserve")
 def merge_delta_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """Join two consecutive delta outputs of one request into one (`b` came later)."""
     comps: dict[int, CompletionOutput] = {
-        c.index: CompletionOutput(c.index, c.text, list(c.token_ids), c.cumulative_logprob,
-                                  list(c.logprobs) if c.logprobs is not None else None,
-                                  c.finish_reason, c.stop_reason)
+        c.index: replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
         for c in a.outputs
     }
     for c in b.outputs:
@@ -67,16 +66,8 @@ def merge_delta_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         prev.cumulative_logprob = c.cumulative_logprob
         prev.finish_reason = c.finish_reason
         prev.stop_reason = c.stop_reason
-    return RequestOutput(
-        request_id=b.request_id,
-        prompt=b.prompt,
-        prompt_token_ids=b.prompt_token_ids,
-        prompt_logprobs=b.prompt_logprobs,  # cumulative in the engine: the later one has it all
-        outputs=[comps[i] for i in sorted(comps)],
-        finished=b.finished,
-        metrics=b.metrics,
-        num_cached_tokens=b.num_cached_tokens,
-    )
+    # (prompt_logprobs are cumulative in the engine: the later output has them all)
+    return replace(b, outputs=[comps[i] for i in sorted(comps)])
 
 
 class RequestStream:
@@ -240,12 +231,6 @@ class AsyncLLM:
         # (0 when a backend does not report its cache: then only the request bound applies)
         self.max_waiting_tokens: int = config.max_waiting_tokens or sum(self._kv_tokens)
 
-    def add_stat_logger(self, stat_logger: StatLogger) -> None:
-        """Attach a logger (e.g. Prometheus); call before submitting requests."""
-        self._stat_loggers.insert(0, stat_logger)
-        for i, snap in enumerate(self._snapshots):
-            stat_logger.record(snap, IterationStats(), i)
-
     # ---- public API (any thread / the event loop) ------------------------------------------
 
     @property
@@ -337,6 +322,19 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's `encode` for an embedding model: yields the one output, its vector in `pooled`."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
+        request = self.input_processor.process_pooling(request_id or uuid.uuid4().hex, prompt, pooling_params)
+        stream = await self.add_processed_request(request)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
     def _admit(self, num_tokens: int) -> None:
         """EngineOverloadedError if a request of `num_tokens` prompt tokens would pass a bound
         (call under the admission lock). A lone prompt is let in whatever its size: it fits
@@ -395,13 +393,7 @@ class AsyncLLM:
         """Forget one request and hand `error` to its caller: its pending add_request now, or its
         stream through `deliveries` (for `_deliver`)."""
         self._forget(request_id)
-        if live.accepted is not None:
-            fut, live.accepted = live.accepted, None
-            try:
-                fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
-            except RuntimeError:
-                pass  # that event loop is closed
-        else:
+        if not _answer(live, error):
             deliveries.append((live.stream, error))
 
     def _expire(self, request_id: str, stream: RequestStream, seconds: float) -> None:
@@ -460,12 +452,8 @@ class AsyncLLM:
         elif kind == "accepted":
             _, rid, error = msg
             live = self._live.get(rid)
-            if live is not None and live.accepted is not None:
-                fut, live.accepted = live.accepted, None
-                try:
-                    fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
-                except RuntimeError:
-                    pass  # that event loop is closed
+            if live is not None:
+                _answer(live, error)
             if error is not None:
                 self._forget(rid)
         elif kind == "stats":
@@ -569,6 +557,18 @@ def _deliver(deliveries: list[tuple[RequestStream, Any]]) -> None:
             loop.call_soon_threadsafe(_put_all, items)
         except RuntimeError:
             pass  # that event loop is closed: nobody is listening
+
+
+def _answer(live: _Live, error: BaseException | None) -> bool:
+    """Answer the request's pending add_request (accepted, or `error`); False if none is pending."""
+    fut, live.accepted = live.accepted, None
+    if fut is None:
+        return False
+    try:
+        fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
+    except RuntimeError:
+        pass  # that event loop is closed
+    return True
 
 
 def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:

@@ -6,7 +6,7 @@ and reports each step's outputs and statistics as one message (vLLM v1's EngineC
     add / abort / stop  ──► commands ──► inbox ──► engine.add_processed_request / abort_request / step
     streams, stat loggers ◄── messages ◄── emit(("outputs", deltas, SchedulerStats, IterationStats))
 
-It runs in its own process (`start_core_process`, the server's default) or in a thread of the
+It runs in its own process (`core_process_main`, the server's default) or in a thread of the
 caller's process (`AsyncLLM(..., engine_process=False)`). In its own process the core's Python
 (scheduling, sampling bookkeeping, detokenizing) never waits for the HTTP server's GIL: with
 the GIL shared, every time a kernel returns, the engine thread queues behind the asyncio thread
@@ -33,15 +33,13 @@ import queue
 import signal
 import sys
 import threading
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
 from armserve.engine.input_processor import EngineCoreRequest
 from armserve.engine.llm_engine import LLMEngine
-from armserve.engine.stats import FinishedRequestStats, IterationStats, SchedulerStats
-from armserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from armserve.engine.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("armserve")
 
@@ -69,21 +67,6 @@ class _CompileDone:
     error: BaseException | None
 
 
-@dataclass(slots=True)
-class _Tracked:
-    """Core-side bookkeeping of one live request, for statistics."""
-
-    n: int
-    num_prompt_tokens: int
-    metrics: RequestMetrics | None = None
-    tokens_per_completion: dict[int, int] = field(default_factory=dict)
-    finish_reasons: dict[int, str] = field(default_factory=dict)
-
-    @property
-    def num_generation_tokens(self) -> int:
-        return sum(self.tokens_per_completion.values())
-
-
 def portable_error(e: BaseException) -> BaseException:
     """`e` if it survives pickling (to cross to the frontend process), else an equivalent
     ValueError / RuntimeError with the same message."""
@@ -100,11 +83,10 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, emit: Callable[[tuple], None],
                  stats_interval: float = DEFAULT_STATS_INTERVAL) -> None:
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(config, log_stats=True)
         self.emit = emit
         self.stats_interval = stats_interval
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
         # request id -> its wait on a grammar compile (StructuredOutputManager.compile_async)
         self._compiling: dict[str, Any] = {}
 
@@ -124,7 +106,7 @@ class EngineCore:
             # large step touches are then in place before the first request.
             if warm_up:
                 engine.warm_up()
-            snap = self._snapshot()
+            snap = self.snapshot()
             # (the frontend has a tokenizer of its own)
             self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size,
                                  "input": replace(engine.input_processor, tokenizer=None)}))
@@ -141,7 +123,6 @@ class EngineCore:
             if structured is not None:
                 structured.close()  # kills the compile workers; waiting compiles are not answered
             self._compiling.clear()
-            self._tracked.clear()
             self.emit(("dead", why))
 
     def _drain(self, block: bool) -> bool:
@@ -156,7 +137,7 @@ class EngineCore:
                     cmd = self.inbox.get_nowait()
             except queue.Empty:
                 if block and first:
-                    self.emit(("stats", self._snapshot(), IterationStats()))
+                    self.emit(("stats", self.snapshot(), IterationStats()))
                 return True
             first = False
             if isinstance(cmd, StopCommand):
@@ -198,7 +179,6 @@ class EngineCore:
         except Exception as e:  # errors name the problem (what the backend cannot carry); the engine is untouched
             self.emit(("accepted", rid, portable_error(e)))
             return
-        self._tracked[rid] = _Tracked(request.n, len(request.prompt_token_ids))
         self.emit(("accepted", rid, None))
 
     def _abort(self, request_ids: list[str]) -> None:
@@ -208,72 +188,22 @@ class EngineCore:
                 # Its worker is killed unless another request waits on the same grammar.
                 self.engine.structured.cancel(handle)
                 self.emit(("accepted", rid, ValueError("the request was aborted while its grammar compiled")))
-        live = [rid for rid in request_ids if rid in self._tracked]
-        if not live:
-            return
-        self.engine.abort_request(live)
-        it = IterationStats()
-        outputs: list[RequestOutput] = []
-        for rid in live:
-            t = self._tracked.pop(rid)
-            it.finished.append(self._finished_stats(t, "abort"))
-            # Tell a reader that may still be waiting that the request is over.
-            outs = [CompletionOutput(i, "", [], None, None, "abort") for i in range(t.n) if i not in t.finish_reasons]
-            outputs.append(RequestOutput(rid, None, None, None, outs, True, t.metrics))  # type: ignore[arg-type]
-        self.emit(("outputs", outputs, self._snapshot(), it))
+        # Tell a reader that may still be waiting that the request is over.
+        outputs = self.engine.abort_request(request_ids)
+        if outputs:
+            self.emit(("outputs", outputs, self.snapshot(), self.engine.output_processor.take_stats()))
 
     def _step(self) -> None:
-        engine = self.engine
-        prompt_before = engine.num_prompt_tokens_total
-        gen_before = engine.num_generation_tokens_total
-        outputs = engine.step()
-        it = IterationStats(
-            num_prompt_tokens=engine.num_prompt_tokens_total - prompt_before,
-            num_generation_tokens=engine.num_generation_tokens_total - gen_before,
-        )
-        sent: list[RequestOutput] = []
+        outputs = self.engine.step()
         for out in outputs:
-            t = self._tracked.get(out.request_id)
-            if t is None:
-                continue
-            t.metrics = out.metrics
-            had_tokens = t.num_generation_tokens > 0
-            for c in out.outputs:
-                t.tokens_per_completion[c.index] = t.tokens_per_completion.get(c.index, 0) + len(c.token_ids)
-                if c.finish_reason is not None:
-                    t.finish_reasons[c.index] = c.finish_reason
-            m = out.metrics
-            if not had_tokens and t.num_generation_tokens > 0 and m is not None and m.first_token_time:
-                it.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
-            if out.finished:
-                del self._tracked[out.request_id]
-                reason = "length" if "length" in t.finish_reasons.values() else "stop"
-                it.finished.append(self._finished_stats(t, reason))
             # The frontend holds the prompt: a 4k-token prompt is not re-sent with every token.
             out.prompt = None
             out.prompt_token_ids = None  # type: ignore[assignment]
-            sent.append(out)
-        self.emit(("outputs", sent, self._snapshot(), it))
-
-    def _finished_stats(self, t: _Tracked, reason: str) -> FinishedRequestStats:
-        m = t.metrics
-        now = time.time()
-        tpot = None
-        longest = max(t.tokens_per_completion.values(), default=0)
-        if m is not None and m.first_token_time and m.last_token_time and longest > 1:
-            tpot = (m.last_token_time - m.first_token_time) / (longest - 1)
-        queue_time = None
-        if m is not None and m.first_scheduled_time:
-            queue_time = m.first_scheduled_time - m.arrival_time
-        e2e = now - m.arrival_time if m is not None else 0.0
-        return FinishedRequestStats(reason, t.num_prompt_tokens, t.num_generation_tokens, e2e, queue_time, tpot)
-
-    def _snapshot(self) -> SchedulerStats:
-        return self.engine.scheduler_stats()
+        self.emit(("outputs", outputs, self.snapshot(), self.engine.output_processor.take_stats()))
 
     def snapshot(self) -> SchedulerStats:
         """The engine's state now (call from the loop's thread, or before `run`)."""
-        return self._snapshot()
+        return self.engine.scheduler_stats()
 
 
 # ---- the core in its own process -------------------------------------------------------------

@@ -17,13 +17,19 @@ from armserve.config import EngineConfig
 from armserve.engine.backend import EngineBackend
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType, RequestError
 from armserve.engine.output_processor import OUTPUT_KINDS, OutputProcessor
-from armserve.engine.stats import SchedulerStats
 from armserve.outputs import RequestOutput
+from armserve.pooling_params import PoolingParams
 from armserve.sampling_params import SamplingParams
 
 
 def create_backend(config: EngineConfig) -> EngineBackend:
-    """The backend `config.backend` names, with its model loaded."""
+    """The backend `config.backend` names (the pooling backend for an embedding model,
+    `config.runner`), with its model loaded; `config.runner` is resolved ("generate"/"pooling")."""
+    from armserve.engine.pooling_backend import PoolingBackend, resolve_runner
+
+    config.runner = resolve_runner(config)
+    if config.runner == "pooling":
+        return PoolingBackend(config)
     if config.backend == "openvino":
         from armserve.engine.openvino_backend import OpenVINOBackend
 
@@ -36,11 +42,12 @@ def create_backend(config: EngineConfig) -> EngineBackend:
 class LLMEngine:
     """One model's engine. Not thread-safe: one thread calls `add_request`, `abort_request` and `step`.
 
-    The backend's own parts (the torch backend's `kv`, `scheduler`, `runner`, `model`; OpenVINO's
-    `ir_folder`) read through the engine, for tests and notebooks.
+    The backend's `warm_up()` and `scheduler_stats()` (engine/backend.py) and its own parts (the
+    torch backend's `kv`, `scheduler`, `runner`, `model`; OpenVINO's `ir_folder`) read through the
+    engine.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, log_stats: bool = False) -> None:
         self.config = config
         self.backend = backend = create_backend(config)
         self.tokenizer = backend.tokenizer
@@ -48,12 +55,10 @@ class LLMEngine:
         self.structured = backend.structured
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, min(backend.vocab_size, len(self.tokenizer)), backend.eos_token_ids,
-            backend.num_kv_blocks, backend.kv_block_size)
-        self.output_processor = OutputProcessor(self.tokenizer)
+            backend.num_kv_blocks, backend.kv_block_size, getattr(backend, "pooler", None))
+        # (log_stats: the engine core takes each step's IterationStats from it)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self._ids = itertools.count()
-        # Running totals for the stats line and /metrics.
-        self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
 
     def __getattr__(self, name: str) -> Any:
         if name == "backend":  # (not set yet: __init__ failed)
@@ -72,6 +77,14 @@ class LLMEngine:
                                    output_kind)
         return request_id
 
+    def add_pooling_request(self, request_id: str | None, prompt: PromptType, params: PoolingParams | None = None,
+                            arrival_time: float | None = None) -> str:
+        """`add_request` of an input to pool (an embedding model's engine); its one output carries
+        the vector in `pooled`."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        self.add_processed_request(self.input_processor.process_pooling(request_id, prompt, params, arrival_time))
+        return request_id
+
     def add_processed_request(self, request: EngineCoreRequest, output_kind: str = "final") -> None:
         """Queue a request the input processor made (the engine core's requests come so)."""
         if request.request_id in self.output_processor.requests:
@@ -79,11 +92,16 @@ class LLMEngine:
         self.backend.add_request(request)  # ValueError naming what the backend cannot carry
         self.output_processor.add_request(request, output_kind)
 
-    def abort_request(self, request_ids: str | Sequence[str]) -> None:
-        """Stop requests now and free their cache. Unknown ids are ignored."""
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        """Stop requests now and free their cache; returns each one's last output (its unfinished
+        completions ended "abort"). Unknown ids are ignored."""
+        outputs = []
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
-            if self.output_processor.abort_request(rid):
+            out = self.output_processor.abort_request(rid)
+            if out is not None:
                 self.backend.abort_request(rid)
+                outputs.append(out)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
@@ -92,18 +110,7 @@ class LLMEngine:
         """Run one engine iteration; outputs of the requests that progressed (per their output kind)."""
         scheduled = time.time()
         out = self.backend.step()
-        outputs, stopped, num_tokens = self.output_processor.process(out, scheduled, time.time())
+        outputs, stopped = self.output_processor.process(out, scheduled, time.time())
         for rid, index in stopped:
             self.backend.abort_request(rid, [index])
-        self.num_prompt_tokens_total += out.num_prompt_tokens
-        self.num_generation_tokens_total += num_tokens
         return outputs
-
-    def warm_up(self) -> None:
-        """Run a dummy request through the backend so the first real one does not pay for
-        first-touch costs; counters, metrics and caches are as before afterwards."""
-        self.backend.warm_up()
-
-    def scheduler_stats(self) -> SchedulerStats:
-        """The engine's state now, as the stat loggers receive it (engine/stats.py)."""
-        return self.backend.scheduler_stats()

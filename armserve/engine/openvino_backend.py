@@ -44,12 +44,10 @@ from armserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("armserve")
 
-# The exporter (optimum-intel and its transformers < 5.6) lives in an environment of its own,
-# made for the running environment by `python -m armserve.engine.openvino_backend --install-exporter`
-# (see `install_exporter`). NOTE: the `openvino` extra holds only the runtime: optimum-intel
-# declares torchvision (a CUDA build beside the CPU torch breaks `import transformers`) and pins
-# transformers < 5.6, so it cannot share this environment.
-# The hints name this interpreter, so they install into the environment that asked.
+# NOTE: the exporter (optimum-intel, which pins transformers < 5.6) lives in an environment of its
+# own, made for the running one by `install_exporter`, so serving never depends on its pins; the
+# `openvino` extra holds only the runtime. The hints name this interpreter, so they install into
+# the environment that asked.
 _PY = shlex.quote(sys.executable or "python3")
 INSTALL_EXPORTER = f"{_PY} -m armserve.engine.openvino_backend --install-exporter"
 INSTALL_HINT = (f"the openvino backend needs its extra: {_PY} -m pip install armserve[openvino] "
@@ -124,12 +122,7 @@ def _env_python(env: str) -> str:
 
 def export_python() -> str:
     """The Python that runs the export: $ARMSERVE_OPENVINO_EXPORT_PYTHON, else the exporter's
-    environment made for this environment (`install_exporter`), else this interpreter.
-
-    NOTE: optimum-intel supports transformers < 5.6 while armserve runs any transformers 5.x; the
-    export runs in an environment of its own (this environment's packages plus optimum-intel and
-    an older transformers), so serving never depends on the exporter's pins.
-    """
+    environment made for this environment (`install_exporter`), else this interpreter."""
     env = os.environ.get("ARMSERVE_OPENVINO_EXPORT_PYTHON")
     if env:
         return env
@@ -299,8 +292,7 @@ class OpenVINOBackend:
             ir = src.folder
         else:
             ir = export_ir(src.folder, weight_format(config.dtype, config.quantization), config.trust_remote_code)
-        self.model_config = model_loader.load_config(src)
-        hf = self.model_config
+        self.model_config = hf = model_loader.load_config(src)
         config.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
         self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
@@ -390,7 +382,7 @@ class OpenVINOBackend:
         g.max_new_tokens = max_tokens
         g.min_new_tokens = params.min_tokens
         # NOTE: the pipeline's ignore_eos also ignores stop_token_ids (vLLM's does not): with
-        # ignore_eos, `_update` matches the user's stop ids itself.
+        # ignore_eos, `_read` matches the user's stop ids itself.
         if params.ignore_eos:
             g.ignore_eos = True
         else:
@@ -501,8 +493,7 @@ class OpenVINOBackend:
         for i, tok in enumerate(toks):
             req.num_tokens[idx] += 1
             last = i == len(toks) - 1
-            # NOTE: the pipeline's ignore_eos also ignores stop_token_ids (vLLM's does not): with
-            # ignore_eos the user's stop ids are matched here.
+            # (with ignore_eos the user's stop ids are matched here: see generation_config)
             if (last and res.finish_reason == reason.STOP) or (
                     params.ignore_eos and tok in params.stop_token_ids  # type: ignore[operator]
                     and req.num_tokens[idx] >= params.min_tokens):

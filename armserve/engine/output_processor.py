@@ -6,16 +6,19 @@ engine-core process when there is one, so outputs cross to the front end already
                       finds stop strings; logprobs decoded; finish reasons
                   ──► per request that progressed: RequestOutput ("final": once at the end;
                       "cumulative": everything so far; "delta": what is new)
+                  ──► with `log_stats`: IterationStats for the stat loggers (engine/stats.py)
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from armserve.engine.backend import BackendOutput, SequenceOutput, TokenLogprobs
 from armserve.engine.detokenizer import IncrementalDetokenizer
 from armserve.engine.input_processor import EngineCoreRequest
+from armserve.engine.stats import FinishedRequestStats, IterationStats
 from armserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 OUTPUT_KINDS = ("final", "cumulative", "delta")
@@ -49,6 +52,7 @@ class _Request:
     completions: list[_Completion]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    pooled: Any = None  # a pooling request's vector
 
     @property
     def finished(self) -> bool:
@@ -58,9 +62,16 @@ class _Request:
 class OutputProcessor:
     """Every live request's output state. Not thread-safe: the engine's thread calls it."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, log_stats: bool = False) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _Request] = {}
+        # What happened since the last `take_stats` (None: not recorded).
+        self.stats: IterationStats | None = IterationStats() if log_stats else None
+
+    def take_stats(self) -> IterationStats:
+        """The stats recorded since the last call (needs `log_stats`)."""
+        stats, self.stats = self.stats, IterationStats()
+        return stats  # type: ignore[return-value]
 
     def add_request(self, request: EngineCoreRequest, output_kind: str) -> None:
         ids = request.prompt_token_ids
@@ -72,14 +83,21 @@ class OutputProcessor:
             request.request_id, request.prompt, ids, output_kind, RequestMetrics(arrival_time=request.arrival_time),
             comps, prompt_logprobs=[None] if request.params.prompt_logprobs is not None else None)
 
-    def abort_request(self, request_id: str) -> bool:
-        """Forget a request; False if it was not live."""
-        return self.requests.pop(request_id, None) is not None
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; its last output (its unfinished completions ended "abort"), None if it
+        was not live."""
+        r = self.requests.pop(request_id, None)
+        if r is None:
+            return None
+        if self.stats is not None:
+            self.stats.finished.append(self._finished_stats(r, "abort"))
+        ended = [CompletionOutput(c.index, "", [], None, None, "abort") for c in r.completions if not c.finish_reason]
+        return RequestOutput(request_id, None, None, None, ended, True, r.metrics)  # type: ignore[arg-type]
 
     def process(self, out: BackendOutput, scheduled_time: float,
-                now: float) -> tuple[list[RequestOutput], list[tuple[str, int]], int]:
+                now: float) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """One backend step -> (the outputs of the requests that progressed, the sequences a stop
-        string ended that the backend must stop, how many new tokens were taken)."""
+        string ended that the backend must stop)."""
         requests = self.requests
         for rid, num_cached in out.scheduled.items():
             r = requests[rid]
@@ -100,18 +118,27 @@ class OutputProcessor:
             if c.finish_reason is not None:
                 continue
             touched[r.request_id] = r
+            if seq.pooled is not None:
+                r.pooled = seq.pooled
             num_tokens += self._update(r, c, seq, now, stopped)
 
+        stats = self.stats
         outputs: list[RequestOutput] = []
         for r in touched.values():
             finished = r.finished
             if finished:
                 r.metrics.finished_time = now
                 del requests[r.request_id]
+                if stats is not None:
+                    length = any(c.finish_reason == "length" for c in r.completions)
+                    stats.finished.append(self._finished_stats(r, "length" if length else "stop"))
             if r.output_kind == "final" and not finished:
                 continue
             outputs.append(self._make_output(r, finished))
-        return outputs, stopped, num_tokens
+        if stats is not None:
+            stats.num_prompt_tokens += out.num_prompt_tokens
+            stats.num_generation_tokens += num_tokens
+        return outputs, stopped
 
     def _update(self, r: _Request, c: _Completion, seq: SequenceOutput, now: float,
                 stopped: list[tuple[str, int]]) -> int:
@@ -122,6 +149,8 @@ class OutputProcessor:
             c.token_ids.append(tok)
             if r.metrics.first_token_time is None:
                 r.metrics.first_token_time = now
+                if self.stats is not None:
+                    self.stats.time_to_first_tokens.append(now - r.metrics.arrival_time)
             r.metrics.last_token_time = now
             if lps is not None and i < len(lps) and lps[i] is not None:
                 self._add_logprobs(c, lps[i])  # type: ignore[arg-type]
@@ -136,24 +165,25 @@ class OutputProcessor:
         return len(toks)
 
     @staticmethod
+    def _finished_stats(r: _Request, reason: str) -> FinishedRequestStats:
+        m, now = r.metrics, time.time()
+        longest = max(len(c.token_ids) for c in r.completions)
+        tpot = None
+        if m.first_token_time and m.last_token_time and longest > 1:
+            tpot = (m.last_token_time - m.first_token_time) / (longest - 1)
+        queue_time = m.first_scheduled_time - m.arrival_time if m.first_scheduled_time else None
+        return FinishedRequestStats(reason, len(r.prompt_token_ids), sum(len(c.token_ids) for c in r.completions),
+                                    now - m.arrival_time, queue_time, tpot)
+
+    @staticmethod
     def _add_logprobs(c: _Completion, lp: TokenLogprobs) -> None:
-        ids, vals, rank = lp
-        dec = c.detok.decode_token
-        pos = {ids[0]: Logprob(vals[0], rank, dec(ids[0]))}
-        for r, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
-            if t not in pos:
-                pos[t] = Logprob(v, r, dec(t))
-        c.logprobs.append(pos)  # type: ignore[union-attr]
-        c.cumulative_logprob += vals[0]  # type: ignore[operator]
+        c.logprobs.append(_position(*lp, c.detok.decode_token))  # type: ignore[union-attr]
+        c.cumulative_logprob += lp[1][0]  # type: ignore[operator]
 
     @staticmethod
     def _add_prompt_logprobs(r: _Request, rows: tuple[list[list[int]], list[list[float]], list[int]]) -> None:
         dec = r.completions[0].detok.decode_token
-        for row_ids, row_vals, rank in zip(*rows):
-            pos = {row_ids[0]: Logprob(row_vals[0], rank, dec(row_ids[0]))}
-            for k, (t, v) in enumerate(zip(row_ids[1:], row_vals[1:]), start=1):
-                pos.setdefault(t, Logprob(v, k, dec(t)))
-            r.prompt_logprobs.append(pos)  # type: ignore[union-attr]
+        r.prompt_logprobs.extend(_position(*row, dec) for row in zip(*rows))  # type: ignore[union-attr]
 
     @staticmethod
     def _make_output(r: _Request, finished: bool) -> RequestOutput:
@@ -180,4 +210,14 @@ class OutputProcessor:
                                           c.stop_reason))
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
                              prompt_logprobs=r.prompt_logprobs, outputs=comps, finished=finished, metrics=r.metrics,
-                             num_cached_tokens=r.num_cached_tokens)
+                             num_cached_tokens=r.num_cached_tokens, pooled=r.pooled)
+
+
+def _position(ids: list[int], vals: list[float], rank: int, decode: Callable[[int], str]) -> dict[int, Logprob]:
+    """One position's logprobs: the chosen token (ids[0], of `rank`) first, then the alternatives
+    in rank order (one entry per token)."""
+    pos = {ids[0]: Logprob(vals[0], rank, decode(ids[0]))}
+    for r, (t, v) in enumerate(zip(ids[1:], vals[1:]), start=1):
+        if t not in pos:
+            pos[t] = Logprob(v, r, decode(t))
+    return pos

@@ -5,6 +5,9 @@ cache (`num_computed_tokens`); each step it is offered `num_tokens - num_compute
 capped by what is left of `max_num_batched_tokens`. A long prompt therefore moves in chunks
 beside running decodes, a prefix-cache hit just starts a request further along, and a
 preempted request is recomputed by the same rule.
+
+A pooling engine (engine/pooling_backend.py) schedules with `chunked_prefill=False`: a request
+runs whole in one step or waits for a step with room for it (an encoder sees every token at once).
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        chunked_prefill: bool = True,
     ) -> None:
         self.kv = kv
+        self.chunked_prefill = chunked_prefill
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -122,6 +127,8 @@ class Scheduler:
                 req = self.waiting[0]
                 hit_blocks = kv.get_computed_blocks(req)
                 num_hit = len(hit_blocks) * kv.block_size
+                if not self.chunked_prefill and req.num_tokens - num_hit > budget:
+                    break  # whole or not at all: it waits for a step with room (FIFO)
                 n = min(req.num_tokens - num_hit, budget)
                 if not kv.allocate_slots(req, n, hit_blocks):
                     break

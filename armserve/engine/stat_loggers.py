@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import fields
 from typing import Protocol
 
 from armserve.config import DEFAULT_STATS_INTERVAL
@@ -17,15 +18,7 @@ def combine_stats(snapshots: list[SchedulerStats]) -> SchedulerStats:
     """Several engines' snapshots as one (counts and blocks summed; usage over all blocks)."""
     if len(snapshots) == 1:
         return snapshots[0]
-    total = SchedulerStats()
-    for s in snapshots:
-        total.num_running += s.num_running
-        total.num_waiting += s.num_waiting
-        total.kv_blocks_used += s.kv_blocks_used
-        total.kv_blocks_total += s.kv_blocks_total
-        total.prefix_cache_queries += s.prefix_cache_queries
-        total.prefix_cache_hits += s.prefix_cache_hits
-        total.num_preemptions += s.num_preemptions
+    total = SchedulerStats(**{f.name: sum(getattr(s, f.name) for s in snapshots) for f in fields(SchedulerStats)})
     total.kv_cache_usage = total.kv_blocks_used / total.kv_blocks_total if total.kv_blocks_total else 0.0
     return total
 

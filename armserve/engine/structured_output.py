@@ -72,14 +72,16 @@ def _clean(e: Exception | str) -> str:
     return _XGR_LOG_PREFIX.sub("", str(e)).strip()
 
 
-def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if not raw:
-        return default
+def _setting(value: float | None, name: str) -> float:
+    """`value`, else $ARMSERVE_`name`, else armserve.config's `name`."""
+    default = getattr(_config, name)
+    raw = os.environ.get(f"ARMSERVE_{name}")
+    if value is not None or not raw:
+        return default if value is None else value
     try:
         return float(raw)
     except ValueError:
-        logger.warning("ignoring %s=%r (not a number); using %s", name, raw, default)
+        logger.warning("ignoring ARMSERVE_%s=%r (not a number); using %s", name, raw, default)
         return default
 
 
@@ -209,31 +211,26 @@ class _Worker:
             cancelled = job.cancelled
         if status in ("timeout", "died", "memory"):
             self._stop()  # replaced before the next job
+        compiled, error, what = None, None, _WHAT[kind]
         if pool.closed:
-            pool._finish(job, None, CompileAborted("the engine shut down while the grammar compiled"))
-            return
-        if cancelled:
+            error = CompileAborted("the engine shut down while the grammar compiled")
+        elif cancelled:  # (its waiters are gone: nobody is told)
             logger.info("grammar compile of an aborted request stopped after %.2f s", time.monotonic() - t0)
-            pool._finish(job, None, None)
-            return
-        what = _WHAT[kind]
-        if status == "ok":
+        elif status == "ok":
             try:
                 compiled = pool.deserialize(payload)
             except Exception as e:  # a version skew between the worker and the engine
-                pool._finish(job, None, ValueError(f"structured_outputs.{kind}: the compiled {what} could not "
-                                                   f"be loaded: {_clean(e)}"))
-                return
-            pool._finish(job, compiled, None)
+                error = ValueError(f"structured_outputs.{kind}: the compiled {what} could not be loaded: {_clean(e)}")
         elif status == "invalid":
-            pool._finish(job, None, ValueError(f"structured_outputs.{kind}: invalid {what}: {_clean(payload)}"))
+            error = ValueError(f"structured_outputs.{kind}: invalid {what}: {_clean(payload)}")
         else:
             how = {"timeout": f"it did not compile within {pool.timeout:g} s",
                    "memory": f"compiling it needed more than {pool.memory_mb:g} MB"}.get(
                 status, f"its compiler stopped (the limits are {pool.timeout:g} s and {pool.memory_mb:g} MB)")
             logger.warning("structured_outputs.%s: grammar compile killed after %.1f s: %s (%d characters)",
                            kind, time.monotonic() - t0, how, len(job.spec))
-            pool._finish(job, None, GrammarTooComplex(f"structured_outputs.{kind}: the {what} is too complex: {how}"))
+            error = GrammarTooComplex(f"structured_outputs.{kind}: the {what} is too complex: {how}")
+        pool._finish(job, compiled, error)
 
 
 class GrammarCompilePool:
@@ -310,14 +307,11 @@ class GrammarCompilePool:
     def close(self) -> None:
         """Kill the workers; queued jobs fail. Their threads end on their own."""
         with self._lock:
-            self.closed = True
-            jobs = list(self._queue)
-            self._queue.clear()
+            self.closed = True  # (nothing joins the queue from now on)
             self._ready.notify_all()
         for w in self._workers:
             w.kill()
-        for job in jobs:
-            self._finish(job, None, CompileAborted("the engine shut down while the grammar compiled"))
+        self._fail_all(CompileAborted("the engine shut down while the grammar compiled"))
 
 
 # ---- the engine's structured-output state -----------------------------------------------------
@@ -339,14 +333,10 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = sorted(stop_token_ids)
-        self.compile_timeout = compile_timeout if compile_timeout is not None else _env_number(
-            "ARMSERVE_GRAMMAR_COMPILE_TIMEOUT", _config.GRAMMAR_COMPILE_TIMEOUT)
-        self.compile_memory_mb = compile_memory_mb if compile_memory_mb is not None else _env_number(
-            "ARMSERVE_GRAMMAR_COMPILE_MEMORY_MB", _config.GRAMMAR_COMPILE_MEMORY_MB)
-        self.compile_workers = int(compile_workers if compile_workers is not None else _env_number(
-            "ARMSERVE_GRAMMAR_COMPILE_WORKERS", _config.GRAMMAR_COMPILE_WORKERS))
-        self.cache_limit_bytes = int((cache_mb if cache_mb is not None else _env_number(
-            "ARMSERVE_GRAMMAR_CACHE_MB", _config.GRAMMAR_CACHE_MB)) * 2**20)
+        self.compile_timeout = _setting(compile_timeout, "GRAMMAR_COMPILE_TIMEOUT")
+        self.compile_memory_mb = _setting(compile_memory_mb, "GRAMMAR_COMPILE_MEMORY_MB")
+        self.compile_workers = int(_setting(compile_workers, "GRAMMAR_COMPILE_WORKERS"))
+        self.cache_limit_bytes = int(_setting(cache_mb, "GRAMMAR_CACHE_MB") * 2**20)
         self._info = None
         self._compiler = None  # in-engine compiler for the bounded kinds
         self._pool: GrammarCompilePool | None = None
@@ -408,13 +398,14 @@ class StructuredOutputManager:
 
     def cached(self, so: StructuredOutputsParams):
         """The compiled grammar of `so` if cached (now the most recent), else None."""
-        key = so.cache_key()
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is None:
-                return None
+            return self._cache_get(so.cache_key())
+
+    def _cache_get(self, key: tuple[str, str, bool]):
+        hit = self._cache.get(key)
+        if hit is not None:
             self._cache.move_to_end(key)
-            return hit[0]
+        return None if hit is None else hit[0]
 
     def compile_async(self, so: StructuredOutputsParams, on_done: OnCompiled) -> "_Waiter | None":
         """Start compiling `so` unless it is cached or compiles inline (None: the grammar is now in
@@ -426,10 +417,9 @@ class StructuredOutputManager:
         """(compiled grammar, None) when cached or compiled inline, else (None, handle)."""
         key = so.cache_key()
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit[0], None
+            compiled = self._cache_get(key)
+            if compiled is not None:
+                return compiled, None
             if self._inline(so, key):
                 compiled = self._compile_inline(self._get_compiler(), so, key)
                 self._cache_put(key, compiled)
@@ -474,21 +464,9 @@ class StructuredOutputManager:
     def compile(self, so: StructuredOutputsParams):
         """The compiled grammar of `so` (blocking), from the LRU cache when seen before. Raises
         ValueError naming the field and the problem for an invalid or too complex constraint."""
-        done = threading.Event()
-        box: list = []
-
-        def on_done(compiled: Any, error: BaseException | None) -> None:
-            box.append((compiled, error))
-            done.set()
-
-        compiled, handle = self._start(so, on_done)
-        if handle is None:
-            return compiled
-        done.wait()
-        compiled, error = box[0]
-        if error is not None:
-            raise error
-        return compiled
+        done: Future = Future()
+        compiled, handle = self._start(so, lambda c, e: done.set_result(c) if e is None else done.set_exception(e))
+        return compiled if handle is None else done.result()
 
     @staticmethod
     def _compile_inline(compiler, so: StructuredOutputsParams, key: tuple[str, str, bool]):

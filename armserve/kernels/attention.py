@@ -67,23 +67,22 @@ def make_attn_batch(q_start: torch.Tensor, q_len: torch.Tensor, context_len: tor
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     """(kv heads, head_dim, block size) of caches in the kernels' block layout (module docstring);
     the kernels index raw memory, so anything else is refused."""
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"caches must be contiguous K and V in the block layout of kv_cache_shapes() for "
-                         f"their dtype, got non-contiguous K {tuple(k_cache.shape)} / V {tuple(v_cache.shape)}")
-    return _cache_geometry(tuple(k_cache.shape), tuple(v_cache.shape), v_cache.dtype)
+    return _cache_geometry(tuple(k_cache.shape), tuple(v_cache.shape), v_cache.dtype,
+                           k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 @functools.lru_cache(maxsize=64)
-def _cache_geometry(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, int, int]:
+def _cache_geometry(k_shape: tuple[int, ...], v_shape: tuple[int, ...], dtype: torch.dtype,
+                    contiguous: bool) -> tuple[int, int, int]:
     """`_check_cache` for one pair of shapes, worked out once (it runs for every layer of every step)."""
-    ok = len(v_shape) in (4, 5)
+    ok = contiguous and len(v_shape) in (4, 5)
     if ok:
         nb, hk = v_shape[:2]
         bs, hd = (v_shape[2] * 2, v_shape[3]) if len(v_shape) == 5 else v_shape[2:]
         ok = bs % 16 == 0 and (k_shape, v_shape) == kv_cache_shapes(nb, bs, hk, hd, dtype)[:2]
     if not ok:
         raise ValueError(f"caches must be contiguous K and V in the block layout of kv_cache_shapes() for "
-                         f"their dtype, got K {k_shape} / V {v_shape} {dtype}")
+                         f"their dtype, got {'' if contiguous else 'non-contiguous '}K {k_shape} / V {v_shape} {dtype}")
     return hk, hd, bs
 
 

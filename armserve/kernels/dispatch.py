@@ -43,46 +43,25 @@ KERNEL_OPS = ("rms_norm", "rms_norm_heads", "rotary", "act_and_mul", "embedding"
 
 
 def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None, fmt: str | None = None) -> bool:
-    """Whether `op` runs its C++ kernel on `x` (a tensor, or for "attention" the model dtype).
-
-    - "rms_norm", "rotary", "act_and_mul", "embedding", "qgemm" (x: the activations): any kernel
-      dtype (float32, bfloat16, float16).
-    - "rms_norm_heads": x [T, heads, head_dim] in a kernel dtype with the heads contiguous within
-      a row (rows any stride apart: the q or k part of a fused qkv output).
-    - "attention": a kernel dtype and `head_dim` a multiple of 16 (the kernel walks head_dim in
-      16-lane vectors).
-    - "qgemm_dense": bf16 activations x of a quantized layer's part of format `fmt` take the
-      dequantizing dense GEMM (`qgemm_dense`) rather than the int8 one: from QDENSE_MIN_ROWS rows,
-      with a bf16 dot instruction; int4 ("w4") parts only on AMX tiles, where the bf16 GEMM is
-      several times the w4a8 GEMM (elsewhere they run as fast as each other).
-    - "dense_pack": x is a weight to prepack at load for the dense GEMM, which then serves every
-      row count on every variant: bfloat16 and float32 matrices (`pack_bf16` / `pack_f32`).
-      "dense": activations x for a prepacked weight: rows of the weight's dtype (else, or with
-      the kernels switched off after loading, the weight is unpacked for PyTorch).
-    - "qgemm_pack": x holds quantized weight codes, packed at load for the w4a8 / w8a8 GEMM (the
-      layer then keeps no PyTorch copy): whenever the kernels are on.
-    - "gemv": a few rows of x against an unpacked 16/32-bit weight: the skinny matmul up to the
-      variant's row limit (beyond it PyTorch's GEMM is faster).
-    - "small": an elementwise op (add_bias, mul_cols, cast) on the few rows of a decode step, so
-      that the step stays kernel calls only (engine/step_graph.py); PyTorch's threaded ops beyond.
-    - "argmax": float32 rows with unit column stride.
-    - "moe": activations x [T, hidden] for the fused expert pass (`fused_moe`) of experts whose
-      weights it reads (layers/fused_moe.py decides that): any kernel dtype; bf16 for packed bf16
-      experts.
-    """
+    """Whether `op` (one of KERNEL_OPS) runs its C++ kernel on `x`: a tensor (the activations; for
+    "dense_pack" / "qgemm_pack" a weight about to be prepacked at load), or for "attention" the
+    model dtype. Each rule below is what the kernel takes (dtype, layout; attention walks head_dim
+    in 16-lane vectors) and, for the matmuls, where it beats PyTorch (the constants above); a
+    quantized layer's "qgemm_dense" needs its part's `fmt` ("w4" / "w8"), "moe" the experts' fmt.
+    Without the library every answer is no."""
     lib = library._lib if library._loaded else library.load()
     if lib is None:
         return False
     dtype = x if isinstance(x, torch.dtype) else x.dtype
     if op in ("rms_norm", "rotary", "act_and_mul", "embedding", "qgemm"):
         return dtype in DTYPE_CODES
-    if op == "rms_norm_heads":
+    if op == "rms_norm_heads":  # q or k of a fused qkv output: heads contiguous, rows any stride apart
         return dtype in DTYPE_CODES and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
     if op == "attention":
         return dtype in DTYPE_CODES and head_dim is not None and head_dim % 16 == 0
     if op in ("dense_pack", "dense"):
         return x.dim() == 2 and dtype in (torch.bfloat16, torch.float32)
-    if op == "qgemm_pack":
+    if op == "qgemm_pack":  # whenever the kernels are on (the layer then keeps no PyTorch copy)
         return True
     if op == "qgemm_dense":
         if fmt not in ("w4", "w8"):

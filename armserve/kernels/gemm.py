@@ -47,21 +47,35 @@ def packed_bf16_shape(n: int, k: int) -> tuple[int, int, int, int]:
     return (-(-n // 16), -(-k // 2), 16, 2)
 
 
-def pack_bf16(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def packed_f32_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """Shape of `pack_f32`'s result for a weight [n, k]: (ceil(n / 16), ceil(k / 2), 2, 16)."""
+    return (-(-n // 16), -(-k // 2), 2, 16)
+
+
+def _pack(kernel: str, w: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tensor:
+    assert w.dim() == 2 and w.dtype == dtype
+    w = w.contiguous()
+    out = torch.empty(shape(*w.shape), dtype=dtype)
+    call(kernel, w.data_ptr(), *w.shape, out.data_ptr())
+    return out
+
+
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """Prepack a bf16 weight [n, k] (done once at load) for `gemm_bf16`.
 
     Returns a bfloat16 tensor of shape (ceil(n / 16), ceil(k / 2), 16, 2): for column block b,
     k-pair p, column c, the pair (w[16b + c, 2p], w[16b + c, 2p + 1]), zero-padded in n and k (the
     operand layout of AVX512-BF16 vdpbf16ps / ARM BFDOT; see csrc/dense_gemm.h)."""
-    assert w.dim() == 2 and w.dtype == torch.bfloat16
-    w = w.contiguous()
-    n, k = w.shape
-    if out is None:
-        out = torch.empty(packed_bf16_shape(n, k), dtype=torch.bfloat16)
-    nb, kp = packed_bf16_shape(n, k)[:2]
-    assert out.is_contiguous() and out.numel() * out.element_size() == nb * kp * 64
-    call("armserve_pack_bf16", w.data_ptr(), n, k, out.data_ptr())
-    return out
+    return _pack("armserve_pack_bf16", w, torch.bfloat16, packed_bf16_shape)
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """Prepack a float32 weight [n, k] (done once at load) for `gemm_f32`.
+
+    Returns a float32 tensor of shape (ceil(n / 16), ceil(k / 2), 2, 16): for column block b,
+    k-pair p, the 16 columns' weights w[16b + c, 2p], then w[16b + c, 2p + 1], zero-padded in n
+    and k (one 16-lane vector each; see csrc/dense_gemm.h)."""
+    return _pack("armserve_pack_f32", w, torch.float32, packed_f32_shape)
 
 
 _GEMM_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -88,27 +102,6 @@ def gemm_bf16(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out: torch.
     e.g. `fused[:, a:a + n]`: only those columns are written. float32 output keeps the fp32 sums
     unrounded (LM-head logits)."""
     return _gemm("armserve_gemm_bf16", torch.bfloat16, x, packed, n, k, out, out_dtype)
-
-
-def packed_f32_shape(n: int, k: int) -> tuple[int, int, int, int]:
-    """Shape of `pack_f32`'s result for a weight [n, k]: (ceil(n / 16), ceil(k / 2), 2, 16)."""
-    return (-(-n // 16), -(-k // 2), 2, 16)
-
-
-def pack_f32(w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Prepack a float32 weight [n, k] (done once at load) for `gemm_f32`.
-
-    Returns a float32 tensor of shape (ceil(n / 16), ceil(k / 2), 2, 16): for column block b,
-    k-pair p, the 16 columns' weights w[16b + c, 2p], then w[16b + c, 2p + 1], zero-padded in n
-    and k (one 16-lane vector each; see csrc/dense_gemm.h)."""
-    assert w.dim() == 2 and w.dtype == torch.float32
-    w = w.contiguous()
-    n, k = w.shape
-    if out is None:
-        out = torch.empty(packed_f32_shape(n, k), dtype=torch.float32)
-    assert out.is_contiguous() and out.shape == packed_f32_shape(n, k) and out.dtype == torch.float32
-    call("armserve_pack_f32", w.data_ptr(), n, k, out.data_ptr())
-    return out
 
 
 def gemm_f32(x: torch.Tensor, packed: torch.Tensor, n: int, k: int, out: torch.Tensor | None = None,

@@ -217,17 +217,23 @@ def native_bf16() -> bool | None:
     return None if lib is None else bool(lib.armserve_native_bf16())
 
 
+def _switch(name: str, on: bool, missing: str) -> bool:
+    """Set the library's `name` switch (bf16_dot, amx); the previous setting; KernelError `missing`
+    when the CPU cannot turn it on."""
+    lib = required()
+    global kernel_generation
+    before = bool(getattr(lib, f"armserve_{name}_wanted")())
+    kernel_generation += 1
+    if getattr(lib, f"armserve_set_{name}")(int(on)) == 2:
+        raise KernelError(f"{missing} (features: {' '.join(cpu_features())})")
+    return before
+
+
 def set_bf16_dot(on: bool) -> bool:
     """Allow (on) or forbid the bf16 dot instructions (tests, comparisons); returns the previous
     setting, to restore. They are used only while the CPU and the selected variant have them, so
     `bf16_dot()` may stay False after `set_bf16_dot(True)`."""
-    lib = required()
-    global kernel_generation
-    before = bool(lib.armserve_bf16_dot_wanted())
-    kernel_generation += 1
-    if lib.armserve_set_bf16_dot(int(on)) == 2:
-        raise KernelError(f"this CPU has no bf16 dot instruction (features: {' '.join(cpu_features())})")
-    return before
+    return _switch("bf16_dot", on, "this CPU has no bf16 dot instruction")
 
 
 def amx_available() -> bool:
@@ -246,14 +252,7 @@ def set_amx(on: bool) -> bool:
     """Allow (on, the default) or forbid AMX tiles in the dense bf16 GEMM (tests, comparisons;
     `ARMSERVE_AMX=0` at start-up); returns the previous setting, to restore. AMX is used only with
     the avx512 variant and the bf16 dot instruction allowed, from 3 rows (see `dense_isa()`)."""
-    lib = required()
-    global kernel_generation
-    before = bool(lib.armserve_amx_wanted())
-    kernel_generation += 1
-    if lib.armserve_set_amx(int(on)) == 2:
-        raise KernelError("AMX-BF16 is not available here (the CPU lacks it or Linux refused its tile data; "
-                          f"features: {' '.join(cpu_features())})")
-    return before
+    return _switch("amx", on, "AMX-BF16 is not available here: the CPU lacks it or Linux refused its tile data")
 
 
 def cpu_features() -> list[str]:

@@ -265,9 +265,7 @@ class VocabEmbedding(nn.Module):
         self.group = tp.group if tp.world > 1 else None
         self.weight = _param(self.split.rows[0][3], hidden_size)
 
-    def weight_loader(self, name: str, tensor: torch.Tensor, shard: Any = "all") -> None:
-        """Copy this rank's rows of the checkpoint table."""
-        self.split.load(self.weight, shard, tensor)
+    weight_loader = Linear.weight_loader  # this rank's rows of the checkpoint table
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is not None:

@@ -49,7 +49,7 @@ def _inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
         mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(mid, blended, scaled)
     if kind == "yarn":
-        return _yarn_inv_freq(rot_dim, params)
+        return _yarn_inv_freq(inv_freq, rot_dim, params)
     raise ValueError(
         f"rope_type {kind!r} is not supported; supported: default, linear, llama3, yarn"
     )
@@ -60,7 +60,7 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn_inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
+def _yarn_inv_freq(inv_freq: torch.Tensor, rot_dim: int, params: dict) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than `beta_slow` times over the original context are
     interpolated (divided by `factor`), those that turn more than `beta_fast` times kept, a linear
     ramp between (transformers' _compute_yarn_parameters)."""
@@ -80,8 +80,7 @@ def _yarn_inv_freq(rot_dim: int, params: dict) -> torch.Tensor:
     if low == high:
         high += 0.001
     ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1.0 / (base ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
-    return extrapolation / factor * ramp + extrapolation * (1 - ramp)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
 def rope_attention_factor(params: dict) -> float:

@@ -4,7 +4,6 @@ The model class comes from the registry in armserve/models/."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator
 
@@ -27,13 +26,10 @@ def load_config(src: ModelSource):
     from transformers import AutoConfig
 
     try:
-        if src.is_gguf:
-            config = gguf.read_config(src)
-        else:
-            config = AutoConfig.from_pretrained(src.folder)
-    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
-        if isinstance(e, UnsupportedArchitectureError):
-            raise
+        config = gguf.read_config(src) if src.is_gguf else AutoConfig.from_pretrained(src.folder)
+    except UnsupportedArchitectureError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as e:  # (a bad config.json: a ValueError)
         what = src.gguf_file or "config.json"
         raise ModelLoadError(f"cannot read the model config from {what} in {src.folder}: {e}") from e
     if not getattr(config, "architectures", None):

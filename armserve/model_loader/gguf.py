@@ -158,20 +158,15 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     for t in reader.tensors:
         parts = t.name.split(".")
-        if parts[0] == "blk" and parts[2] in _EXPERTS:
+        blk = parts[0] == "blk"
+        kind = parts[2] if blk else parts[0]
+        if blk and kind in _EXPERTS:
             yield from _experts(t, parts, keep_quantized, path)
             continue
-        if parts[0] == "blk":
-            base = block_names.get(parts[2])
-            if base is None:
-                continue
-            name = f"model.layers.{parts[1]}.{base}.{parts[3]}"
-        else:
-            base = _NAMES.get(parts[0])
-            if base is None:
-                continue
-            name = f"{base}.{parts[1]}"
-        kind = parts[2] if parts[0] == "blk" else parts[0]
+        base = (block_names if blk else _NAMES).get(kind)
+        if base is None:
+            continue
+        name = f"model.layers.{parts[1]}.{base}.{parts[3]}" if blk else f"{base}.{parts[1]}"
         qt = None
         if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
             qt = convert(t.tensor_type.name, t.data)
@@ -183,9 +178,8 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
                 # Lookups need float rows; a tied lm_head reads the same table as a quantized GEMM.
                 if not has_output:
                     yield "lm_head.weight", w
-                yield name, w.dequantize()
-            else:
-                yield name, w
+                w = w.dequantize()
+            yield name, w
             continue
         if norm_offset and name.endswith("norm.weight"):
             w -= norm_offset

@@ -118,17 +118,6 @@ class DeepseekMoE(SparseMoeBlock):
         return out.to(x.dtype)
 
 
-class DeepseekDecoderLayer(LlamaDecoderLayer):
-    """Llama's pre-norm residual block (its forward) around MLA and a dense or MoE MLP."""
-
-    def __init__(self, config, mlp: nn.Module, rope_interleave: bool) -> None:
-        nn.Module.__init__(self)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DeepseekAttention(config, rope_interleave)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp
-
-
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     """DeepSeek-V2 (and V2-Lite): MLA, softmax routing, shared experts, dense first layers."""
 
@@ -155,13 +144,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     def make_layers(self, config) -> nn.ModuleList:
         interleave = bool(getattr(config, "rope_interleave", True))  # V2 has no flag: always interleaved
-        dense = getattr(config, "first_k_dense_replace", 0) or 0
-        layers = []
-        for i in range(config.num_hidden_layers):
-            sparse = bool(config.n_routed_experts) and i >= dense
-            mlp = DeepseekMoE(config, self.v3) if sparse else LlamaMLP(config)
-            layers.append(DeepseekDecoderLayer(config, mlp, interleave))
-        return nn.ModuleList(layers)
+        return nn.ModuleList(LlamaDecoderLayer(config, DeepseekAttention(config, interleave), self.make_mlp(config, i))
+                             for i in range(config.num_hidden_layers))
+
+    def make_mlp(self, config, i: int) -> nn.Module:
+        sparse = config.n_routed_experts and i >= (getattr(config, "first_k_dense_replace", 0) or 0)
+        return DeepseekMoE(config, self.v3) if sparse else LlamaMLP(config)
 
     def _checkpoint_name(self, name: str) -> str:
         name = super()._checkpoint_name(name)

@@ -119,13 +119,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, sliding_window: int | None, qkv_bias: bool, qk_norm: bool = False) -> None:
+    """The pre-norm residual block around an attention (Llama's, DeepSeek's MLA) and an MLP (dense or MoE)."""
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, sliding_window, qkv_bias, qk_norm)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = mlp
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
@@ -201,8 +202,13 @@ class LlamaForCausalLM(nn.Module):
     def make_layers(self, config) -> nn.ModuleList:
         windows = layer_sliding_windows(config)
         return nn.ModuleList(
-            LlamaDecoderLayer(config, windows[i], self.qkv_bias, self.qk_norm) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, LlamaAttention(config, windows[i], self.qkv_bias, self.qk_norm),
+                              self.make_mlp(config, i)) for i in range(config.num_hidden_layers)
         )
+
+    def make_mlp(self, config, i: int) -> nn.Module:
+        """Layer i's MLP (a MoE family's sparse layers have experts)."""
+        return LlamaMLP(config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -279,7 +285,10 @@ class LlamaForCausalLM(nn.Module):
                     self.lm_head = ParallelLMHead(self.config.hidden_size, self.config.vocab_size)
             target, shard = self._fused_target(name)
             path, _, attr = target.rpartition(".")
-            module = self._module_of(target)
+            try:
+                module = self.get_submodule(path)
+            except AttributeError:
+                module = None
             if quantized or (isinstance(module, QuantizedLinear) and attr == "weight"):
                 module = self._quantized_module(path, loaded)
             elif not isinstance(getattr(module, attr, None), nn.Parameter):
@@ -302,13 +311,6 @@ class LlamaForCausalLM(nn.Module):
             if f".{part}." in name:
                 return name.replace(f".{part}.", f".{fused}."), shard
         return name, None
-
-    def _module_of(self, target: str):
-        path = target.rsplit(".", 1)[0]
-        try:
-            return self.get_submodule(path)
-        except AttributeError:
-            return None
 
     def _quantized_module(self, path: str, loaded: set[str] | None = None) -> QuantizedLinear:
         """The QuantizedLinear at `path`, swapped in for the float Linear there if needed (its

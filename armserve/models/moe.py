@@ -16,7 +16,7 @@ from torch import nn
 
 from armserve.layers.fused_moe import fused_experts, select_experts
 from armserve.layers.linear import Linear, get_parallel_context
-from armserve.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, layer_sliding_windows
+from armserve.models.llama import LlamaForCausalLM, LlamaMLP
 
 
 class SparseMoeBlock(nn.Module):
@@ -56,38 +56,20 @@ def sparse_layer(config, i: int) -> bool:
     return (i + 1) % step == 0
 
 
-class MoeDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer whose MLP is `mlp` (a SparseMoeBlock or a dense LlamaMLP)."""
-
-    def __init__(self, config, sliding_window: int | None, qkv_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
-        super().__init__(config, sliding_window, qkv_bias, qk_norm)
-        self.mlp = mlp
-
-
 class MixtralForCausalLM(LlamaForCausalLM):
     """Mixtral: Mistral attention, every layer sparse; top-k of the softmax, renormalised."""
 
     # (llama.cpp writes Mixtral as a `llama` file: LlamaForCausalLM.gguf_config makes its config)
     architectures, model_types, gguf_architectures = ("MixtralForCausalLM",), ("mixtral",), ()
-    norm_topk_prob = True
     # (the stacked experts ffn_{gate,up,down}_exps are split per expert by the loader)
     gguf_block_names = {"ffn_gate_inp": "mlp.gate"}
-    supports_tp = True  # SparseMoeBlock: each expert split as Llama's MLP, the router replicated
-
-    def num_experts(self, config) -> int:
-        return config.num_local_experts
 
     def moe_block(self, config) -> SparseMoeBlock:
-        return SparseMoeBlock(config, self.num_experts(config), config.num_experts_per_tok,
-                              config.intermediate_size, self.norm_topk_prob)
+        return SparseMoeBlock(config, config.num_local_experts, config.num_experts_per_tok,
+                              config.intermediate_size, True)
 
-    def make_layers(self, config) -> nn.ModuleList:
-        windows = layer_sliding_windows(config)
-        return nn.ModuleList(
-            MoeDecoderLayer(config, windows[i], self.qkv_bias, self.qk_norm,
-                            self.moe_block(config) if sparse_layer(config, i) else LlamaMLP(config))
-            for i in range(config.num_hidden_layers)
-        )
+    def make_mlp(self, config, i: int) -> nn.Module:
+        return self.moe_block(config) if sparse_layer(config, i) else LlamaMLP(config)
 
     def _checkpoint_name(self, name: str) -> str:
         name = super()._checkpoint_name(name)
@@ -128,9 +110,6 @@ class Qwen2MoeForCausalLM(MixtralForCausalLM):
             config.shared_expert_intermediate_size = int(shared)
         config.norm_topk_prob = cls.gguf_norm_topk_prob
         return config
-
-    def num_experts(self, config) -> int:
-        return config.num_experts
 
     def moe_block(self, config) -> SparseMoeBlock:
         return SparseMoeBlock(config, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,

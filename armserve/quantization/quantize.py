@@ -11,7 +11,6 @@ stay in `--dtype`. An untied LM head becomes int8 by default (`--lm-head int8|in
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -51,7 +50,7 @@ def quantize_model(
     of a small model's bytes, e.g. 272 of 630 MB in Qwen2.5-0.5B, and int8 keeps it within ~0.4% of
     each group's range), "int4" (the scheme's own format) or "keep" (`dtype`).
     """
-    from safetensors.torch import save_file
+    from huggingface_hub import save_torch_state_dict
     from tqdm.auto import tqdm
 
     if lm_head not in ("int8", "int4", "keep"):
@@ -84,8 +83,6 @@ def quantize_model(
 
     names_done: list[str] = []
     tensors: dict[str, torch.Tensor] = {}
-    shards: list[dict[str, torch.Tensor]] = []
-    size = 0
     if checkpoint.armserve_quantization(config):
         raise ValueError(f"{src.path} is already quantized by armserve")
     # (a GGUF file's names mapped by its family: Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA)
@@ -100,28 +97,12 @@ def quantize_model(
         else:
             # Norms (1-D) stay float32: they are tiny and precision-sensitive.
             out_t = {name: w.contiguous() if w.dim() == 1 else w.to(keep_dtype).contiguous()}
-        for k, v in out_t.items():
-            nbytes = v.numel() * v.element_size()
-            if tensors and size + nbytes > SHARD_BYTES:
-                shards.append(tensors)
-                tensors, size = {}, 0
-            tensors[k] = v
-            size += nbytes
+        tensors.update(out_t)
     if not names_done:
         raise ValueError(f"no linear weights to quantize in {model!r}")
-    shards.append(tensors)
-
     os.makedirs(out, exist_ok=True)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+    # model.safetensors, or shards of at most SHARD_BYTES with model.safetensors.index.json
+    save_torch_state_dict(tensors, out, max_shard_size=SHARD_BYTES)
 
     qcfg = {
         "quant_method": "armserve",
