@@ -76,6 +76,7 @@ class _Tracked:
     n: int
     num_prompt_tokens: int
     metrics: RequestMetrics | None = None
+    last_token_time: float | None = None  # when the previous step gave it tokens (inter-token latency)
     tokens_per_completion: dict[int, int] = field(default_factory=dict)
     finish_reasons: dict[int, str] = field(default_factory=dict)
 
@@ -230,6 +231,7 @@ class EngineCore:
         it = IterationStats(
             num_prompt_tokens=engine.num_prompt_tokens_total - prompt_before,
             num_generation_tokens=engine.num_generation_tokens_total - gen_before,
+            step=True,
         )
         sent: list[RequestOutput] = []
         for out in outputs:
@@ -245,6 +247,10 @@ class EngineCore:
             m = out.metrics
             if not had_tokens and t.num_generation_tokens > 0 and m is not None and m.first_token_time:
                 it.time_to_first_tokens.append(m.first_token_time - m.arrival_time)
+            if m is not None and m.last_token_time and m.last_token_time != t.last_token_time:
+                if t.last_token_time is not None:
+                    it.inter_token_latencies.append(m.last_token_time - t.last_token_time)
+                t.last_token_time = m.last_token_time
             if out.finished:
                 del self._tracked[out.request_id]
                 reason = "length" if "length" in t.finish_reasons.values() else "stop"
@@ -266,7 +272,12 @@ class EngineCore:
         if m is not None and m.first_scheduled_time:
             queue_time = m.first_scheduled_time - m.arrival_time
         e2e = now - m.arrival_time if m is not None else 0.0
-        return FinishedRequestStats(reason, t.num_prompt_tokens, t.num_generation_tokens, e2e, queue_time, tpot)
+        prefill = decode = None
+        if m is not None and m.first_token_time and m.first_scheduled_time:
+            prefill = m.first_token_time - m.first_scheduled_time
+            decode = (m.last_token_time or m.first_token_time) - m.first_token_time
+        return FinishedRequestStats(reason, t.num_prompt_tokens, t.num_generation_tokens, e2e, queue_time, tpot,
+                                    prefill, decode)
 
     def _snapshot(self) -> SchedulerStats:
         return self.engine.scheduler_stats()
