@@ -48,7 +48,7 @@ class LLMEngine:
         self.structured = backend.structured
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, min(backend.vocab_size, len(self.tokenizer)), backend.eos_token_ids,
-            backend.num_kv_blocks, backend.kv_block_size)
+            backend.num_kv_blocks, backend.kv_block_size, config.max_logprobs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Running totals for the stats line and /metrics.
