@@ -41,6 +41,10 @@ logger = logging.getLogger("armserve")
 # JSON has no -inf; a token the model rules out gets this instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
 
+# --enable-log-requests: a request's parameters are cut to this many characters in its log line (a
+# structured-output schema may be megabytes).
+LOGGED_PARAMS_CHARS = 2000
+
 # Request bodies at least this large are templated and tokenized on a worker thread, so that the
 # event loop keeps answering /health and streaming everyone else's tokens meanwhile (a 2 MB
 # prompt takes ~2 s to tokenize); smaller ones stay inline, where a thread hop costs more than it saves.
@@ -239,8 +243,11 @@ class OpenAIServing:
     async def submit(self, request: EngineCoreRequest) -> RequestStream:
         """`engine.add_processed_request` with the server's deadline."""
         if self.log_requests:
+            shown = repr(request.params)
+            if len(shown) > LOGGED_PARAMS_CHARS:
+                shown = shown[:LOGGED_PARAMS_CHARS] + f"... ({len(shown)} characters)"
             logger.info("Received request %s: %d prompt tokens, params: %s", request.request_id,
-                        len(request.prompt_token_ids), request.params)
+                        len(request.prompt_token_ids), shown)
         return await self.engine.add_processed_request(request, deadline=self.request_timeout)
 
     # ---- shared checks -------------------------------------------------------------------
