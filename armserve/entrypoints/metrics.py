@@ -197,9 +197,14 @@ class PrometheusMetrics:
             if f.decode_time is not None:
                 h["request_decode_time_seconds"].observe(f.decode_time)
 
-    def set_cache_config(self, info: dict[str, Any]) -> None:
-        """vLLM's `cache_config_info`: a gauge at 1 whose labels are the KV cache's configuration
-        (`info`, values as strings), one series per engine."""
+    def set_cache_config(self, engine: Any) -> None:
+        """vLLM's `cache_config_info` of a started `AsyncLLM`: a gauge at 1 whose labels are its KV
+        cache's configuration, with vLLM's CacheConfig names (the CPU KV cache is what vLLM's CPU
+        backend counts in num_gpu_blocks), one series per engine."""
+        cfg, ip = engine.config, engine.input_processor
+        info = {"block_size": ip.block_size, "cache_dtype": cfg.kv_cache_dtype,
+                "enable_prefix_caching": cfg.enable_prefix_caching, "num_gpu_blocks": ip.num_kv_blocks,
+                "num_cpu_blocks": None, "cpu_kvcache_space_bytes": int(cfg.kv_cache_space * 2**30)}
         names = sorted(info) + ["engine"]
         for prefix in ("armserve", "vllm"):
             g = Gauge(f"{prefix}:cache_config_info", "Information of the engine's KV cache configuration.", names,

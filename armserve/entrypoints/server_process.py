@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import time
-from typing import Any
 
 from fastapi import FastAPI
 
@@ -45,15 +44,6 @@ def default_served_name(model: str | None, path: str) -> str:
         return model
     name = os.path.basename(path)
     return name.split(".")[0] if name.endswith(".gguf") else name
-
-
-def cache_config_info(engine: AsyncLLM) -> dict[str, Any]:
-    """The labels of `vllm:cache_config_info` (vLLM's CacheConfig names; the CPU KV cache is what
-    vLLM's CPU backend counts in num_gpu_blocks)."""
-    cfg, ip = engine.config, engine.input_processor
-    return {"block_size": ip.block_size, "cache_dtype": cfg.kv_cache_dtype,
-            "enable_prefix_caching": cfg.enable_prefix_caching, "num_gpu_blocks": ip.num_kv_blocks,
-            "num_cpu_blocks": None, "cpu_kvcache_space_bytes": int(cfg.kv_cache_space * 2**30)}
 
 
 def pin_process(cpus: list[int]) -> None:
@@ -179,7 +169,7 @@ def run_server(args: argparse.Namespace) -> int:
                       log_stats=not args.disable_log_stats, stat_loggers=[metrics],
                       restart_on_failure=args.restart_engine_on_failure)
     try:
-        metrics.set_cache_config(cache_config_info(engine))
+        metrics.set_cache_config(engine)
         if engine.frontend_cpus:
             pin_process(engine.frontend_cpus)
             logger.info("the HTTP front end runs on CPU(s) %s, apart from the engine's",
