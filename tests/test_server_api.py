@@ -292,6 +292,13 @@ def test_suffix_builds_the_fim_prompt(api_server, fim_tokenizer_dir):
     r = client(api_server).completions.create(model="qwen", prompt=ids, suffix=suffix, max_tokens=1,
                                               extra_body={"return_token_ids": True})
     assert r.choices[0].model_dump()["prompt_token_ids"] == expected
+    # streamed: the prompt's ids in the first chunk, each chunk's new ids
+    chunks = [c.choices[0].model_dump() for c in client(api_server).completions.create(
+        model="qwen", prompt=prefix, suffix=suffix, max_tokens=3, stream=True,
+        extra_body={"return_token_ids": True, "ignore_eos": True})
+        if c.choices]
+    assert chunks[0]["prompt_token_ids"] == expected and all(c["prompt_token_ids"] is None for c in chunks[1:])
+    assert sum(len(c["token_ids"]) for c in chunks) == 3
 
 
 def test_suffix_on_a_model_without_fim_tokens(server):

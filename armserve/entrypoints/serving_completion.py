@@ -72,7 +72,7 @@ class OpenAIServingCompletion:
                 except NoFIMError as e:
                     raise APIError(str(e), 400, "suffix") from None
                 except PromptError as e:
-                    raise APIError(str(e), 400, "suffix" if "suffix" in str(e).split(" ", 1)[0] else "prompt") from None
+                    raise APIError(str(e), 400, "suffix" if str(e).startswith("suffix") else "prompt") from None
                 text = p if isinstance(p, str) else tok.decode(p)  # (for echo)
                 requests.append(self.serving.process(sub_id, ids, params, "prompt", text=text))
             return requests
