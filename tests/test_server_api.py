@@ -168,6 +168,21 @@ def test_llm_tokenizer_argument(bare_qwen, fim_tokenizer_dir):
     assert out.prompt_token_ids == tok("hello <|fim_middle|>")["input_ids"]
 
 
+def test_tokenizer_that_cannot_load_is_named(bare_qwen, tmp_path):
+    from armserve.model_loader import ModelLoadError, load_tokenizer, resolve_model_path
+
+    src = resolve_model_path(bare_qwen)
+    (tmp_path / "vocab.txt").write_text("a\n")
+    with pytest.raises(ModelLoadError, match="neither a folder, a GGUF file nor a tokenizer.json"):
+        load_tokenizer(src, str(tmp_path / "vocab.txt"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
+        load_tokenizer(src, str(tmp_path / "empty"))
+    # the bare folder has none (transformers would make one without a vocabulary from config.json)
+    with pytest.raises(ModelLoadError, match="--tokenizer"):
+        load_tokenizer(src)
+
+
 # ---- --max-logprobs, --generation-config, --enable-log-requests ------------------------------
 
 

@@ -46,28 +46,34 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     tokenizer.json file (with the tokenizer_config.json beside it, if any)."""
     from transformers import AutoTokenizer
 
+    what = f"the tokenizer {tokenizer}" if tokenizer else f"the tokenizer of {src.path}"
+    # (transformers reads no tokenizer from some GGUF architectures, llama.cpp's deepseek2 among them)
+    hint = "; pass tokenizer= (--tokenizer) an HF folder or file with the model's tokenizer" if not tokenizer else ""
     try:
         if tokenizer and os.path.isfile(tokenizer):
             folder, name = os.path.split(os.path.abspath(tokenizer))
             if name.endswith(".gguf"):
-                return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            if name != "tokenizer.json":
+                tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            elif name == "tokenizer.json":
+                tok = AutoTokenizer.from_pretrained(folder)
+            else:
                 raise ModelLoadError(f"the tokenizer {tokenizer} is neither a folder, a GGUF file nor a tokenizer.json")
-            return AutoTokenizer.from_pretrained(folder)
-        if tokenizer:
-            return AutoTokenizer.from_pretrained(tokenizer)
-        if src.is_gguf:
+        elif tokenizer:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        elif src.is_gguf:
             with gguf.shared_with_transformers(src):
-                return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
-        return AutoTokenizer.from_pretrained(src.folder)
+                tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        else:
+            tok = AutoTokenizer.from_pretrained(src.folder)
     except ModelLoadError:
         raise
     except Exception as e:  # transformers raises many kinds here
-        if tokenizer:
-            raise ModelLoadError(f"cannot load the tokenizer {tokenizer}: {e}") from e
-        # (transformers reads no tokenizer from some GGUF architectures, llama.cpp's deepseek2 among them)
-        hint = "; pass tokenizer= (--tokenizer) an HF folder or name with the model's tokenizer" if src.is_gguf else ""
-        raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}{hint}") from e
+        raise ModelLoadError(f"cannot load {what}: {e}{hint}") from e
+    # NOTE: from a folder with a config.json and no tokenizer files, transformers builds a tokenizer
+    # with no vocabulary (only its special tokens): every prompt would become unknown tokens.
+    if len(tok) <= len(tok.all_special_tokens):
+        raise ModelLoadError(f"cannot load {what}: it has no vocabulary ({len(tok)} tokens){hint}")
+    return tok
 
 
 def eos_token_ids(src: ModelSource, tokenizer) -> set[int]:
