@@ -144,6 +144,15 @@ GRAMMAR_COMPILE_WORKERS = 2  # concurrent compiles (processes); ARMSERVE_GRAMMAR
 GRAMMAR_CACHE_MB = 256  # compiled grammars kept (xgrammar's memory_size_bytes); ARMSERVE_GRAMMAR_CACHE_MB
 
 
+# Logprobs one request may ask for per position (`logprobs`, `prompt_logprobs`, chat's
+# `top_logprobs`), as vLLM's --max-logprobs: each is a top-k over the whole vocabulary. -1: no cap.
+DEFAULT_MAX_LOGPROBS = 20
+
+# Where a server's default sampling parameters come from (vLLM's --generation-config): "auto" the
+# model folder's generation_config.json, "vllm" none (the API's own defaults), else a folder.
+DEFAULT_GENERATION_CONFIG = "auto"
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs besides the model weights.
@@ -195,6 +204,11 @@ class EngineConfig:
     grammar_compile_timeout: float | None = None
     # RUNNERS: "auto" picks from the checkpoint (LLMEngine resolves it before building the backend).
     runner: str = "auto"
+    # Most logprobs a request may ask for per position (DEFAULT_MAX_LOGPROBS; -1: no cap).
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # Default temperature / top_p / top_k / min_p / repetition_penalty / max_tokens of requests that
+    # do not set them: "auto" (the model's generation_config.json), "vllm" (none) or a folder holding one.
+    generation_config: str = DEFAULT_GENERATION_CONFIG
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -231,6 +245,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs must be -1 (no cap) or an integer >= 0, got {self.max_logprobs!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                              f"got {self.generation_config!r}")
         resolve_dtype(self.dtype)  # fail early on an unknown dtype
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; expected {' or '.join(BACKENDS)}")

@@ -65,6 +65,7 @@ class ArmserveDeployment:
         metrics = PrometheusMetrics(name, engine_args.get("data_parallel_size", 1))
         self.engine = AsyncLLM(EngineConfig(model=path, served_model_name=name, **engine_args),
                                log_stats=False, stat_loggers=[metrics])
+        metrics.set_cache_config(self.engine)
         self._openai_app = build_app(self.engine, [name], metrics, server_args.get("api_key"),
                              server_args.get("reasoning_parser"), access_log=server_args.get("access_log", False),
                              tool_call_parser=server_args.get("tool_call_parser"),

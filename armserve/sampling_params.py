@@ -7,9 +7,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-MAX_LOGPROBS = 20  # as vLLM: more alternatives per position cost a full sort each
-
-
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
 
@@ -147,10 +144,6 @@ class SamplingParams:
             not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
         ):
             bad("prompt_logprobs", "must be an integer >= 0")
-        if self.logprobs is not None and self.logprobs > MAX_LOGPROBS:
-            bad("logprobs", f"must be <= {MAX_LOGPROBS}")
-        if self.prompt_logprobs is not None and self.prompt_logprobs > MAX_LOGPROBS:
-            bad("prompt_logprobs", f"must be <= {MAX_LOGPROBS}")
         if self.stop and not self.detokenize:
             bad("stop", "needs detokenize=True (stop strings are matched on text)")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -55,7 +55,7 @@ class LLMEngine:
         self.structured = backend.structured
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, min(backend.vocab_size, len(self.tokenizer)), backend.eos_token_ids,
-            backend.num_kv_blocks, backend.kv_block_size, getattr(backend, "pooler", None))
+            backend.num_kv_blocks, backend.kv_block_size, config.max_logprobs, getattr(backend, "pooler", None))
         # (log_stats: the engine core takes each step's IterationStats from it)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self._ids = itertools.count()

@@ -35,6 +35,10 @@ class FinishedRequestStats:
     e2e_latency: float
     queue_time: float | None
     time_per_output_token: float | None  # mean over the request's decode, None with < 2 tokens
+    # First scheduled -> first token, and first -> last token (vLLM's prefill and decode phases);
+    # None without a first token.
+    prefill_time: float | None = None
+    decode_time: float | None = None
 
 
 @dataclass(slots=True)
@@ -43,5 +47,9 @@ class IterationStats:
 
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # True when this record is one engine step (its tokens are the step's), not an idle tick or aborts.
+    step: bool = False
     time_to_first_tokens: list[float] = field(default_factory=list)
+    # Per request that got a token this step (not its first): the time since its previous token.
+    inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)

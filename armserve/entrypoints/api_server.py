@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app (`build_app`): error handlers and routes.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /version, /tokenize,
-/detokenize, /metrics. Each endpoint's logic lives in its serving_*.py; what happens before a route
+Routes: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /ping, /load, /version,
+/tokenize, /detokenize, /metrics. Each endpoint's logic lives in its serving_*.py; what happens before a route
 (API key, body limits, drain) in middleware.py; the server process (`armserve serve`) in server_process.py.
 """
 
@@ -108,12 +108,15 @@ def build_app(
     allow_credentials: bool = False,
     allowed_methods: list[str] | None = None,
     allowed_headers: list[str] | None = None,
+    root_path: str = "",
+    log_requests: bool = False,
 ) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; the engine is shut down with the app.
 
     CORS takes vLLM's flags; by default any origin may call it without credentials (no cookies or
     auth headers sent by a browser on the user's behalf), and a wildcard origin is never echoed
-    back together with `access-control-allow-credentials`."""
+    back together with `access-control-allow-credentials`. `root_path`: the path prefix of a proxy in
+    front (vLLM's --root-path); `log_requests`: one log line per engine request (--enable-log-requests)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -121,9 +124,9 @@ def build_app(
         engine.shutdown()
 
     app = FastAPI(title="armserve", version=armserve.__version__, lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None)
+                  docs_url="/docs", redoc_url=None, root_path=root_path)
     serving = OpenAIServing(engine, served_model_names, reasoning_parser, tool_call_parser, enable_auto_tool_choice,
-                            request_timeout)
+                            request_timeout, log_requests)
     app.state.serving = serving
     chat_serving = OpenAIServingChat(serving)
     completion_serving = OpenAIServingCompletion(serving)
@@ -131,6 +134,7 @@ def build_app(
     embedding_serving = OpenAIServingEmbedding(serving)
     score_serving = OpenAIServingScore(serving)
     app.state.draining = False
+    app.state.server_load = 0  # generation requests in flight (the middleware counts them)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -174,6 +178,14 @@ def build_app(
             why = "it is restarting" if engine.restarting else engine.dead_error
             return JSONResponse(APIError(f"the engine is not running: {why}", 503).body(), 503)
         return Response(status_code=200)
+
+    # SageMaker's health check (vLLM's /ping): /health's answer, to GET and POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's server load: generation requests (/v1/... POSTs) being answered now, streams included."""
+        return {"server_load": app.state.server_load}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -248,8 +260,10 @@ def build_app(
         def count(tok: Any) -> dict[str, Any]:  # (the whole prompt: /tokenize counts past max_model_len too)
             if body.messages is not None:
                 add_gen = body.add_generation_prompt and not body.continue_final_message
+                # (the tools as a chat request hands them to the template: serving.tool_setup)
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
                 ids = serving.render_chat(body.messages, add_gen, body.continue_final_message, None,
-                                          body.chat_template_kwargs, tokenizer=tok, limit=False)
+                                          body.chat_template_kwargs, tools, tokenizer=tok, limit=False)
             else:
                 try:
                     ids = encode_text(tok, body.prompt, "prompt", body.add_special_tokens)

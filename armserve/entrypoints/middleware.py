@@ -25,7 +25,17 @@ access_logger = logging.getLogger("armserve.access")
 # load balancers and Prometheus need no secret (as in vLLM).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 _KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/version",
-                "/tokenize", "/detokenize", "/metrics"}
+                "/tokenize", "/detokenize", "/metrics", "/ping", "/load"}
+
+
+def route_path(scope) -> str:
+    """The path the routes see: behind a proxy prefix (--root-path), a path under it loses it, as
+    Starlette's router strips it; so the API-key check and the metrics see the same route."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
 
 
 @dataclass
@@ -115,7 +125,7 @@ class ServerMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        path: str = scope["path"]
+        path = route_path(scope)
         status = 500
         started = False
         done = False
@@ -174,6 +184,10 @@ class ServerMiddleware:
                 self.metrics.record_rejection("body_too_large")
                 await refuse(413, APIError(self._too_large(), 413), {"Connection": "close"})
                 return
+            # Server load (GET /load, vLLM's): generation requests in flight, until their stream ends.
+            counted = scope["method"] == "POST" and path.startswith("/v1/")
+            if counted:
+                self.state.server_load = getattr(self.state, "server_load", 0) + 1
             try:
                 await self.app(scope, receive_wrapper, send_wrapper)
             except BodyRefused as e:  # raised where the app's handlers do not see it
@@ -181,6 +195,9 @@ class ServerMiddleware:
                 if started:
                     raise
                 await refuse(e.status_code, APIError(str(e.detail), e.status_code), e.headers)
+            finally:
+                if counted:
+                    self.state.server_load -= 1
         finally:
             seconds = time.perf_counter() - start
             handler = path if path in _KNOWN_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/")
@@ -190,7 +207,7 @@ class ServerMiddleware:
                 client = scope.get("client")
                 who = f"{client[0]}:{client[1]}" if client else "-"
                 query = scope.get("query_string", b"").decode("latin-1")
-                target = path + (f"?{query}" if query else "")
+                target = scope["path"] + (f"?{query}" if query else "")
                 access_logger.info('%s "%s %s HTTP/%s" %d %.3fs%s', who, scope["method"], target,
                                    scope.get("http_version", "1.1"), status, seconds,
                                    " (client disconnected)" if disconnected else "")

@@ -17,7 +17,6 @@ from armserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("armserve")
 
-MAX_LOGPROBS = 20
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # torch generators take 64-bit seeds; n > 1 adds i
 
 
@@ -165,18 +164,27 @@ class _SamplingFields(OpenAIBaseModel):
         return found[0][1] if found else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises `SamplingParamsError` naming the bad field."""
+                         prompt_logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises `SamplingParamsError` naming the bad field. `defaults`: the server's values for the
+        fields the request leaves out (--generation-config); their max_tokens caps the request's too."""
+        d = defaults or {}
+
+        def pick(name: str, api_default: float) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else d.get(name, api_default)
+
+        if d.get("max_tokens") is not None:
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens, d["max_tokens"])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty", 1.0),
             # None: the engine generates up to max_model_len - prompt length.
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -197,7 +205,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # (at most --max-logprobs: the input processor checks)
     max_completion_tokens: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -267,11 +275,11 @@ class ChatCompletionRequest(_SamplingFields):
             schema["maxItems"] = 1
         return schema
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         # max_completion_tokens replaces the deprecated max_tokens (OpenAI); it wins if both are set.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs, defaults=defaults)
         forced = self.forced_tool_schema()
         if forced is not None:
             params.structured_outputs = StructuredOutputsParams(json=forced)
@@ -283,16 +291,21 @@ class CompletionRequest(_SamplingFields):
 
     prompt: list[int] | list[list[int]] | str | list[str]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
+    # Fill-in-the-middle: the text after the completion (models with FIM tokens, prompts.fim_prompt).
     suffix: str | None = None
-    best_of: int | None = None
+    # Generate best_of completions, return the n with the highest cumulative logprob (not streamed).
+    best_of: int | None = Field(None, ge=1, le=128)
+    # vLLM's: each choice also carries prompt_token_ids and token_ids.
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of greater than n is not supported when streaming: the best completions are "
+                             "known only once all have finished")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         return self
@@ -306,10 +319,10 @@ class CompletionRequest(_SamplingFields):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         # echo with logprobs also returns the prompt's logprobs, as OpenAI's legacy API does.
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ResponsesRequest(OpenAIBaseModel):
@@ -398,11 +411,13 @@ def structured_response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | N
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """POST /tokenize: either `prompt` or chat `messages`."""
+    """POST /tokenize: either `prompt` or chat `messages` (with `tools`, rendered as a chat request
+    renders them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -413,6 +428,8 @@ class TokenizeRequest(OpenAIBaseModel):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages (a chat), not with prompt")
         return self
 
 

@@ -28,7 +28,8 @@ from fastapi.responses import Response, StreamingResponse
 from armserve.prompts import PromptError, PromptTooLongError, render_chat
 from armserve.engine.async_llm import AsyncLLM, RequestStream
 from armserve.engine.exceptions import EngineDeadError
-from armserve.engine.input_processor import ContextLengthError, EngineCoreRequest, PromptTokensError
+from armserve import model_loader
+from armserve.engine.input_processor import ContextLengthError, EngineCoreRequest, LogprobsLimitError, PromptTokensError
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, ChatMessage
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.tool_parsers import ToolCall, ToolCallStream, get_tool_parser
@@ -39,6 +40,10 @@ logger = logging.getLogger("armserve")
 
 # JSON has no -inf; a token the model rules out gets this instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
+
+# --enable-log-requests: a request's parameters are cut to this many characters in its log line (a
+# structured-output schema may be megabytes).
+LOGGED_PARAMS_CHARS = 2000
 
 # Request bodies at least this large are templated and tokenized on a worker thread, so that the
 # event loop keeps answering /health and streaming everyone else's tokens meanwhile (a 2 MB
@@ -127,7 +132,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], reasoning_parser: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, log_requests: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
@@ -142,6 +147,15 @@ class OpenAIServing:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         # Seconds a request may take from arrival to its last token (None: no deadline).
         self.request_timeout = request_timeout
+        self.log_requests = log_requests
+        # Defaults of the sampling fields a request leaves out (--generation-config), checked now so
+        # that a bad generation_config.json fails the start, not every request.
+        self.default_sampling: dict[str, Any] = model_loader.generation_defaults(engine.config.model,
+                                                                                engine.config.generation_config)
+        if self.default_sampling:
+            SamplingParams(**self.default_sampling)
+            logger.info("default sampling parameters from the model's generation config: %s (--generation-config "
+                        "vllm to ignore them)", self.default_sampling)
         # NOTE: the worker has a tokenizer of its own: the event loop's keeps tokenizing small
         # requests meanwhile, and one Rust tokenizer is not meant to be used by two threads at once.
         self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="armserve-tokenize")
@@ -206,9 +220,11 @@ class OpenAIServing:
         return self.context_error(f"the prompt has at least {e.num_tokens} tokens. Shorten the prompt.", param)
 
     def process(self, request_id: str, ids: list[int], params: SamplingParams, prompt_param: str,
-                max_param: str = "max_tokens", text: str | None = None) -> EngineCoreRequest:
+                max_param: str = "max_tokens", text: str | None = None,
+                logprobs_param: str = "logprobs") -> EngineCoreRequest:
         """The engine request of a prompt's token ids (engine/input_processor.py); a 400 naming
-        `prompt_param` (or `max_param`) when the prompt cannot be served as asked."""
+        `prompt_param` (or `max_param`, or `logprobs_param` past --max-logprobs) when the prompt
+        cannot be served as asked."""
         try:
             return self.engine.input_processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
         except ContextLengthError as e:
@@ -220,9 +236,18 @@ class OpenAIServing:
                                      f"completion). Lower {max_param} or shorten the prompt.", max_param) from None
         except PromptTokensError as e:
             raise APIError(str(e), 400, prompt_param) from None
+        except LogprobsLimitError as e:
+            field = logprobs_param if e.field == "logprobs" else e.field
+            raise APIError(e.message(field, e.asked, e.limit), 400, field) from None
 
     async def submit(self, request: EngineCoreRequest) -> RequestStream:
         """`engine.add_processed_request` with the server's deadline."""
+        if self.log_requests:
+            shown = repr(request.params)
+            if len(shown) > LOGGED_PARAMS_CHARS:
+                shown = shown[:LOGGED_PARAMS_CHARS] + f"... ({len(shown)} characters)"
+            logger.info("Received request %s: %d prompt tokens, params: %s", request.request_id,
+                        len(request.prompt_token_ids), shown)
         return await self.engine.add_processed_request(request, deadline=self.request_timeout)
 
     # ---- shared checks -------------------------------------------------------------------

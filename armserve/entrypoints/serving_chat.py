@@ -40,13 +40,13 @@ class OpenAIServingChat:
         """POST /v1/chat/completions: one JSON response, or SSE chunks when `stream`."""
         body.warn_ignored_fields()
         model = self.serving.model_name(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(self.serving.default_sampling)
         mode, tools = self.serving.tool_setup(body, params)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         request = await self.serving.prepare(raw, lambda tok: self.serving.process(rid, self.serving.render_chat(
             body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
-            body.chat_template_kwargs, tools, tok), params, "messages", max_param))
+            body.chat_template_kwargs, tools, tok), params, "messages", max_param, logprobs_param="top_logprobs"))
         stream = await self.serving.submit(request)
         num_prompt = len(request.prompt_token_ids)
         created = int(time.time())

@@ -35,7 +35,7 @@ class OpenAIServingResponses:
         except ValidationError as e:
             raise APIError("Invalid request: " + "; ".join(
                 str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()), 400) from None
-        params = chat.to_sampling_params()
+        params = chat.to_sampling_params(self.serving.default_sampling)
         mode, tools = self.serving.tool_setup(chat, params)
         rid = f"resp_{uuid.uuid4().hex}"
         request = await self.serving.prepare(raw, lambda tok: self.serving.process(
