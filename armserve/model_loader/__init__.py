@@ -4,6 +4,7 @@ The model class comes from the registry in armserve/models/."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterator
 
