@@ -21,6 +21,7 @@ from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, kv_cache_num_blocks
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
+from armserve.engine.spec_decode import NgramProposer
 from armserve.engine.stats import SchedulerStats
 from armserve.engine.structured_output import StructuredOutputManager
 from armserve.layers.linear import ParallelContext
@@ -82,8 +83,10 @@ class TorchBackend:
                 "for this model; raise it"
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        spec = config.speculative_config
         self.scheduler = Scheduler(
-            self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len  # type: ignore[arg-type]
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,  # type: ignore[arg-type]
+            NgramProposer(spec) if spec is not None else None,  # type: ignore[arg-type]
         )
         if self.tp_workers is not None:
             try:
@@ -126,6 +129,8 @@ class TorchBackend:
         saved = (kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions)
         run_dummy_request(self, min(self.config.max_num_batched_tokens, self.max_model_len - 2))  # type: ignore
         kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions = saved
+        if self.scheduler.spec_stats is not None:
+            self.scheduler.spec_stats = type(self.scheduler.spec_stats).empty(self.scheduler.proposer.k)
         kv.reset_prefix_cache()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -183,20 +188,20 @@ class TorchBackend:
         )
 
         result = self.runner.execute(sched)
-        self.scheduler.update_from_output(sched, result.sampled)
+        new_tokens = self.scheduler.update_from_output(sched, result.sampled, result.accepted)
         prompt_lp = result.prompt_logprobs
         for child, lpt in prompt_lp.items():
             out.prompt_logprobs[seq_of[child][0]] = (lpt.token_ids.tolist(), lpt.logprobs.tolist(), lpt.ranks.tolist())
         ended = []
         # This loop runs once per step for every scheduled sequence: keep it lean.
-        for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):
+        for s, tokens, lp in zip(sched.scheduled, new_tokens, result.logprobs):
             req = s.request
             rid, index = seq_of[req.request_id]
-            if token is None:
+            if tokens is None:
                 if prompt_lp:  # (an output goes out with the new prompt logprobs)
                     out.sequences.append(SequenceOutput(rid, index, []))
                 continue
-            seq = SequenceOutput(rid, index, [token], None if lp is None else [lp])
+            seq = SequenceOutput(rid, index, tokens, None if lp is None else [lp])
             if req.is_finished:
                 seq.finish_reason, seq.stop_reason = req.status.value, req.stop_reason  # type: ignore[assignment]
                 ended.append(rid)
@@ -218,4 +223,5 @@ class TorchBackend:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decoding=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
         )
