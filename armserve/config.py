@@ -136,7 +136,10 @@ GRAMMAR_CACHE_MB = 256  # compiled grammars kept (xgrammar's memory_size_bytes);
 
 # Speculative decoding (engine/spec_decode.py). The methods vLLM names; only these are built so far.
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
-SPEC_METHODS_BUILT = ("ngram",)
+SPEC_METHODS_BUILT = ("ngram", "draft_model")
+# `quantization` a draft model may take: "w4a8" quantizes the draft's weights to int4 when it loads
+# (quantized self-drafting: `model` = the target's own checkpoint).
+SPEC_DRAFT_QUANTIZATIONS = ("w4a8",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # n-gram lookup: the longest suffix of the sequence (prompt_lookup_max tokens, down to
 # prompt_lookup_min) that occurred before proposes the tokens that followed it. One-token matches
@@ -159,7 +162,8 @@ SPEC_MAX_BACKOFF_STEPS = 256
 class SpeculativeConfig:
     """`speculative_config` (vLLM's keys): `method` ("ngram"), `num_speculative_tokens` (drafted
     tokens per step, at most), `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths searched),
-    `model`, `quantization`, `draft_tensor_parallel_size` (draft models, not built yet) and
+    `model` (method "draft_model": a draft checkpoint with the target's tokenizer),
+    `quantization` ("w4a8": the draft quantized to int4 at load), `draft_tensor_parallel_size` (1) and
     `disable_by_batch_size` (no speculation in a step with more running decodes than this)."""
 
     method: str = "ngram"
@@ -198,6 +202,16 @@ class SpeculativeConfig:
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
         if self.method == "ngram" and (self.model is not None or self.quantization is not None):
             raise ConfigError("speculative_config: method 'ngram' takes no draft 'model' or 'quantization'")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ConfigError("speculative_config: method 'draft_model' needs a draft 'model' (a checkpoint "
+                                  "with the target's tokenizer, or the target's own path with quantization 'w4a8')")
+            if self.quantization is not None and self.quantization not in SPEC_DRAFT_QUANTIZATIONS:
+                raise ConfigError(f"speculative_config: unknown draft quantization {self.quantization!r}; expected "
+                                  f"{', '.join(SPEC_DRAFT_QUANTIZATIONS)} (or none: the draft as its checkpoint is)")
+            if self.draft_tensor_parallel_size not in (None, 1):
+                raise ConfigError("speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
+                                  "the target's first rank)")
 
     @classmethod
     def from_user(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -284,6 +298,10 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         if self.speculative_config is not None and self.backend != "torch":
             raise ConfigError(f"speculative_config is not supported by the {self.backend} backend")
+        if (self.speculative_config is not None and self.speculative_config.method == "draft_model"
+                and self.tensor_parallel_size > 1):
+            raise ConfigError("speculative_config: method 'draft_model' with tensor_parallel_size > 1 is not "
+                              "supported yet")
         if self.kv_cache_space is None:
             # (vLLM's CPU name, for setups written for it; armserve's own wins)
             var = next((v for v in ("ARMSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE") if os.environ.get(v)), None)

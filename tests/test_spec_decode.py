@@ -26,7 +26,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
     ("{not json", "not valid JSON"),
     ({"method": "ngram", "num_speculative_tokens": 4, "lookahead": 3}, "'lookahead'"),
     ({"method": "medusa"}, "unknown method 'medusa'"),
-    ({"method": "draft_model", "model": "x"}, "'draft_model' is not supported yet"),
+    ({"method": "draft_model"}, "needs a draft 'model'"),
+    ({"method": "draft_model", "model": "x", "quantization": "fp8"}, "unknown draft quantization"),
     ({"method": "eagle3"}, "'eagle3' is not supported yet"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -255,3 +256,40 @@ def test_metrics_under_vllm_names(caplog):
     with caplog.at_level(logging.INFO, logger="armserve"):
         log.maybe_log()
     assert "Draft acceptance rate: 50.0%" in caplog.text
+
+
+# ---- draft models ----------------------------------------------------------------------------
+
+
+def test_draft_model_drafting_for_itself_is_always_accepted(tiny_llama, engines):
+    """The target drafting for itself at full precision: every draft must be accepted, which holds
+    only if the draft's own KV cache follows each sequence exactly (catch-up, rollback, prefix-cache
+    hits, preemption)."""
+    off, _ = engines
+    prompts = [[1, 2, 3, 4], list(range(100, 140)), list(range(100, 140)), [7] * 30]
+    kw = dict(kv_cache_space=0.0001, max_model_len=256, block_size=16)  # tight: preemptions
+    plain = LLM(tiny_llama, **kw)
+    spec = LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama,
+                                               "num_speculative_tokens": 3}, **kw)
+    params = SamplingParams(temperature=0, max_tokens=70, ignore_eos=True)
+    want = [c.token_ids for c in _run(plain, prompts, params)]
+    backend = spec.llm_engine.backend
+    assert [c.token_ids for c in _run(spec, prompts, params)] == want
+    st = backend.scheduler.spec_stats
+    assert st.num_draft_tokens > 50 and st.num_accepted_tokens == st.num_draft_tokens
+    assert backend.scheduler.num_preemptions > 0 and backend.kv.prefix_hits > 0
+    backend.kv.check_invariants()
+
+
+def test_quantized_self_drafting(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("ARMSERVE_SELF_DRAFT_CACHE", str(tmp_path))
+    kw = dict(kv_cache_space=0.02, max_model_len=256, block_size=16, dtype="float32")
+    plain = LLM(tiny_llama, **kw)
+    spec = LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama, "quantization": "w4a8",
+                                               "num_speculative_tokens": 3}, **kw)
+    assert os.listdir(tmp_path)  # the int4 copy, made at load
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert [c.token_ids for c in _run(spec, prompts, params)] == [c.token_ids for c in _run(plain, prompts, params)]
+    st = spec.llm_engine.backend.scheduler.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # an int4 copy agrees often, not always

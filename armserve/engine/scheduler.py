@@ -112,20 +112,26 @@ class Scheduler:
             proposer = None  # a batch this large: verifying drafts costs more than it saves
         if proposer is not None:
             proposer.step += 1
+        batched = proposer is not None and getattr(proposer, "batched", False)
+        pending: list[tuple[ScheduledRequest, int]] = []  # (a draft model's requests, tokens to draft)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts: list[int] = []
+            reserve = 0  # slots for a draft model's tokens, drafted once every slot is allocated
             if proposer is not None and n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
                 # never draft past max_tokens or max_model_len, nor past the budget
                 limit = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
                             budget - 1)
-                drafts = proposer.propose(req, limit)
+                if batched:
+                    reserve = proposer.draft_length(req, limit)  # type: ignore[union-attr]
+                else:
+                    drafts = proposer.propose(req, limit)
             scheduled = True
-            while not kv.allocate_slots(req, n + len(drafts)):
-                if drafts:
-                    drafts = []  # drafts are never worth a preemption
+            while not kv.allocate_slots(req, n + len(drafts) + reserve):
+                if drafts or reserve:
+                    drafts, reserve = [], 0  # drafts are never worth a preemption
                     continue
                 # Out of blocks: preempt the newest running request and retry.
                 victim = self.running.pop()
@@ -137,9 +143,23 @@ class Scheduler:
             if not scheduled:
                 break
             n += len(drafts)
-            out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req.request_id), drafts))
-            budget -= n
+            sched = ScheduledRequest(req, n, kv.get_block_ids(req.request_id), drafts)
+            out.scheduled.append(sched)
+            if reserve:
+                pending.append((sched, reserve))
+            budget -= n + reserve
             i += 1
+        if pending:
+            # a preemption above may have taken a pending request's blocks
+            pending = [(s, r) for s, r in pending if s.request.status == RequestStatus.RUNNING]
+            found = proposer.propose_batch(  # type: ignore[union-attr]
+                [(s.request, r, s.block_ids) for s, r in pending])
+            for (s, r), d in zip(pending, found):
+                s.spec_token_ids = d
+                s.num_new_tokens += len(d)
+                budget += r - len(d)
+                if len(d) < r:
+                    kv.trim(s.request.request_id, s.request.num_tokens + len(d))
 
         # NOTE: after a preemption memory is tight: admitting new work would only thrash.
         if not out.preempted:

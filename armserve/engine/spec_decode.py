@@ -21,9 +21,9 @@ from armserve.engine.request import Request
 
 
 class SpecState:
-    """One request's n-gram index and its adaptive draft length."""
+    """One request's n-gram index (or draft-model progress) and its adaptive draft length."""
 
-    __slots__ = ("maps", "indexed", "k", "resume_step", "backoff")
+    __slots__ = ("maps", "indexed", "k", "resume_step", "backoff", "draft_computed", "epoch")
 
     def __init__(self, nmin: int, nmax: int, k: int) -> None:
         self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(nmax, nmin - 1, -1)}
@@ -31,6 +31,10 @@ class SpecState:
         self.k = k  # tokens to draft now (0: paused until resume_step)
         self.resume_step = 0
         self.backoff = SPEC_BACKOFF_STEPS
+        # a draft model's (engine/draft_proposer.py): leading tokens with draft KV, and the
+        # request's preemption count when they were computed
+        self.draft_computed = 0
+        self.epoch = 0
 
     def update(self, num_drafted: int, num_accepted: int, max_k: int, step: int) -> None:
         """Adapt to one verification: a fully accepted run earns a token more, a run with nothing

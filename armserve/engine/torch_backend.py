@@ -21,6 +21,7 @@ from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, kv_cache_num_blocks
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
+from armserve.engine.draft_proposer import DraftModelProposer, load_draft_model
 from armserve.engine.spec_decode import NgramProposer
 from armserve.engine.stats import SchedulerStats
 from armserve.engine.structured_output import StructuredOutputManager
@@ -74,19 +75,34 @@ class TorchBackend:
                 self.tp_workers.close()
             raise
 
-        # (under tensor parallelism each rank caches only its share of the KV heads)
+        spec = config.speculative_config
+        draft = draft_config = None
+        if spec is not None and spec.method == "draft_model":  # type: ignore[union-attr]
+            draft, draft_config = load_draft_model(spec, hf, self.dtype)  # type: ignore[arg-type]
+        # (under tensor parallelism each rank caches only its share of the KV heads; a draft model's
+        # cache shares the space, block for block)
         num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,
                                          config.tensor_parallel_size)
+        if draft_config is not None:
+            per_token = (kv_cache_bytes_per_token(hf, self.kv_cache_dtype)
+                         + kv_cache_bytes_per_token(draft_config, self.kv_cache_dtype))
+            num_blocks = int(config.kv_cache_space * (1 << 30)) // (config.block_size * per_token)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_space {config.kv_cache_space} GiB holds no block of {config.block_size} tokens "
                 "for this model; raise it"
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        spec = config.speculative_config
+        proposer = None
+        if draft is not None:
+            proposer = DraftModelProposer(spec, ModelRunner(  # type: ignore[arg-type]
+                draft, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype, self.max_model_len,
+                config.enforce_eager))
+        elif spec is not None:
+            proposer = NgramProposer(spec)  # type: ignore[arg-type]
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,  # type: ignore[arg-type]
-            NgramProposer(spec) if spec is not None else None,  # type: ignore[arg-type]
+            proposer,
         )
         if self.tp_workers is not None:
             try:
