@@ -10,6 +10,8 @@ and without `speculative_config={"method": "ngram", ...}`), both kept loaded, ru
   back) and a summarise-the-document prompt (a report to summarise, quoting its findings), as
   chat messages, on the bundled SmolLM2 GGUF and Qwen2.5-Coder-0.5B-Instruct GGUF (both kept
   quantized). tok/s = (output tokens - 1) / (last token time - first token time): decode only.
+- quantized self-drafting: SmolLM2 dequantized (`quantization="none"`, the default dtype) as the
+  target, its w4a8 int4 copy (made at load) drafting, on an open chat prompt, batch 1.
 - 8 and 32 concurrent: random 128-token prompts, 64 output tokens each (`ignore_eos`), twice the
   concurrency in prompts, max_num_seqs = the concurrency; tok/s = output tokens / wall time.
 The section "spec_decode" of docs/benchmarks.md gets the table.
@@ -60,6 +62,9 @@ DOCUMENT = (
     "delays of up to six weeks, and energy prices may raise store running costs by 2 percent."
 )
 
+SELF_DRAFT_K = 3
+CHAT = "Tell me about the history of the bicycle, from the first designs to today."
+
 PROMPTS = {
     "code editing": "Rename the variable `totals` to `per_customer` in this function and give back the "
                     "whole function, unchanged otherwise:\n\n```python\n" + CODE + "```",
@@ -108,6 +113,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="on/off pairs per measurement")
     p.add_argument("--smoke", action="store_true", help="a few tokens of each: checks the script runs")
     p.add_argument("--skip-qwen", action="store_true")
+    p.add_argument("--skip-self-draft", action="store_true")
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args()
 
@@ -155,10 +161,32 @@ def main() -> int:
                 conc_rows.append((name, conc, off, on, acceptance(engines["on"])))
                 print(f"{name} / {conc} concurrent: off {off:.1f}, on {on:.1f} ({on / off:.2f}x)", flush=True)
                 del engines
+    self_rows = []
+    if not args.skip_self_draft:
+        path = pm.smollm2_gguf()
+        kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False, quantization="none")
+        draft = {"method": "draft_model", "model": path, "quantization": "w4a8", "num_speculative_tokens": SELF_DRAFT_K}
+        engines = {"off": LLM(path, **kw), "on": LLM(path, speculative_config=draft, **kw)}
+        for llm in engines.values():
+            batch1(llm, "Say hello.", 8)
+        res = {"off": [], "on": []}
+        for _ in range(rounds):
+            for mode, llm in engines.items():
+                res[mode].append(batch1(llm, CHAT, max_tokens))
+        off = sum(r["tok_s"] for r in res["off"]) / rounds
+        on = sum(r["tok_s"] for r in res["on"]) / rounds
+        same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res["on"]))
+        self_rows.append(("SmolLM2-135M-Instruct, dequantized", "open chat", off, on, res["on"][0]["tokens"], same,
+                          acceptance(engines["on"])))
+        print(f"self-drafting / open chat: off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x), same: {same}",
+              flush=True)
+        del engines
     if args.no_doc:
         return 0
     t1 = "\n".join(f"| {n} | {k} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc} | {tok} | {'yes' if s else 'no'} |"
                    for n, k, off, on, tok, s, acc in rows)
+    t3 = "\n".join(f"| {n} | {k} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc} | {tok} | {'yes' if s else 'no'} |"
+                   for n, k, off, on, tok, s, acc in self_rows)
     t2 = "\n".join(f"| {n} | {c} | {off:.0f} | {on:.0f} | {on / off:.2f}x | {acc} |" for n, c, off, on, acc in conc_rows)
     body = f"""## Speculative decoding: n-gram drafts on vs off (issue 31)
 
@@ -171,6 +199,13 @@ each, alternating; `same tokens`: the outputs with and without speculation are i
 | model | prompt | off tok/s | on tok/s | on / off | draft acceptance | output tokens | same tokens |
 |---|---|---|---|---|---|---|---|
 {t1}
+
+Quantized self-drafting (batch 1, decode tok/s; target SmolLM2 dequantized to the default dtype, draft its w4a8
+int4 copy made at load, `num_speculative_tokens` {SELF_DRAFT_K}):
+
+| target | prompt | off tok/s | on tok/s | on / off | draft acceptance | output tokens | same tokens |
+|---|---|---|---|---|---|---|---|
+{t3}
 
 Concurrent random 128-token prompts, 64 output tokens each (`ignore_eos`), twice the concurrency in prompts
 (output tok/s over the whole run):
