@@ -5,6 +5,7 @@ sequences, preemption, prefix caching), and its metrics."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -293,3 +294,33 @@ def test_quantized_self_drafting(tiny_llama, tmp_path, monkeypatch):
     assert [c.token_ids for c in _run(spec, prompts, params)] == [c.token_ids for c in _run(plain, prompts, params)]
     st = spec.llm_engine.backend.scheduler.spec_stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # an int4 copy agrees often, not always
+
+
+def test_server_metrics_and_stats_line(markov_llama, engines, tmp_path):
+    import json
+
+    import httpx
+
+    from server_process import ServerProcess
+
+    off, _ = engines
+    prompt = _chain_prompts(off)[0]
+    want = _run(off, [prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].token_ids
+    server = ServerProcess(markov_llama, ["--kv-cache-space", "0.02", "--max-model-len", "256",
+                                          "--speculative-config", json.dumps(NGRAM)], str(tmp_path / "server.log"))
+    try:
+        r = httpx.post(f"{server.base_url}/completions", timeout=60, json={
+            "model": markov_llama, "prompt": prompt, "max_tokens": 30, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == off.get_tokenizer().decode(want)
+        m = server.metrics()
+        assert m["vllm:spec_decode_num_accepted_tokens_total"] >= 20
+        assert m["vllm:spec_decode_num_draft_tokens_total"] >= m["vllm:spec_decode_num_accepted_tokens_total"]
+        assert m["vllm:spec_decode_num_drafts_total"] > 0
+        assert m['vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] > 0
+        deadline = time.monotonic() + 10
+        while "Draft acceptance rate" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "Draft acceptance rate" in server.log()
+    finally:
+        server.stop()

@@ -54,7 +54,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | None = None,  # or engine/draft_proposer.py's DraftModelProposer
     ) -> None:
         self.kv = kv
         self.proposer = proposer
