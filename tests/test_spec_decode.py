@@ -40,6 +40,13 @@ def test_bad_speculative_config_names_the_problem(value, words):
         EngineConfig(model="m", speculative_config=value)
 
 
+def test_speculative_config_refused_where_not_built():
+    with pytest.raises(ConfigError, match="not supported by the openvino backend"):
+        EngineConfig(model="m", backend="openvino", speculative_config={"method": "ngram"})
+    with pytest.raises(ConfigError, match="tensor_parallel_size > 1"):
+        EngineConfig(model="m", tensor_parallel_size=2, speculative_config={"method": "draft_model", "model": "m"})
+
+
 def test_speculative_config_from_json_and_dict():
     a = EngineConfig(model="m", speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
     assert a.speculative_config == SpeculativeConfig("ngram", 3)
