@@ -87,7 +87,13 @@ class DraftModelProposer:
         sched = [ScheduledRequest(_View(req.spec.draft_computed, req.all_token_ids),  # type: ignore[arg-type]
                                   req.num_tokens - req.spec.draft_computed, blocks)
                  for _, req, _, blocks in rows]
-        if all(s.num_new_tokens == 1 for s in sched):
+        if self.runner.graphs.enabled and all(s.num_new_tokens <= 2 for s in sched):
+            # the usual case (the last run accepted in full adds 2 tokens): single-token steps,
+            # replayed, the first only for the KV of the rows that are two behind
+            two = [r for r, s in zip(rows, sched) if s.num_new_tokens == 2]
+            if two:
+                self._decode([req.all_token_ids[-2] for _, req, _, _ in two], [req.num_tokens - 2 for _, req, _, _ in two],
+                             [b for *_, b in two])
             tokens = self._decode([req.all_token_ids[-1] for _, req, _, _ in rows],
                                   [req.num_tokens - 1 for _, req, _, _ in rows], [b for *_, b in rows])
         else:
