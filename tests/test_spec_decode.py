@@ -193,6 +193,21 @@ def test_stops_inside_an_accepted_run(engines):
     assert len(_run(on, [prompt], cases[0])[0].token_ids) == 7
 
 
+def test_logprobs_of_a_verified_run(engines):
+    off, on = engines
+    prompt = _chain_prompts(off)[0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
+    before = _spec_stats(on).num_accepted_tokens
+    want, got = _run(off, [prompt], params)[0], _run(on, [prompt], params)[0]
+    assert _spec_stats(on).num_accepted_tokens - before >= 10
+    assert got.token_ids == want.token_ids and len(got.logprobs) == len(want.logprobs) == 20
+    for g, w in zip(got.logprobs, want.logprobs):
+        assert set(g) == set(w)
+        for t in w:
+            assert g[t].rank == w[t].rank and abs(g[t].logprob - w[t].logprob) < 1e-3
+    assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-2
+
+
 def test_preemption_and_prefix_caching_with_speculation(markov_llama, engines):
     off, _ = engines
     prompts = _chain_prompts(off) * 3

@@ -137,7 +137,9 @@ def tp_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, md, logit_r
 @dataclass
 class ModelRunnerOutput:
     sampled: list[int | None]  # one per scheduled request; None for a mid-prompt chunk
-    logprobs: list[tuple[list[int], list[float], int] | None]  # (token ids, logprobs, rank) per request
+    # (token ids, logprobs, rank) per request; a list of them, one per emitted token, for a request
+    # that verified drafts
+    logprobs: list[Any]
     prompt_logprobs: dict[str, LogprobsTensors]  # request id -> this chunk's prompt logprobs
     # scheduled index -> its accepted draft tokens (speculative decoding), which come before `sampled`
     accepted: dict[int, list[int]] | None = None
@@ -391,9 +393,17 @@ class ModelRunner:
             verified = rejection_sample(all_logits[len(plain_idx):], spec_reqs,
                                         [sched[i].spec_token_ids for i in spec_idx], self.vocab_size)
             accepted = {}
+            base = len(plain_idx)
             for i, (acc, token) in zip(spec_idx, verified):
                 accepted[i] = acc
                 sampled[i] = token
+                k = sched[i].request.params.logprobs
+                if k is not None:  # one (token ids, logprobs, rank) per emitted token, from its own row
+                    emitted = torch.tensor(acc + [token], dtype=torch.long)
+                    lpt = compute_logprobs_tensors(all_logits[base:base + len(emitted)], emitted, k)
+                    logprobs[i] = list(zip(lpt.token_ids.tolist(), lpt.logprobs.tolist(),  # type: ignore[call-overload]
+                                           lpt.ranks.tolist()))
+                base += len(sched[i].spec_token_ids) + 1
             logits = all_logits[:len(plain_idx)]
         elif plain_idx:
             if graph_logits is not None:

@@ -50,11 +50,10 @@ class SpecState:
 
 def speculation_allowed(req: Request) -> bool:
     """Whether a request may take drafts at all. Off, so outputs stay exact and reproducible, for:
-    structured outputs (the grammar would have to run ahead over drafts), logprobs (returned for
-    plain decodes only), and seeded sampling (its text must not depend on what shares the batch,
-    while whether a step speculates does)."""
+    structured outputs (the grammar would have to run ahead over drafts) and seeded sampling (its
+    text must not depend on what shares the batch, while whether a step speculates does)."""
     p = req.params
-    if req.grammar is not None or p.logprobs is not None or p.structured_outputs is not None:
+    if req.grammar is not None or p.structured_outputs is not None:
         return False
     return p.seed is None or p.greedy
 

@@ -217,7 +217,9 @@ class TorchBackend:
                 if prompt_lp:  # (an output goes out with the new prompt logprobs)
                     out.sequences.append(SequenceOutput(rid, index, []))
                 continue
-            seq = SequenceOutput(rid, index, tokens, None if lp is None else [lp])
+            if lp is not None:
+                lp = lp[:len(tokens)] if isinstance(lp, list) else [lp]  # (a verified run's: one per token)
+            seq = SequenceOutput(rid, index, tokens, lp)
             if req.is_finished:
                 seq.finish_reason, seq.stop_reason = req.status.value, req.stop_reason  # type: ignore[assignment]
                 ended.append(rid)
