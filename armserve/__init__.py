@@ -20,11 +20,12 @@ if (_os.environ.get("ARMSERVE_KEEP_OMP_WAIT_POLICY", "0") in ("", "0")
     OMP_WAIT_POLICY_DROPPED = _os.environ.pop("OMP_WAIT_POLICY")
 
 from armserve.outputs import CompletionOutput, Logprob, RequestOutput
+from armserve.pooling_params import PoolingParams
 from armserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):

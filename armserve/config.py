@@ -31,6 +31,16 @@ WAITING_REQUESTS_PER_SEQ = 4
 # --weight-format); the torch backend quantizes offline (`armserve quantize`).
 OPENVINO_QUANTIZATIONS = ("int8", "int4")
 
+# What the engine runs a model for (vLLM's `runner`): "generate" (text), "pooling" (one vector per
+# input: embeddings, engine/pooling_backend.py), or "auto": pooling for a model family that only
+# pools (models/bert.py), else generate. vLLM's older `task` names map onto them.
+RUNNERS = ("auto", "generate", "pooling")
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
+
+# Inputs one /v1/embeddings or /pooling request may carry (OpenAI's limit); more: a 400. The server
+# keeps at most max_num_seqs of them in the engine at once, so a batch never trips admission (429).
+MAX_EMBEDDING_INPUTS = 2048
+
 # The engines `backend` picks from (engine/backend.py: create_engine builds each).
 BACKENDS = ("torch", "openvino")
 
@@ -291,10 +301,14 @@ class EngineConfig:
     # Seconds a structured-output grammar may take to compile before its request fails with "too
     # complex" (None: GRAMMAR_COMPILE_TIMEOUT or $ARMSERVE_GRAMMAR_COMPILE_TIMEOUT; 0: no limit).
     grammar_compile_timeout: float | None = None
+    # RUNNERS: "auto" picks from the checkpoint (LLMEngine resolves it before building the backend).
+    runner: str = "auto"
     # Speculative decoding (SpeculativeConfig: a dict, a JSON string or the object); None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ConfigError(f"unknown runner {self.runner!r}; expected one of {', '.join(RUNNERS)}")
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
         if self.speculative_config is not None and self.backend != "torch":
             raise ConfigError(f"speculative_config is not supported by the {self.backend} backend")

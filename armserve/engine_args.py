@@ -34,6 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch: armserve's own engine; openvino: OpenVINO GenAI's continuous-batching pipeline "
                         "(pip install armserve[openvino], and python -m armserve.engine.openvino_backend --install-exporter "
                         "for the exporter; the model is exported to OpenVINO IR once)")
+    p.add_argument("--runner", default=UNSET, choices=["auto", "generate", "pooling"],
+                   help="generate (text) or pooling (embeddings: /v1/embeddings, /pooling); auto (the default) "
+                        "picks pooling for an encoder checkpoint (BertModel, XLMRobertaModel), else generate")
+    p.add_argument("--task", default=UNSET, choices=["auto", "generate", "embed"],
+                   help="vLLM's older name for --runner: embed = pooling")
     p.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
                    help="a structured-output grammar that does not compile in this time fails its request "
                         "(400, too complex; default: $ARMSERVE_GRAMMAR_COMPILE_TIMEOUT or 30; 0: no limit)")
@@ -47,13 +52,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
                 "enable_prefix_caching", "kv_cache_space", "kv_cache_dtype", "seed", "enforce_eager", "chat_template",
-                "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout",
+                "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout", "runner",
                 "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's arguments from the flags given (a chat template file is read)."""
     kwargs = {f: getattr(args, f) for f in ENGINE_FLAGS if hasattr(args, f)}
+    if hasattr(args, "task"):
+        from armserve.config import TASK_RUNNERS
+
+        runner = TASK_RUNNERS[args.task]
+        if kwargs.get("runner", runner) != runner:
+            raise SystemExit(f"--task {args.task} contradicts --runner {kwargs['runner']}")
+        kwargs["runner"] = runner
     template = kwargs["chat_template"]
     if template:
         import os

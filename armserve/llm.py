@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Sequence
 
-from armserve.prompts import render_chat
-from armserve.config import EngineConfig
+from armserve.prompts import encode_pair, render_chat, score_pairs
+from armserve.config import TASK_RUNNERS, EngineConfig
 from armserve.engine.input_processor import PromptType
 from armserve.engine.llm_engine import LLMEngine
-from armserve.outputs import RequestOutput
+from armserve.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from armserve.pooling_params import PoolingParams
 from armserve.sampling_params import SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -22,9 +31,16 @@ class LLM:
     (`dtype`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`, `block_size`,
     `enable_prefix_caching`, `seed`) plus `kv_cache_space` in GiB. `backend="openvino"` serves
     it through OpenVINO GenAI instead of armserve's own engine (engine/openvino_backend.py).
+    `runner` ("auto", "generate", "pooling"; vLLM's older `task="embed"` too) says what the model
+    is for: "auto" pools with an embedding model (BertModel, ...; then use `embed`).
     """
 
     def __init__(self, model: str, **engine_args: Any) -> None:
+        if "task" in engine_args:  # vLLM's older name for runner
+            task = engine_args.pop("task")
+            if task not in TASK_RUNNERS:
+                raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASK_RUNNERS)}")
+            engine_args.setdefault("runner", TASK_RUNNERS[task])
         unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)  # type: ignore[attr-defined]
         if unknown:
             raise TypeError(
@@ -69,6 +85,84 @@ class LLM:
                 ids.append(engine.add_request(None, prompt, params))
         except Exception:
             engine.abort_request(ids)  # leave the engine as it was
+            raise
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed one or many inputs with an embedding model (runner pooling); outputs in input
+        order, each `out.outputs.embedding` a list of floats (vLLM's shape)."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = pooling_params or PoolingParams()
+        if truncate_prompt_tokens is not None:
+            params = replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        self._require_pooling("embed", "embed")
+        return [EmbeddingRequestOutput.from_output(o) for o in self._pool(list(prompts), params, use_tqdm)]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities of each input with a sequence-classification model (a
+        cross-encoder): `out.outputs.probs` (sigmoid of a single logit, else softmax)."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        self._require_pooling("classify", "classify")
+        outs = self._pool(list(prompts), PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens), use_tqdm)
+        return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.pooled.tolist()), o.prompt_token_ids)
+                for o in outs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """Scores of (data_1, data_2) pairs (one text against many, or side by side), as vLLM's:
+        a cross-encoder's relevance probability of each pair, or with an embedding model the cosine
+        similarity of the two texts' vectors. `out.outputs.score`."""
+        pairs = score_pairs(data_1, data_2)  # type: ignore[arg-type]
+        task = self._require_pooling(None, "score")
+        params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
+        if task == "classify":
+            tok = self.llm_engine.tokenizer
+            k = truncate_prompt_tokens
+            k = None if k is None else (self.llm_engine.max_model_len if k == -1 else k)
+            outs = self._pool([{"prompt_token_ids": encode_pair(tok, a, b, k)} for a, b in pairs],
+                              PoolingParams(), use_tqdm)
+            if outs and outs[0].pooled.shape[-1] != 1:
+                raise ValueError("score needs a cross-encoder with one label; this model has "
+                                 f"{outs[0].pooled.shape[-1]}: use classify")
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(float(o.pooled[0])), o.prompt_token_ids)
+                    for o in outs]
+        texts = [a for a, _ in pairs] + [b for _, b in pairs]
+        outs = self._pool(texts, replace(params, normalize=True), use_tqdm)
+        n = len(pairs)
+        return [ScoringRequestOutput(f"{outs[i].request_id}-{outs[n + i].request_id}",
+                                     ScoringOutput(float(outs[i].pooled @ outs[n + i].pooled)),
+                                     outs[i].prompt_token_ids + outs[n + i].prompt_token_ids)
+                for i in range(n)]
+
+    def _require_pooling(self, task: str | None, what: str) -> str:
+        """The engine's pooling task ("embed"/"classify"); a ValueError naming `what` when the
+        model cannot do it (`task` None: either)."""
+        pooler = self.llm_engine.input_processor.pooler
+        if pooler is None:
+            raise ValueError(f"{what} needs a pooling model (runner pooling); this one generates text")
+        if task is not None and pooler.task != task:
+            raise ValueError(f"{what} needs a model that can {task}; this one is a{'n embedding' if pooler.task == 'embed' else ' classification'} model")
+        return pooler.task
+
+    def _pool(self, prompts: list[PromptType], params: PoolingParams, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt in prompts:
+                ids.append(engine.add_pooling_request(None, prompt, params))
+        except Exception:
+            engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
 

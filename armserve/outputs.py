@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -65,3 +66,65 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    pooled: Any = None  # a pooling request's vector (float32 tensor); `outputs` then holds no tokens
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One input's embedding (vLLM's EmbeddingOutput)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per input, shaped like vLLM's: `out.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(out.pooled.tolist()), out.prompt_token_ids, out.finished)
+
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """One pair's score (vLLM's ScoringOutput): a cross-encoder's relevance probability, or the
+    cosine similarity of an embedding model's two vectors."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What `LLM.score` returns per pair, shaped like vLLM's: `out.outputs.score`."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """One input's class probabilities (vLLM's ClassificationOutput)."""
+
+    probs: list[float]
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """What `LLM.classify` returns per input: `out.outputs.probs`."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -168,3 +168,30 @@ def render_chat(
     except Exception as e:  # jinja raises for e.g. non-alternating roles
         raise PromptError(f"the chat template could not render these messages: {e}") from None
     return _encode(tokenizer, text, False, max_tokens)
+
+
+def score_pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[str, str]]:
+    """The (query, document) pairs of a score request, as vLLM pairs them: one query against every
+    document, or the two lists side by side; a PromptError when they cannot pair."""
+    a = [data_1] if isinstance(data_1, str) else list(data_1)
+    b = [data_2] if isinstance(data_2, str) else list(data_2)
+    if not a or not b:
+        raise PromptError("score needs at least one text on each side")
+    if len(a) == 1:
+        a = a * len(b)
+    if len(a) != len(b):
+        raise PromptError(f"score pairs {len(a)} texts with {len(b)}: give one, or as many as the other side")
+    for i, (x, y) in enumerate(zip(a, b)):
+        if not isinstance(x, str) or not isinstance(y, str):
+            raise PromptError(f"score pair {i} is not two strings")
+    return list(zip(a, b))
+
+
+def encode_pair(tokenizer, first: str, second: str, max_length: int | None = None) -> list[int]:
+    """Token ids of a cross-encoder's input `[CLS] first [SEP] second [SEP]` (the tokenizer's pair
+    template); cut to `max_length` tokens (longest side first, as sentence-transformers) when given."""
+    check_text(first, "query")
+    check_text(second, "document")
+    if max_length is None:
+        return list(tokenizer(first, second)["input_ids"])
+    return list(tokenizer(first, second, truncation=True, max_length=max_length)["input_ids"])

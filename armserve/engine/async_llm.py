@@ -34,6 +34,7 @@ from armserve.engine.core import AbortCommand, AddCommand
 from armserve.engine.core_client import ProcessCore, ThreadCore, engine_process_default
 from armserve.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
+from armserve.pooling_params import PoolingParams
 from armserve.engine.stat_loggers import LoggingStatLogger, StatLogger, combine_stats
 from armserve.engine.stats import IterationStats, SchedulerStats
 from armserve.outputs import CompletionOutput, RequestOutput
@@ -331,6 +332,19 @@ class AsyncLLM:
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its delta outputs; closing the generator early aborts it."""
         stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
+        """vLLM's `encode` for an embedding model: yields the one output, its vector in `pooled`."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
+        request = self.input_processor.process_pooling(request_id or uuid.uuid4().hex, prompt, pooling_params)
+        stream = await self.add_processed_request(request)
         try:
             async for out in stream:
                 yield out

@@ -47,6 +47,7 @@ class SequenceOutput:
     # text is dropped), "length" or "abort".
     finish_reason: str | None = None
     stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
+    pooled: Any = None  # a pooling request's vector (float32 tensor), with finish_reason "stop"
 
 
 @dataclass(slots=True)

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from armserve.layers.pooler import PoolerConfig
+from armserve.pooling_params import PoolingParams
 from armserve.prompts import prompt_to_ids
 from armserve.sampling_params import SamplingParams
 
@@ -28,17 +30,25 @@ class RequestError(ValueError):
     """A request cannot be served as asked (too long, bad tokens, ...); the engine is unaffected."""
 
 
+class RunnerError(RequestError):
+    """The request asks for what this engine's runner does not do (text from an embedding model,
+    vectors from a generating one)."""
+
+
 class PromptTokensError(RequestError):
     """The prompt has no token, or one outside the vocabulary."""
 
 
 class ContextLengthError(RequestError):
     """The prompt leaves no room to generate within `max_model_len`, or with `max_tokens` (not
-    None) asks for more than it."""
+    None) asks for more than it; `max_tokens` 0: an input to pool is longer than max_model_len."""
 
     def __init__(self, num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
         n = num_prompt_tokens
-        if max_tokens is None:
+        if max_tokens == 0:
+            msg = (f"the input has {n} tokens, more than max_model_len {max_model_len}; shorten it or set "
+                   "truncate_prompt_tokens")
+        elif max_tokens is None:
             msg = f"the prompt has {n} tokens, which leaves no room to generate within max_model_len {max_model_len}"
         else:
             msg = (f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) is {n + max_tokens}, "
@@ -62,6 +72,8 @@ class EngineCoreRequest:
     # The n fan-out: one SamplingParams per completion (n=1 each, seed + i, prompt_logprobs on the
     # first only, EOS among the stop tokens unless ignore_eos). `params` itself when n is 1.
     seq_params: list[SamplingParams]
+    # A pooling request (the pooling runner's engine: one vector, no tokens generated).
+    pooling: PoolingParams | None = None
 
     @property
     def n(self) -> int:
@@ -83,11 +95,16 @@ class InputProcessor:
     eos_token_ids: set[int]
     num_kv_blocks: int
     block_size: int
+    # An embedding model's pooling (the pooling runner's engine), else None: the engine generates.
+    pooler: PoolerConfig | None = None
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                 arrival_time: float | None = None) -> EngineCoreRequest:
         """The engine request of `prompt`; `RequestError` / `PromptError` (ValueErrors) naming the
         problem. `params` None: the defaults."""
+        if self.pooler is not None:
+            raise RunnerError("this model is an embedding model (runner pooling): it returns vectors or scores "
+                              "(LLM.embed / LLM.score, /v1/embeddings, /score, /rerank) and cannot generate text")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -106,6 +123,45 @@ class InputProcessor:
             p.update_from_generation_config(self.eos_token_ids)
         return EngineCoreRequest(request_id, text, ids, params, max_tokens,
                                  time.time() if arrival_time is None else arrival_time, seq_params)
+
+    def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
+                        arrival_time: float | None = None, tokenizer: Any = None) -> EngineCoreRequest:
+        """The engine request of an input to pool (embed): its token ids, cut to
+        `truncate_prompt_tokens` on the tokenizer's truncation side when asked, else refused past
+        max_model_len (`ContextLengthError`, max_tokens 0). `tokenizer`: a copy of the model's to
+        use instead (a server's worker thread)."""
+        tokenizer = tokenizer or self.tokenizer
+        if self.pooler is None:
+            raise RunnerError("this model generates text (runner generate) and has no pooling: serve an "
+                              "embedding model (or start with --runner pooling) for embeddings")
+        params = params or PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise RequestError(f"pooling params must be PoolingParams, got {type(params).__name__}")
+        try:
+            self.pooler.check_dimensions(params.dimensions)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        text, ids = prompt_to_ids(tokenizer, prompt)
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            k = self.max_model_len if k == -1 else min(k, self.max_model_len)
+            if len(ids) > k:
+                if text is not None and (not isinstance(prompt, dict) or "prompt_token_ids" not in prompt):
+                    # the tokenizer cuts text and keeps its special tokens ([CLS] ... [SEP])
+                    ids = list(tokenizer(text, truncation=True, max_length=k)["input_ids"])
+                else:
+                    ids = ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
+        if not ids:
+            raise PromptTokensError("the input is empty")
+        vocab = self.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise PromptTokensError(f"input token id {bad[0]} is out of range for the vocabulary size {vocab}")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthError(len(ids), 0, self.max_model_len)
+        sp = SamplingParams(max_tokens=1)
+        return EngineCoreRequest(request_id, text, ids, sp, 1, time.time() if arrival_time is None else arrival_time,
+                                 [sp], params)
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """RequestError naming what keeps a prompt from being served: empty, a token outside the

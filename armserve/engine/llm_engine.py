@@ -13,17 +13,26 @@ import itertools
 import time
 from typing import Any, Sequence
 
-from armserve.config import EngineConfig
+from armserve.config import ConfigError, EngineConfig
 from armserve.engine.backend import EngineBackend
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType, RequestError
 from armserve.engine.output_processor import OUTPUT_KINDS, OutputProcessor
 from armserve.engine.stats import SchedulerStats
 from armserve.outputs import RequestOutput
+from armserve.pooling_params import PoolingParams
 from armserve.sampling_params import SamplingParams
 
 
 def create_backend(config: EngineConfig) -> EngineBackend:
-    """The backend `config.backend` names, with its model loaded."""
+    """The backend `config.backend` names (the pooling backend for an embedding model,
+    `config.runner`), with its model loaded; `config.runner` is resolved ("generate"/"pooling")."""
+    from armserve.engine.pooling_backend import PoolingBackend, resolve_runner
+
+    config.runner = resolve_runner(config)
+    if config.runner == "pooling":
+        if config.speculative_config is not None:
+            raise ConfigError("speculative_config applies to text generation, not to a pooling model")
+        return PoolingBackend(config)
     if config.backend == "openvino":
         from armserve.engine.openvino_backend import OpenVINOBackend
 
@@ -48,7 +57,7 @@ class LLMEngine:
         self.structured = backend.structured
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, min(backend.vocab_size, len(self.tokenizer)), backend.eos_token_ids,
-            backend.num_kv_blocks, backend.kv_block_size)
+            backend.num_kv_blocks, backend.kv_block_size, getattr(backend, "pooler", None))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         # Running totals for the stats line and /metrics.
@@ -70,6 +79,14 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time),
                                    output_kind)
+        return request_id
+
+    def add_pooling_request(self, request_id: str | None, prompt: PromptType, params: PoolingParams | None = None,
+                            arrival_time: float | None = None) -> str:
+        """`add_request` of an input to pool (an embedding model's engine); its one output carries
+        the vector in `pooled`."""
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        self.add_processed_request(self.input_processor.process_pooling(request_id, prompt, params, arrival_time))
         return request_id
 
     def add_processed_request(self, request: EngineCoreRequest, output_kind: str = "final") -> None:

@@ -49,6 +49,7 @@ class _Request:
     completions: list[_Completion]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    pooled: Any = None  # a pooling request's vector
 
     @property
     def finished(self) -> bool:
@@ -100,6 +101,8 @@ class OutputProcessor:
             if c.finish_reason is not None:
                 continue
             touched[r.request_id] = r
+            if seq.pooled is not None:
+                r.pooled = seq.pooled
             num_tokens += self._update(r, c, seq, now, stopped)
 
         outputs: list[RequestOutput] = []
@@ -180,4 +183,4 @@ class OutputProcessor:
                                           c.stop_reason))
         return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
                              prompt_logprobs=r.prompt_logprobs, outputs=comps, finished=finished, metrics=r.metrics,
-                             num_cached_tokens=r.num_cached_tokens)
+                             num_cached_tokens=r.num_cached_tokens, pooled=r.pooled)

@@ -6,6 +6,9 @@ capped by what is left of `max_num_batched_tokens`. A long prompt therefore move
 beside running decodes, a prefix-cache hit just starts a request further along, and a
 preempted request is recomputed by the same rule.
 
+A pooling engine (engine/pooling_backend.py) schedules with `chunked_prefill=False`: a request
+runs whole in one step or waits for a step with room for it (an encoder sees every token at once).
+
 With speculative decoding (engine/spec_decode.py) a decoding request may carry k draft tokens:
 it is scheduled as 1 + k query tokens (from the same budget, with KV slots for all of them), and
 `update_from_output` keeps the KV of the accepted ones only (engine/rejection_sampler.py).
@@ -54,9 +57,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
+        chunked_prefill: bool = True,
         proposer: NgramProposer | None = None,  # or engine/draft_proposer.py's DraftModelProposer
     ) -> None:
         self.kv = kv
+        self.chunked_prefill = chunked_prefill
         self.proposer = proposer
         self.spec_stats = SpecDecodingStats.empty(proposer.k) if proposer is not None else None
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -167,6 +172,8 @@ class Scheduler:
                 req = self.waiting[0]
                 hit_blocks = kv.get_computed_blocks(req)
                 num_hit = len(hit_blocks) * kv.block_size
+                if not self.chunked_prefill and req.num_tokens - num_hit > budget:
+                    break  # whole or not at all: it waits for a step with room (FIFO)
                 n = min(req.num_tokens - num_hit, budget)
                 if not kv.allocate_slots(req, n, hit_blocks):
                     break

@@ -102,7 +102,7 @@ class TorchBackend:
             proposer = NgramProposer(spec)  # type: ignore[arg-type]
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,  # type: ignore[arg-type]
-            proposer,
+            proposer=proposer,
         )
         if self.tp_workers is not None:
             try:

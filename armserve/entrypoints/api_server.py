@@ -27,6 +27,9 @@ from armserve.entrypoints.middleware import BodyRefused, ServerLimits, ServerMid
 from armserve.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     CompletionRequest,
     DetokenizeRequest,
     ResponsesRequest,
@@ -35,6 +38,8 @@ from armserve.entrypoints.protocol import (
 from armserve.entrypoints.serving import OpenAIServing
 from armserve.entrypoints.serving_chat import OpenAIServingChat
 from armserve.entrypoints.serving_completion import OpenAIServingCompletion
+from armserve.entrypoints.serving_embedding import OpenAIServingEmbedding
+from armserve.entrypoints.serving_score import OpenAIServingScore
 from armserve.entrypoints.serving_responses import OpenAIServingResponses
 from armserve.sampling_params import SamplingParams
 
@@ -123,6 +128,8 @@ def build_app(
     chat_serving = OpenAIServingChat(serving)
     completion_serving = OpenAIServingCompletion(serving)
     responses_serving = OpenAIServingResponses(serving)
+    embedding_serving = OpenAIServingEmbedding(serving)
+    score_serving = OpenAIServingScore(serving)
     app.state.draining = False
 
     @app.exception_handler(APIError)
@@ -189,20 +196,49 @@ def build_app(
     # NOTE: the routes parse their bodies themselves (serving.parse: large ones off the event
     # loop); _with_body_schemas puts each body's schema in /openapi.json all the same.
     bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-              "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest}
+              "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+              "/v1/embeddings": EmbeddingRequest, "/pooling": EmbeddingRequest, "/score": ScoreRequest,
+              "/v1/score": ScoreRequest, "/rerank": RerankRequest, "/v1/rerank": RerankRequest,
+              "/v2/rerank": RerankRequest}
     _with_body_schemas(app, bodies)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
+        serving.check_task("/v1/chat/completions", "generate")
         return await chat_serving.create_chat_completion(await serving.parse(raw, ChatCompletionRequest), raw)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
+        serving.check_task("/v1/completions", "generate")
         return await completion_serving.create_completion(await serving.parse(raw, CompletionRequest), raw)
 
     @app.post("/v1/responses")
     async def responses(raw: Request) -> Response:
+        serving.check_task("/v1/responses", "generate")
         return await responses_serving.create_response(await serving.parse(raw, ResponsesRequest), raw)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request) -> dict[str, Any]:
+        serving.check_task("/v1/embeddings", "embed")
+        return await embedding_serving.create_embedding(await serving.parse(raw, EmbeddingRequest), raw)
+
+    @app.post("/pooling")
+    async def pooling(raw: Request) -> dict[str, Any]:
+        serving.check_task("/pooling", "embed", "classify")
+        return await embedding_serving.create_embedding(await serving.parse(raw, EmbeddingRequest), raw, pooling=True)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def score(raw: Request) -> dict[str, Any]:
+        serving.check_task(raw.url.path, "embed", "classify")
+        return await score_serving.create_score(await serving.parse(raw, ScoreRequest), raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(raw: Request) -> dict[str, Any]:
+        serving.check_task(raw.url.path, "embed", "classify")
+        return await score_serving.create_rerank(await serving.parse(raw, RerankRequest), raw)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:

@@ -422,3 +422,67 @@ class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
     tokens: list[int]
 
+
+
+EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    """POST /v1/embeddings (OpenAI's fields plus vLLM's `truncate_prompt_tokens`, `normalize`);
+    also /pooling, vLLM's name for the same request."""
+
+    model: str | None = None
+    input: EmbeddingInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None
+    add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        """The input(s) as a list: one text or token-id list each."""
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return list(p)  # type: ignore[arg-type]
+
+
+class ScoreRequest(OpenAIBaseModel):
+    """POST /score and /v1/score (vLLM's): `text_1` against `text_2` (one against many, or side
+    by side); `data_1`/`data_2` are accepted for them too."""
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+
+    @model_validator(mode="after")
+    def _both_sides(self) -> "ScoreRequest":
+        self.text_1 = self.text_1 if self.text_1 is not None else self.data_1
+        self.text_2 = self.text_2 if self.text_2 is not None else self.data_2
+        if self.text_1 is None or self.text_2 is None:
+            raise ValueError("give text_1 and text_2")
+        return self
+
+
+class RerankDocument(OpenAIBaseModel):
+    text: str
+
+
+class RerankRequest(OpenAIBaseModel):
+    """POST /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's shape)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = Field(None, ge=0)
+    return_documents: bool = True
+    truncate_prompt_tokens: int | None = None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]

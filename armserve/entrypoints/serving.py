@@ -227,6 +227,27 @@ class OpenAIServing:
 
     # ---- shared checks -------------------------------------------------------------------
 
+    @property
+    def task(self) -> str:
+        """What this server's model does: "generate", "embed" or "classify" (a cross-encoder)."""
+        pooler = self.engine.input_processor.pooler
+        return "generate" if pooler is None else pooler.task
+
+    def check_task(self, endpoint: str, *tasks: str) -> None:
+        """A 400 (code `model_not_supported`) when this server's model does none of `tasks`: text
+        endpoints on a pooling model, embeddings on a generating model or a cross-encoder, ..."""
+        task = self.task
+        if task in tasks:
+            return
+        what = {"generate": "generates text", "embed": "is an embedding model",
+                "classify": "is a cross-encoder (classification) model"}[task]
+        use = {"generate": "/v1/chat/completions, /v1/completions", "embed": "/v1/embeddings, /pooling, /score",
+               "classify": "/score, /rerank, /pooling"}[task]
+        need = {"generate": "a text-generation model", "embed": "an embedding model",
+                "classify": "a cross-encoder"}
+        raise APIError(f"{endpoint} needs {' or '.join(need[t] for t in tasks)}; the model "
+                       f"'{self.served_model_names[0]}' {what}: use {use}.", 400, "model", "model_not_supported")
+
     def check_token_ids(self, ids: list[int], what: str, param: str) -> None:
         """A 400 naming the first id outside the vocabulary; `what` names the ids in the message."""
         vocab = len(self.tokenizer)

@@ -1,0 +1,165 @@
+"""The pooling backend: an encoder (models/bert.py) behind the same scheduler and token budget
+as generation, one vector per request (embeddings). engine/backend.py's interface, so the engine,
+the engine-core process and the server carry pooling requests as they carry the others.
+
+    step(): scheduler.schedule()          whole requests only (chunked_prefill=False), up to
+                                          max_num_batched_tokens and max_num_seqs per step
+            model(ids, positions, lens)   every scheduled sequence in one forward, no KV cache
+            pool + normalize / cut        layers/pooler.py, as the checkpoint's
+                                          sentence-transformers files say (model_loader/pooling.py)
+            finish each request           one SequenceOutput with its vector, finish_reason "stop"
+
+NOTE: the scheduler counts KV blocks; here they only mirror the step's tokens (nothing is cached),
+so the block pool is sized to never run out and prefix caching is off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from armserve import model_loader
+from armserve.config import ConfigError, EngineConfig
+from armserve.engine.backend import BackendOutput, SequenceOutput
+from armserve.engine.input_processor import EngineCoreRequest
+from armserve.engine.kv_cache_manager import KVCacheManager
+from armserve.engine.request import Request, RequestStatus
+from armserve.engine.scheduler import Scheduler
+from armserve.engine.stats import SchedulerStats
+from armserve.layers.pooler import classify_probs, finish, pool
+from armserve.model_loader.pooling import pooler_config, sentence_max_len
+from armserve.models import get_model_class
+from armserve.pooling_params import PoolingParams
+from armserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("armserve")
+
+
+class PoolingBackend:
+    """Owns an encoder model and a scheduler. Not thread-safe: one thread calls every method."""
+
+    structured = None  # no grammars: nothing is generated
+    num_kv_blocks = 0  # no KV cache
+    kv_block_size = 0
+
+    def __init__(self, config: EngineConfig) -> None:
+        from armserve.cpu import init_threads
+
+        t0 = time.time()
+        self.config = config
+        if config.tensor_parallel_size > 1:
+            raise ConfigError("the pooling runner runs on one rank: use tensor_parallel_size 1")
+        torch.manual_seed(config.seed)
+        src = model_loader.resolve_model_path(config.model)
+        hf = model_loader.load_config(src)
+        cls = _model_class(hf)
+        # the length the model was trained to embed (sentence_bert_config.json), unless asked for more
+        positions = hf.max_position_embeddings - ((hf.pad_token_id + 1) if cls.position_offset_from_pad else 0)
+        if config.max_model_len is None:
+            config.max_model_len = min(positions, sentence_max_len(src) or positions)
+        config.finalize(positions)
+        self.max_model_len: int = config.max_model_len  # type: ignore[assignment]
+        # A request runs whole in one step: the budget holds at least the longest one.
+        self.budget = max(config.max_num_batched_tokens or 0, self.max_model_len)  # type: ignore[arg-type]
+        threads = init_threads()
+        self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
+        self.dtype, _ = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+        self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
+        self.pooler = pooler_config(src, hf, cls.default_pooling_type, cls.pooling_task)
+        self.model.sep_token_id = self.tokenizer.sep_token_id  # pairs' token types (models/bert.py)
+        self.vocab_size = hf.vocab_size
+        self.eos_token_ids: set[int] = set()
+        bs = config.block_size
+        self.kv = KVCacheManager(-(-self.budget // bs) + config.max_num_seqs, bs, enable_caching=False)
+        self.scheduler = Scheduler(self.kv, self.budget, config.max_num_seqs, self.max_model_len,
+                                   chunked_prefill=False)
+        self._params: dict[str, PoolingParams] = {}
+        logger.info("loaded %s (%s, pooling %s%s) in %.1fs: dtype %s, max_model_len %d, %d tokens per step, "
+                    "%d threads", config.model, hf.architectures[0], self.pooler.pooling_type,
+                    " + normalize" if self.pooler.normalize else "", time.time() - t0,
+                    str(self.dtype).replace("torch.", ""), self.max_model_len, self.budget, threads["threads"])
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a pooling request (ValueError for a generation request or bad `dimensions`)."""
+        params = request.pooling
+        if params is None:
+            raise ValueError("this model is an embedding model (runner pooling): it pools inputs into vectors or "
+                             "scores and cannot generate text")
+        self.pooler.check_dimensions(params.dimensions)
+        self._params[request.request_id] = params
+        self.scheduler.add_request(Request(request.request_id, request.prompt_token_ids, request.params, 1,
+                                           request.arrival_time))
+
+    def abort_request(self, request_id: str, indices: Sequence[int] | None = None) -> None:
+        if self._params.pop(request_id, None) is not None:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._params)
+
+    @torch.inference_mode()
+    def step(self) -> BackendOutput:
+        """Encode and pool every request the scheduler admits this step; each one finishes."""
+        out = BackendOutput()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return out
+        reqs = [s.request for s in sched.scheduled]
+        lens = [r.num_tokens for r in reqs]
+        ids = torch.tensor([t for r in reqs for t in r.all_token_ids], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lens])
+        hidden = self.model(ids, positions, lens)
+        classify = self.pooler.task == "classify"
+        pooled = classify_probs(self.model.classify(hidden, lens)) if classify else \
+            pool(hidden, lens, self.pooler.pooling_type)
+        for r, vec in zip(reqs, pooled):
+            rid = r.request_id
+            p = self._params.pop(rid)
+            if not classify:
+                vec = finish(vec, self.pooler.normalize if p.normalize is None else p.normalize, p.dimensions)
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            out.scheduled[rid] = 0
+            out.sequences.append(SequenceOutput(rid, 0, [], finish_reason="stop", pooled=vec.clone()))
+        out.num_prompt_tokens = sum(lens)
+        return out
+
+    def warm_up(self) -> None:
+        """One full-budget step of dummy inputs (the memory a large step touches, paid now)."""
+        n = min(self.budget, self.max_model_len)
+        ids = [1 + i % (self.vocab_size - 1) for i in range(n)]
+        sp = SamplingParams(max_tokens=1)
+        self.add_request(EngineCoreRequest("armserve-warm-up", None, ids, sp, 1, time.time(), [sp], PoolingParams()))
+        while self.has_unfinished_requests():
+            self.step()
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)
+
+
+def _model_class(hf):
+    return get_model_class(hf.architectures[0])
+
+
+def resolve_runner(config: EngineConfig) -> str:
+    """"generate" or "pooling" for `config.runner` ("auto": pooling for a family that only pools,
+    its class's `is_pooling_model`); a ConfigError when the model cannot run as asked."""
+    if config.runner == "generate" or (config.runner == "auto" and config.backend != "torch"):
+        return "generate"
+    src = model_loader.resolve_model_path(config.model)
+    # NOTE: no pooling family reads GGUF files (yet), and parsing a GGUF header twice costs seconds
+    if src.is_gguf:
+        architecture, pools = "a GGUF file", False
+    else:
+        hf = model_loader.load_config(src)
+        architecture, pools = hf.architectures[0], bool(getattr(_model_class(hf), "is_pooling_model", False))
+    if config.runner == "auto":
+        return "pooling" if pools else "generate"
+    if not pools:
+        raise ConfigError(f"runner 'pooling' is not supported for {architecture} yet (encoder models only: "
+                          "BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification)")
+    if config.backend != "torch":
+        raise ConfigError("runner 'pooling' runs on the torch backend only")
+    return "pooling"

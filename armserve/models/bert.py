@@ -1,0 +1,303 @@
+"""BERT-style encoders (`BertModel`, `RobertaModel`, `XLMRobertaModel`): bidirectional attention,
+post-LayerNorm blocks, absolute position and token-type embeddings. They produce one hidden row
+per token; the pooling runner (engine/pooling_backend.py) turns each sequence's rows into one
+vector (layers/pooler.py).
+
+- No KV cache: a sequence is encoded whole in one step, so attention is
+  `scaled_dot_product_attention` without a causal mask over the step's sequences, padded to the
+  longest with a key mask (the paged C++ attention kernel is causal only). The linear layers are
+  armserve's (layers/linear.py: prepacked dense GEMM kernels); LayerNorm and GELU are PyTorch's.
+- RoBERTa / XLM-RoBERTa: the same blocks; positions start after the padding id
+  (`pad_token_id + 1`), as fairseq numbered them, and there is one token type.
+- Checkpoint names come with or without the task head's prefix (`bert.`, `roberta.`); the
+  pretraining pooler (`pooler.dense`) and heads are not used by the embedding models.
+- Cross-encoders (`*ForSequenceClassification`: rerankers) add their head over the first token:
+  BERT's pooler (dense + tanh) then `classifier`; RoBERTa's `classifier.dense` + tanh then
+  `classifier.out_proj`. `classify` returns the logits.
+- Token types: BERT numbers the tokens after a pair's first [SEP] as segment 1; with
+  `sep_token_id` set (the pooling backend sets it from the tokenizer) they are derived from the
+  ids, so a pair `[CLS] query [SEP] document [SEP]` needs nothing else. RoBERTa has one type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from armserve.layers.linear import Linear, QKVParallelLinear, get_parallel_context
+from armserve.quantization import QuantizedTensor
+
+
+class EncoderBatch:
+    """One step's sequences laid out for attention: each sequence's token rows scattered into a
+    [num_seqs, longest] grid (`index`: the grid cell of each row), and the key mask of that grid
+    (None if all are as long). Built once per step, shared by every layer."""
+
+    def __init__(self, seq_lens: list[int]) -> None:
+        self.num_seqs, self.longest = len(seq_lens), max(seq_lens)
+        lens = torch.tensor(seq_lens)
+        cols = torch.arange(self.longest)
+        valid = cols[None, :] < lens[:, None]  # [B, L]
+        self.index = valid.reshape(-1).nonzero().squeeze(1)  # grid cell of each token row, in order
+        self.mask = None if bool(valid.all()) else valid[:, None, None, :]
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, C] token rows -> [B, L, C] (padding rows zero: finite, so masked-out keys add 0)."""
+        grid = x.new_zeros(self.num_seqs * self.longest, x.shape[1])
+        grid.index_copy_(0, self.index, x)
+        return grid.view(self.num_seqs, self.longest, x.shape[1])
+
+    def from_grid(self, grid: torch.Tensor) -> torch.Tensor:
+        """[B, H, L, D] -> [T, H*D] token rows."""
+        rows = grid.transpose(1, 2).reshape(self.num_seqs * self.longest, -1)
+        return rows.index_select(0, self.index)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // self.num_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_heads, bias=True)
+        self.out_proj = Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        if batch.num_seqs == 1:  # no padding: the rows are the sequence
+            q, k, v = qkv.view(T, 3, H, D).permute(1, 2, 0, 3).unbind(0)  # [H, T, D] each
+            o = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(T, H * D)
+        else:
+            # one padded grid for q, k and v together: [B, L, 3, H, D] -> 3 x [B, H, L, D]
+            grid = batch.to_grid(qkv).view(batch.num_seqs, batch.longest, 3, H, D).permute(2, 0, 3, 1, 4)
+            q, k, v = grid.unbind(0)
+            o = batch.from_grid(F.scaled_dot_product_attention(q, k, v, attn_mask=batch.mask))
+        return self.norm(self.out_proj(o) + x)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.hidden_act not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for an encoder")
+        self.approximate = "none" if config.hidden_act == "gelu" else "tanh"
+        self.attention = BertSelfAttention(config)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
+        x = self.attention(x, batch)
+        return self.norm(self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate)) + x)
+
+
+# Hugging Face name part (under encoder.layer.N.) -> (this module's name part, qkv shard)
+_LAYER_NAMES = {
+    "attention.self.query": ("attention.qkv_proj", "q"),
+    "attention.self.key": ("attention.qkv_proj", "k"),
+    "attention.self.value": ("attention.qkv_proj", "v"),
+    "attention.output.dense": ("attention.out_proj", None),
+    "attention.output.LayerNorm": ("attention.norm", None),
+    "intermediate.dense": ("up_proj", None),
+    "output.dense": ("down_proj", None),
+    "output.LayerNorm": ("norm", None),
+}
+
+
+class BertModel(nn.Module):
+    """A BERT encoder: `forward(input_ids, positions, seq_lens) -> hidden [T, hidden]`, the step's
+    sequences back to back (`seq_lens` tokens each)."""
+
+    architectures: tuple[str, ...] = ("BertModel",)
+    model_types: tuple[str, ...] = ("bert",)
+    gguf_architectures: tuple[str, ...] = ()
+    is_pooling_model = True
+    pooling_task = "embed"  # "classify": a cross-encoder's logits (`classify`)
+    default_pooling_type = "CLS"  # vLLM's default for encoders when the checkpoint says nothing
+    # positions start here (RoBERTa: after the padding id)
+    position_offset_from_pad = False
+    prefixes = ("bert.",)
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        if get_parallel_context().world > 1:
+            raise ValueError(f"{type(self).__name__} cannot be split for tensor parallelism: use tensor_parallel_size 1")
+        if getattr(config, "position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {config.position_embedding_type!r} is not supported "
+                             "(absolute positions only)")
+        self.config = config
+        h = config.hidden_size
+        self.word_embeddings = nn.Embedding(config.vocab_size, h)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = nn.Embedding(max(1, getattr(config, "type_vocab_size", 1) or 1), h)
+        self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.position_offset = (config.pad_token_id + 1) if self.position_offset_from_pad else 0
+        self.sep_token_id: int | None = None  # token types from the ids (module docstring)
+        self.make_head(config)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def max_positions(self) -> int:
+        """Tokens a sequence may have: the position table less the offset RoBERTa starts at."""
+        return self.config.max_position_embeddings - self.position_offset
+
+    def make_head(self, config) -> None:
+        """A task head's layers (the cross-encoders'); none for the embedding models."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        if token_type_ids is None and self.sep_token_id is not None and self.token_type_embeddings.num_embeddings > 1:
+            token_type_ids = _segments(input_ids, seq_lens, self.sep_token_id)
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        x = self.embed_norm(x)
+        batch = EncoderBatch(seq_lens)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return x
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def _own_name(self, name: str) -> tuple[str, Any] | None:
+        """(this module's parameter name, qkv shard) of a checkpoint name; None: not used here."""
+        for prefix in self.prefixes:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        if name.startswith("embeddings."):
+            rest = name[len("embeddings."):]
+            if rest.startswith("LayerNorm."):
+                return "embed_norm." + rest[len("LayerNorm."):], None
+            return (rest, None) if rest.split(".")[0] in (
+                "word_embeddings", "position_embeddings", "token_type_embeddings") else None
+        if not name.startswith("encoder.layer."):
+            return None  # pooler, task heads, position_ids buffers
+        _, _, idx, rest = name.split(".", 3)
+        part, _, attr = rest.rpartition(".")
+        part, shard = _LAYER_NAMES.get(part, (None, None))
+        if part is None:
+            return None
+        return f"layers.{idx}.{part}.{attr}", shard
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> set[str]:
+        """Fill the parameters from Hugging Face tensors; returns the names filled (`name#shard`
+        for the q/k/v shards of the fused projection)."""
+        loaded: set[str] = set()
+        for raw, tensor in weights:
+            own = self._own_name(raw)
+            if own is None:
+                continue
+            name, shard = own
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
+            path, _, attr = name.rpartition(".")
+            module = self.get_submodule(path)
+            try:
+                if isinstance(module, Linear):
+                    module.weight_loader(attr, tensor, "all" if shard is None else shard)
+                else:
+                    param = getattr(module, attr)
+                    if tuple(param.shape) != tuple(tensor.shape):
+                        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+            except ValueError as e:
+                raise ValueError(f"weight {raw} {e}") from None
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        return loaded
+
+    def expected_weights(self) -> set[str]:
+        out: set[str] = set()
+        for name, _ in self.named_parameters():
+            out |= {f"{name}#{s}" for s in "qkv"} if ".qkv_proj." in name else {name}
+        return out
+
+    def process_weights_after_loading(self) -> None:
+        """Prepack the linear layers for the dense GEMM kernel, once."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.finalize()
+
+
+def _segments(ids: torch.Tensor, seq_lens: list[int], sep: int) -> torch.Tensor:
+    """Token type of each row: 1 after its sequence's first [SEP], else 0."""
+    is_sep = (ids == sep).long()
+    seps_before = is_sep.cumsum(0) - is_sep  # [SEP]s before each row, over the whole step
+    lens = torch.tensor(seq_lens)
+    starts = (lens.cumsum(0) - lens).repeat_interleave(lens)
+    start_count = seps_before[starts]  # ... and before each row's sequence
+    return (seps_before - start_count > 0).long()
+
+
+class BertForSequenceClassification(BertModel):
+    """A BERT cross-encoder (reranker): CLS -> pooler dense + tanh -> classifier logits."""
+
+    architectures = ("BertForSequenceClassification",)
+    model_types = ()
+    pooling_task = "classify"
+    # head checkpoint names (after the prefix) -> this module's
+    head_names = {"pooler.dense": "head_dense", "classifier": "classifier"}
+
+    def make_head(self, config) -> None:
+        h = config.hidden_size
+        self.head_dense = Linear(h, h, bias=True)
+        self.classifier = Linear(h, config.num_labels, bias=True)
+
+    def classify(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """float32 logits [num_seqs, num_labels] from each sequence's first row."""
+        lens = torch.tensor(seq_lens)
+        first = hidden[lens.cumsum(0) - lens]
+        return self.classifier(torch.tanh(self.head_dense(first))).float()
+
+    def _own_name(self, name: str) -> tuple[str, Any] | None:
+        bare = name
+        for prefix in self.prefixes:
+            if bare.startswith(prefix):
+                bare = bare[len(prefix):]
+                break
+        part, _, attr = bare.rpartition(".")
+        if part in self.head_names:
+            return f"{self.head_names[part]}.{attr}", None
+        return super()._own_name(name)
+
+
+class RobertaModel(BertModel):
+    """RoBERTa: BERT's blocks, positions numbered from `pad_token_id + 1`."""
+
+    architectures = ("RobertaModel",)
+    model_types = ("roberta",)
+    position_offset_from_pad = True
+    prefixes = ("roberta.",)
+
+
+class XLMRobertaModel(RobertaModel):
+    """XLM-RoBERTa (multilingual-e5, bge-m3's encoder): RoBERTa's layout."""
+
+    architectures = ("XLMRobertaModel",)
+    model_types = ("xlm-roberta",)
+
+
+class RobertaForSequenceClassification(RobertaModel, BertForSequenceClassification):
+    """A RoBERTa cross-encoder: classifier.dense + tanh -> classifier.out_proj."""
+
+    architectures = ("RobertaForSequenceClassification",)
+    model_types = ()
+    head_names = {"classifier.dense": "head_dense", "classifier.out_proj": "classifier"}
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    """An XLM-RoBERTa cross-encoder (bge-reranker-base/large, mxbai-rerank)."""
+
+    architectures = ("XLMRobertaForSequenceClassification",)
+
+
+MODELS = (BertModel, RobertaModel, XLMRobertaModel, BertForSequenceClassification,
+          RobertaForSequenceClassification, XLMRobertaForSequenceClassification)
