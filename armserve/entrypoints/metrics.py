@@ -25,7 +25,7 @@ from prometheus_client import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
-from armserve.engine.stats import IterationStats, SchedulerStats
+from armserve.engine.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -73,6 +73,7 @@ class _EngineSeries:
     last_queries: int = 0
     last_hits: int = 0
     last_preemptions: int = 0
+    last_spec: SpecDecodingStats | None = None
 
 
 class PrometheusMetrics:
@@ -93,6 +94,10 @@ class PrometheusMetrics:
         "num_preemptions": ("Requests preempted for lack of KV blocks.", True),
         "prompt_tokens": ("Prompt tokens prefilled.", True),
         "generation_tokens": ("Tokens generated.", True),
+        # speculative decoding (0 without it)
+        "spec_decode_num_drafts": ("Speculative decoding: draft runs verified.", True),
+        "spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.", True),
+        "spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted.", True),
     }
     HISTOGRAMS = {  # every histogram has its vLLM twin
         "time_to_first_token_seconds": ("Time to first token.", _LATENCY_BUCKETS),
@@ -133,6 +138,9 @@ class PrometheusMetrics:
         self._request_success = family(Counter, "request_success",
                                        "Requests finished, by finish reason (stop, length, abort).", True,
                                        ("finished_reason",))
+        self._accepted_per_pos = family(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                        "Speculative decoding: draft tokens accepted, by draft position (0-based).",
+                                        True, ("position",))
         self._engines: dict[int, _EngineSeries] = {}
         for i in range(num_engines):  # export zeros, so a scrape sees every series from the start
             self._engine(i)
@@ -175,6 +183,8 @@ class PrometheusMetrics:
         c["prefix_cache_hits"].inc(s.prefix_cache_hits - e.last_hits)
         c["num_preemptions"].inc(s.num_preemptions - e.last_preemptions)
         e.last_queries, e.last_hits, e.last_preemptions = s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions
+        if s.spec_decoding is not None:
+            self._record_spec(e, s.spec_decoding, engine)
         c["prompt_tokens"].inc(it.num_prompt_tokens)
         c["generation_tokens"].inc(it.num_generation_tokens)
         if it.step:
@@ -211,6 +221,18 @@ class PrometheusMetrics:
                       registry=self.registry)
             for engine in self._engines:
                 g.labels(**{k: str(v) for k, v in info.items()}, engine=str(engine)).set(1)
+
+    def _record_spec(self, e: _EngineSeries, sd: SpecDecodingStats, engine: int) -> None:
+        last = e.last_spec or SpecDecodingStats.empty(len(sd.num_accepted_tokens_per_pos))
+        c = e.counters
+        c["spec_decode_num_drafts"].inc(sd.num_drafts - last.num_drafts)
+        c["spec_decode_num_draft_tokens"].inc(sd.num_draft_tokens - last.num_draft_tokens)
+        c["spec_decode_num_accepted_tokens"].inc(sd.num_accepted_tokens - last.num_accepted_tokens)
+        lab = {"model_name": self.model_name, "engine": str(engine)}
+        for j, v in enumerate(sd.num_accepted_tokens_per_pos):
+            before = last.num_accepted_tokens_per_pos[j] if j < len(last.num_accepted_tokens_per_pos) else 0
+            self._accepted_per_pos.labels(position=str(j), **lab).inc(v - before)
+        e.last_spec = sd.copy()
 
     def record_rejection(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()
