@@ -86,6 +86,8 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _unsupported_block(kind: Any, where: str) -> str:
+    if kind == "text":
+        return f"{where}: a text block needs a 'text' string"
     if kind in ("image", "document"):
         return (f"{where}: {kind} content blocks are not supported: this server serves a text-only model "
                 "(send text blocks)")

@@ -25,8 +25,8 @@ access_logger = logging.getLogger("armserve.access")
 # Routes that need the API key when one is set. /health, /version and /metrics stay open so
 # load balancers and Prometheus need no secret (as in vLLM).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                "/v1/messages/count_tokens", "/v1/models", "/health", "/version", "/tokenize", "/detokenize", "/metrics"}
+_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+                "/v1/models", "/health", "/version", "/tokenize", "/detokenize", "/metrics"}
 
 
 @dataclass

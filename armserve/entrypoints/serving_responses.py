@@ -100,7 +100,8 @@ class OpenAIServingResponses:
             return
         items = obj["output"]
         text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
-        calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+        calls = [{"id": it["call_id"], "type": "function",
+                  "function": {"name": it["name"], "arguments": it["arguments"]}}
                  for it in items if it["type"] == "function_call"]
         turn: dict[str, Any] = {"role": "assistant", "content": text or None}
         if calls:
