@@ -84,7 +84,7 @@ class ResponseStore:
     def put(self, response_id: str, entry: dict[str, Any]) -> bool:
         """Store `entry`, dropping the least recently used past the bounds; False (nothing stored)
         when the entry alone is larger than max_bytes."""
-        data = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+        data = json.dumps(entry, separators=(",", ":"))  # ASCII: a lone surrogate in a field cannot fail it
         size = len(data.encode())
         if size > self.max_bytes:
             logger.warning("response %s not stored: %d bytes, more than the store's %d", response_id, size,
