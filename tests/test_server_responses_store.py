@@ -4,6 +4,10 @@ delete, 404s in OpenAI's shape, the store's LRU bounds, and a SQLite store that 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import openai
 import pytest
 from openai import OpenAI
@@ -108,3 +112,14 @@ def test_sqlite_store_survives_a_restart(tiny_llama, tmp_path):
             client.responses.retrieve(r3.id)
     finally:
         srv.stop()
+
+
+def test_an_unusable_store_file_is_refused_before_loading(tiny_llama, tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("not a database, just text\n" * 100)
+    for path, why in ((str(text), "file is not a database"), (str(tmp_path / "no" / "dir.db"), "unable to open")):
+        r = subprocess.run([sys.executable, "-m", "armserve.cli", "serve", tiny_llama, "--port", "0",
+                            "--responses-store", path], capture_output=True, text=True, timeout=300,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert r.returncode == 2 and f"--responses-store {path}: cannot use it" in r.stderr and why in r.stderr
+        assert "loaded" not in r.stderr + r.stdout
