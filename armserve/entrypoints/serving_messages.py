@@ -3,9 +3,10 @@ pipeline: the body becomes the equivalent chat request (anthropic_protocol.py), 
 tokenized, checked and run exactly as /v1/chat/completions runs it (serving.py); the output comes
 back as a `message` with content blocks (text, tool_use, thinking) or as Anthropic's SSE events:
 
-    message_start, ping, then per block: content_block_start, content_block_delta (text_delta,
+    message_start, then per block: content_block_start, content_block_delta (text_delta,
     input_json_delta, thinking_delta)..., content_block_stop; then message_delta (stop_reason,
-    stop_sequence, output_tokens) and message_stop. A failure mid-stream is an `error` event.
+    stop_sequence, output_tokens) and message_stop. One `ping` follows the first block's start, as
+    Anthropic's own streams have it. A failure mid-stream is an `error` event.
 """
 
 from __future__ import annotations
@@ -119,14 +120,14 @@ class AnthropicServingMessages:
             nonlocal index, open_kind
             out = [event("content_block_stop", index=index)] if open_kind is not None else []
             index, open_kind = index + 1, kind
-            return out + [event("content_block_start", index=index, content_block=block)]
+            return out + [event("content_block_start", index=index, content_block=block)] + \
+                ([event("ping")] if index == 0 else [])
 
         num_output = 0
         finish: str | None = None
         stop: int | str | None = None
         yield event("message_start", message={**base, "content": [], "stop_reason": None, "stop_sequence": None,
                                               "usage": {"input_tokens": num_prompt, "output_tokens": 0}})
-        yield event("ping")
         try:
             async for out in stream:
                 for c in out.outputs:
