@@ -77,6 +77,9 @@ def _add_serving_commands(sub) -> None:
     s.add_argument("--restart-engine-on-failure", action="store_true",
                    help="start a dead engine core again in place (default: the server exits with code 1, for "
                         "its supervisor to restart it)")
+    s.add_argument("--responses-store", default=None, metavar="PATH",
+                   help="keep stored Responses (store, previous_response_id) in this SQLite file, so they "
+                        "survive a restart (default: in memory)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
     s.add_argument("--disable-access-log", action="store_true", help="no per-request access-log line")
     s.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,

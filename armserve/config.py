@@ -143,6 +143,12 @@ GRAMMAR_COMPILE_MEMORY_MB = 1024  # address space a compile may add (0: none); A
 GRAMMAR_COMPILE_WORKERS = 2  # concurrent compiles (processes); ARMSERVE_GRAMMAR_COMPILE_WORKERS
 GRAMMAR_CACHE_MB = 256  # compiled grammars kept (xgrammar's memory_size_bytes); ARMSERVE_GRAMMAR_CACHE_MB
 
+# Stored responses of the Responses API (entrypoints/response_store.py: `store`, previous_response_id),
+# in memory or in the SQLite file of `--responses-store`: past either bound the least recently used
+# go first. Each is overridable by the environment variable in its comment (read when a server starts).
+RESPONSES_STORE_MAX_ENTRIES = 10_000  # ARMSERVE_RESPONSES_STORE_MAX_ENTRIES
+RESPONSES_STORE_MAX_MB = 256  # JSON text kept; ARMSERVE_RESPONSES_STORE_MAX_MB
+
 
 # Logprobs one request may ask for per position (`logprobs`, `prompt_logprobs`, chat's
 # `top_logprobs`), as vLLM's --max-logprobs: each is a top-k over the whole vocabulary. -1: no cap.

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from armserve.entrypoints.anthropic_protocol import error_body
 from armserve.entrypoints.metrics import PrometheusMetrics
 from armserve.entrypoints.protocol import APIError
 
@@ -23,9 +24,10 @@ access_logger = logging.getLogger("armserve.access")
 
 # Routes that need the API key when one is set. /health, /version and /metrics stay open so
 # load balancers and Prometheus need no secret (as in vLLM).
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/version",
-                "/tokenize", "/detokenize", "/metrics", "/ping", "/load"}
+_PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
+_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+                "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+                "/v1/models", "/health", "/version", "/tokenize", "/detokenize", "/metrics", "/ping", "/load"}
 
 
 def route_path(scope) -> str:
@@ -165,12 +167,13 @@ class ServerMiddleware:
             return message
 
         async def refuse(status_code: int, err: APIError, headers: dict[str, str] | None = None) -> None:
-            await JSONResponse(err.body(), status_code, headers=headers)(scope, receive, send_wrapper)
+            await JSONResponse(error_body(path, err), status_code, headers=headers)(scope, receive, send_wrapper)
 
         try:
             if self.api_key and scope["method"] != "OPTIONS" and path.startswith(_PROTECTED_PREFIXES) \
                     and not self._authorized(scope):
-                await refuse(401, APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
+                await refuse(401, APIError("Invalid or missing API key: send 'Authorization: Bearer <key>' (or "
+                                           "'x-api-key: <key>', as Anthropic's clients do).", 401,
                                            None, "invalid_api_key"), {"WWW-Authenticate": "Bearer"})
                 return
             if getattr(self.state, "draining", False) and scope["method"] == "POST":
@@ -201,6 +204,7 @@ class ServerMiddleware:
         finally:
             seconds = time.perf_counter() - start
             handler = path if path in _KNOWN_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                         else "/v1/responses/{id}" if path.startswith("/v1/responses/")
                                                          else "other")
             self.metrics.record_http(scope["method"], handler, status, seconds)
             if self.access_log:
@@ -217,7 +221,10 @@ class ServerMiddleware:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+                if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key):
+                    return True
+            elif name == b"x-api-key" and secrets.compare_digest(value.strip(), self.api_key):  # Anthropic's header
+                return True
         return False
 
     def _too_large(self) -> str:

@@ -326,9 +326,10 @@ class CompletionRequest(_SamplingFields):
 
 
 class ResponsesRequest(OpenAIBaseModel):
-    """POST /v1/responses (stateless: no store, no previous_response_id).
+    """POST /v1/responses.
 
-    Served by turning it into the equivalent chat request (`to_chat_request`): input items become
+    Served by turning it into the equivalent chat request (`to_chat_request`): the stored
+    conversation of `previous_response_id` (serving_responses.py), then the input items become
     messages, flat function tools become chat tools, `text.format` becomes response_format.
     """
 
@@ -350,22 +351,17 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _check_responses(self) -> "ResponsesRequest":
-        if self.previous_response_id:
-            raise ValueError("previous_response_id is not supported: this server keeps no responses; "
-                             "send the whole conversation as input")
         for i, t in enumerate(self.tools or []):
             if t.get("type") != "function":
                 raise ValueError(f"tools[{i}]: type {t.get('type')!r} is not supported (function tools only)")
         return self
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The input as chat messages; function_call / function_call_output items become an
-        assistant turn with tool_calls / a tool message."""
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages (without the instructions); function_call /
+        function_call_output items become an assistant turn with tool_calls / a tool message."""
         msgs: list[dict[str, Any]] = []
-        if self.instructions:
-            msgs.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
-            return msgs + [{"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
@@ -387,8 +383,10 @@ class ResponsesRequest(OpenAIBaseModel):
                 raise ValueError(f"input[{i}]: item type {kind!r} is not supported")
         return msgs
 
-    def to_chat_request(self) -> ChatCompletionRequest:
-        """The equivalent chat request (its validation then applies: tools, tool_choice, formats)."""
+    def to_chat_request(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The equivalent chat request (its validation then applies: tools, tool_choice, formats):
+        the instructions, then `history` (a stored conversation this one continues), then the input."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
                                                    if k in t}} for t in self.tools or []]
         choice = self.tool_choice
@@ -396,7 +394,8 @@ class ResponsesRequest(OpenAIBaseModel):
             choice = {"type": "function", "function": {"name": choice["name"]}}
         fmt = (self.text or {}).get("format")
         return ChatCompletionRequest(
-            model=self.model, messages=self.messages(), tools=tools or None, tool_choice=choice,
+            model=self.model, messages=system + (history or []) + self.input_messages(), tools=tools or None,
+            tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p,
             response_format=structured_response_format(fmt))
