@@ -89,7 +89,6 @@ def build_sampling_batch(
     `output_token_ids[i]` are the tokens generated so far by row i (used for penalties and
     min_tokens); `generators[i]` is the request's seeded generator or None.
     """
-    n = len(params)
     greedy = [p.greedy for p in params]
     temperature = torch.tensor(
         [0.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32
