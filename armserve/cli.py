@@ -77,8 +77,23 @@ def _add_serving_commands(sub) -> None:
     s.add_argument("--restart-engine-on-failure", action="store_true",
                    help="start a dead engine core again in place (default: the server exits with code 1, for "
                         "its supervisor to restart it)")
+    s.add_argument("--responses-store", default=None, metavar="PATH",
+                   help="keep stored Responses (store, previous_response_id) in this SQLite file, so they "
+                        "survive a restart (default: in memory)")
     s.add_argument("--disable-log-stats", action="store_true", help="no periodic throughput line")
-    s.add_argument("--disable-access-log", action="store_true", help="no per-request log line")
+    s.add_argument("--disable-access-log", action="store_true", help="no per-request access-log line")
+    s.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=False,
+                   help="log each request the engine receives (id, prompt tokens, sampling parameters)")
+    s.add_argument("--disable-log-requests", dest="log_requests", action="store_false",
+                   help="do not log each request the engine receives (the default)")
+    s.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file (PEM)")
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (chain) file (PEM)")
+    s.add_argument("--ssl-ca-certs", default=None, help="CA certificates file, to verify client certificates")
+    s.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="client certificates: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
+    s.add_argument("--root-path", default="",
+                   help="the path prefix a proxy in front serves this server under (e.g. /llm): routes answer "
+                        "with and without it, /docs and /openapi.json use it")
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,

@@ -130,6 +130,127 @@ GRAMMAR_COMPILE_MEMORY_MB = 1024  # address space a compile may add (0: none); A
 GRAMMAR_COMPILE_WORKERS = 2  # concurrent compiles (processes); ARMSERVE_GRAMMAR_COMPILE_WORKERS
 GRAMMAR_CACHE_MB = 256  # compiled grammars kept (xgrammar's memory_size_bytes); ARMSERVE_GRAMMAR_CACHE_MB
 
+# Stored responses of the Responses API (entrypoints/response_store.py: `store`, previous_response_id),
+# in memory or in the SQLite file of `--responses-store`: past either bound the least recently used
+# go first. Each is overridable by the environment variable in its comment (read when a server starts).
+RESPONSES_STORE_MAX_ENTRIES = 10_000  # ARMSERVE_RESPONSES_STORE_MAX_ENTRIES
+RESPONSES_STORE_MAX_MB = 256  # JSON text kept; ARMSERVE_RESPONSES_STORE_MAX_MB
+
+
+# Logprobs one request may ask for per position (`logprobs`, `prompt_logprobs`, chat's
+# `top_logprobs`), as vLLM's --max-logprobs: each is a top-k over the whole vocabulary. -1: no cap.
+DEFAULT_MAX_LOGPROBS = 20
+
+# Where a server's default sampling parameters come from (vLLM's --generation-config): "auto" the
+# model folder's generation_config.json, "vllm" none (the API's own defaults), else a folder.
+DEFAULT_GENERATION_CONFIG = "auto"
+# Speculative decoding (engine/spec_decode.py). The methods vLLM names; only these are built so far.
+SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
+SPEC_METHODS_BUILT = ("ngram", "draft_model")
+# `quantization` a draft model may take: "w4a8" quantizes the draft's weights to int4 when it loads
+# (quantized self-drafting: `model` = the target's own checkpoint).
+SPEC_DRAFT_QUANTIZATIONS = ("w4a8",)
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+# n-gram lookup: the longest suffix of the sequence (prompt_lookup_max tokens, down to
+# prompt_lookup_min) that occurred before proposes the tokens that followed it. One-token matches
+# are mostly noise, hence 2.
+DEFAULT_PROMPT_LOOKUP_MIN = 2
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+# A step speculates only while (running decodes) x (1 + num_speculative_tokens) stays within this
+# many query tokens: beyond it one sequence's step no longer reads the weights alone, verifying
+# drafts costs compute a plain decode would not spend, and the decode step graph (replayed, a spec
+# step runs eagerly) is the faster step. vLLM's `disable_by_batch_size` sets it per sequence.
+SPEC_MAX_VERIFY_TOKENS = 32
+# Per request: after a verification that accepted nothing, the request's draft length halves; at 0
+# it stops drafting for SPEC_BACKOFF_STEPS steps (doubling each time it is turned off again, up to
+# SPEC_MAX_BACKOFF_STEPS), then tries one token again. Every fully accepted run adds one back.
+SPEC_BACKOFF_STEPS = 8
+SPEC_MAX_BACKOFF_STEPS = 256
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    """`speculative_config` (vLLM's keys): `method` ("ngram"), `num_speculative_tokens` (drafted
+    tokens per step, at most), `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths searched),
+    `model` (method "draft_model": a draft checkpoint with the target's tokenizer),
+    `quantization` ("w4a8": the draft quantized to int4 at load), `draft_tensor_parallel_size` (1) and
+    `disable_by_batch_size` (no speculation in a step with more running decodes than this)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    quantization: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative_config: unknown method {self.method!r}; expected one of "
+                              f"{', '.join(SPEC_METHODS)}")
+        if self.method not in SPEC_METHODS_BUILT:
+            raise ConfigError(f"speculative_config: method {self.method!r} is not supported yet; "
+                              f"available: {', '.join(SPEC_METHODS_BUILT)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "draft_tensor_parallel_size", "disable_by_batch_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
+        if self.num_speculative_tokens > 16:
+            raise ConfigError(f"speculative_config: num_speculative_tokens must be <= 16, got "
+                              f"{self.num_speculative_tokens}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo, hi = DEFAULT_PROMPT_LOOKUP_MIN, DEFAULT_PROMPT_LOOKUP_MAX
+        elif lo is None:
+            lo = min(hi, DEFAULT_PROMPT_LOOKUP_MIN)  # type: ignore[type-var]
+        elif hi is None:
+            hi = max(lo, DEFAULT_PROMPT_LOOKUP_MAX)
+        if lo > hi:  # type: ignore[operator]
+            raise ConfigError(f"speculative_config: prompt_lookup_min {lo} is larger than prompt_lookup_max {hi}")
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if self.method == "ngram" and (self.model is not None or self.quantization is not None):
+            raise ConfigError("speculative_config: method 'ngram' takes no draft 'model' or 'quantization'")
+        if self.method == "draft_model":
+            if not self.model:
+                raise ConfigError("speculative_config: method 'draft_model' needs a draft 'model' (a checkpoint "
+                                  "with the target's tokenizer, or the target's own path with quantization 'w4a8')")
+            if self.quantization is not None and self.quantization not in SPEC_DRAFT_QUANTIZATIONS:
+                raise ConfigError(f"speculative_config: unknown draft quantization {self.quantization!r}; expected "
+                                  f"{', '.join(SPEC_DRAFT_QUANTIZATIONS)} (or none: the draft as its checkpoint is)")
+            if self.draft_tensor_parallel_size not in (None, 1):
+                raise ConfigError("speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
+                                  "the target's first rank)")
+
+    @classmethod
+    def from_user(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """A SpeculativeConfig from a dict or a JSON object string (the CLI's), or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object / dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))  # type: ignore[attr-defined]
+        if unknown:
+            raise ConfigError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
+                              f"{', '.join(cls.__dataclass_fields__)}")  # type: ignore[attr-defined]
+        if "method" not in value:
+            raise ConfigError("speculative_config needs a 'method' (e.g. \"ngram\")")
+        return cls(**value)
+
+    def max_verify_tokens(self) -> int:
+        """Query tokens (running decodes x (1 + k)) up to which a step still speculates."""
+        if self.disable_by_batch_size is not None:
+            return self.disable_by_batch_size * (1 + self.num_speculative_tokens)
+        return SPEC_MAX_VERIFY_TOKENS
+
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -182,10 +303,24 @@ class EngineConfig:
     grammar_compile_timeout: float | None = None
     # RUNNERS: "auto" picks from the checkpoint (LLMEngine resolves it before building the backend).
     runner: str = "auto"
+    # Most logprobs a request may ask for per position (DEFAULT_MAX_LOGPROBS; -1: no cap).
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    # Default temperature / top_p / top_k / min_p / repetition_penalty / max_tokens of requests that
+    # do not set them: "auto" (the model's generation_config.json), "vllm" (none) or a folder holding one.
+    generation_config: str = DEFAULT_GENERATION_CONFIG
+    # Speculative decoding (SpeculativeConfig: a dict, a JSON string or the object); None: off.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ConfigError(f"unknown runner {self.runner!r}; expected one of {', '.join(RUNNERS)}")
+        self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
+        if self.speculative_config is not None and self.backend != "torch":
+            raise ConfigError(f"speculative_config is not supported by the {self.backend} backend")
+        if (self.speculative_config is not None and self.speculative_config.method == "draft_model"
+                and self.tensor_parallel_size > 1):
+            raise ConfigError("speculative_config: method 'draft_model' with tensor_parallel_size > 1 is not "
+                              "supported yet")
         if self.kv_cache_space is None:
             # (vLLM's CPU name, for setups written for it; armserve's own wins)
             var = next((v for v in ("ARMSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE") if os.environ.get(v)), None)
@@ -218,6 +353,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1, got {value}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise ConfigError(f"max_logprobs must be -1 (no cap) or an integer >= 0, got {self.max_logprobs!r}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
+                              f"got {self.generation_config!r}")
         resolve_dtype(self.dtype)  # fail early on an unknown dtype
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; expected {' or '.join(BACKENDS)}")

@@ -27,6 +27,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run every step module by module (no replayed decode step graphs)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file or string")
+    p.add_argument("--tokenizer", default=None,
+                   help="the tokenizer's HF folder (or a GGUF / tokenizer.json file) when the model's own is missing "
+                        "or unusable (e.g. a GGUF whose header has none); default: the model's")
+    p.add_argument("--max-logprobs", type=int, default=UNSET,
+                   help="most logprobs a request may ask for per token (logprobs, prompt_logprobs, top_logprobs; "
+                        "more is a 400); -1: no cap (default: 20)")
+    p.add_argument("--generation-config", default=UNSET,
+                   help="default sampling parameters of requests that do not set them (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty, max_tokens): auto (the model's generation_config.json, the "
+                        "default), vllm (none: the API's defaults) or a folder holding a generation_config.json")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=UNSET,
                    help="split the model over this many ranks, each a process on its own cores (one "
                         "'|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly)")
@@ -45,11 +55,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=None,
                    help="none: dequantize a quantized checkpoint; int8/int4: weight compression when the "
                         "openvino backend exports the model (default: as the checkpoint is)")
+    p.add_argument("--speculative-config", default=UNSET, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys as a JSON object, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/speculative_decoding.md)')
 
 
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
                 "enable_prefix_caching", "kv_cache_space", "kv_cache_dtype", "seed", "enforce_eager", "chat_template",
-                "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout", "runner")
+                "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout", "runner", "tokenizer",
+                "max_logprobs", "generation_config", "speculative_config")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -6,6 +6,7 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
+from armserve import model_loader
 from armserve.prompts import encode_pair, render_chat, score_pairs
 from armserve.config import TASK_RUNNERS, EngineConfig, check_engine_args
 from armserve.engine.input_processor import PromptType
@@ -47,6 +48,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters `generate` and `chat` use when given none: the model's
+        generation_config.json values (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_tokens) over SamplingParams' own, unless `generation_config="vllm"`."""
+        cfg = self.llm_engine.config
+        return SamplingParams(**model_loader.generation_defaults(cfg.model, cfg.generation_config))
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -64,7 +72,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params or SamplingParams()] * len(prompts)
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):

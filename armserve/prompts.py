@@ -19,6 +19,10 @@ class PromptError(ValueError):
     """A prompt or message cannot be tokenized; the message names it (e.g. `messages[2].role`)."""
 
 
+class NoFIMError(PromptError):
+    """A fill-in-the-middle prompt (a completion's `suffix`) for a model without FIM tokens."""
+
+
 class PromptTooLongError(PromptError):
     """A prompt has more than `limit` tokens: at least `num_tokens` (it was not tokenized whole)."""
 
@@ -65,6 +69,35 @@ def encode_text(tokenizer, text: str, where: str = "prompt", add_special_tokens:
     """Token ids of a text prompt; a PromptError naming `where` if it is not valid Unicode, a
     PromptTooLongError if it has more than `max_tokens` tokens (found without tokenizing it all)."""
     return _encode(tokenizer, check_text(text, where), add_special_tokens, max_tokens)
+
+
+# Fill-in-the-middle markers in prefix-suffix-middle order: Qwen2.5-Coder's, then StarCoder's (the
+# same layout). A model has FIM when all three of a set are tokens of its vocabulary.
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+
+
+def fim_token_ids(tokenizer) -> tuple[int, int, int] | None:
+    """(prefix, suffix, middle) token ids of the model's fill-in-the-middle markers, or None."""
+    for names in FIM_TOKENS:
+        ids = [tokenizer.convert_tokens_to_ids(n) for n in names]
+        # (an unknown token maps to the unk id, or None: it must map back to its own name)
+        if all(i is not None and tokenizer.convert_ids_to_tokens(i) == n for i, n in zip(ids, names)):
+            return ids[0], ids[1], ids[2]
+    return None
+
+
+def fim_prompt(tokenizer, prefix: str | list[int], suffix: str, max_tokens: int | None = None) -> list[int]:
+    """The token ids of a fill-in-the-middle prompt, `<prefix marker> prefix <suffix marker> suffix
+    <middle marker>` (the model then writes the middle); `prefix` as text or token ids. A
+    PromptError if the model has no FIM markers (fim_token_ids)."""
+    markers = fim_token_ids(tokenizer)
+    if markers is None:
+        raise NoFIMError("suffix needs a model with fill-in-the-middle tokens (" +
+                          " / ".join(", ".join(names) for names in FIM_TOKENS) + "); this model has none")
+    pre, suf, mid = markers
+    head = list(prefix) if isinstance(prefix, list) else encode_text(tokenizer, prefix, "prompt", False, max_tokens)
+    tail = encode_text(tokenizer, suffix, "suffix", False, max_tokens)
+    return [pre, *head, suf, *tail, mid]
 
 
 def prompt_to_ids(tokenizer, prompt: Any) -> tuple[str | None, list[int]]:

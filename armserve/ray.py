@@ -57,6 +57,7 @@ class ArmserveDeployment:
         metrics = PrometheusMetrics(name, engine_args.get("data_parallel_size", 1))
         self.engine = AsyncLLM(EngineConfig(model=path, served_model_name=name, **engine_args),
                                log_stats=False, stat_loggers=[metrics])
+        metrics.set_cache_config(self.engine)
         # _SERVER_ARGS are build_app's own names; no access log unless asked for
         self._openai_app = build_app(self.engine, [name], metrics, **{"access_log": False, **server_args})
 

@@ -7,9 +7,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 
-MAX_LOGPROBS = 20  # as vLLM: more alternatives per position cost a full sort each
-
-
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message names the field."""
 
@@ -145,8 +142,6 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 bad(name, "must be an integer >= 0")
-            if value is not None and value > MAX_LOGPROBS:
-                bad(name, f"must be <= {MAX_LOGPROBS}")
         if self.stop and not self.detokenize:
             bad("stop", "needs detokenize=True (stop strings are matched on text)")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 
@@ -24,9 +26,12 @@ class ServerProcess:
     """`armserve serve MODEL ...` on 127.0.0.1; `.url`, `.base_url` (/v1) and `.log()`."""
 
     def __init__(self, model: str, args: list[str], log_path: str, env: dict[str, str] | None = None,
-                 startup_timeout: float = 180.0) -> None:
+                 startup_timeout: float = 180.0, https_ca: str | None = None) -> None:
+        """`https_ca`: the server serves HTTPS (--ssl-*), with a certificate this CA file vouches for."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        # (an SSLContext: httpx takes no CA path)
+        self.verify: Any = ssl.create_default_context(cafile=https_ca) if https_ca else True
+        self.url = f"{'https' if https_ca else 'http'}://127.0.0.1:{self.port}"
         self.base_url = f"{self.url}/v1"
         self.log_path = log_path
         full_env = dict(os.environ)
@@ -43,7 +48,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2, verify=self.verify).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -59,7 +64,7 @@ class ServerProcess:
     def metrics(self, per_engine: bool = False) -> dict[str, float]:
         """Prometheus samples of the `armserve:` and `vllm:` metrics, keyed by name plus sorted labels;
         summed over data-parallel engines unless `per_engine` (then `engine` is a key label too)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        text = httpx.get(f"{self.url}/metrics", timeout=10, verify=self.verify).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if not line.startswith(("armserve:", "vllm:")):

@@ -329,6 +329,9 @@ def test_api_key(auth_server):
     r = httpx.post(f"{auth_server.base_url}/completions", json={"model": "tiny", "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.post(f"{auth_server.url}/tokenize", json={"prompt": "hi"}).status_code == 401
+    # vLLM's pooling and scoring routes outside /v1/ need the key as well.
+    for path in ("/pooling", "/score", "/rerank", "/v2/rerank"):
+        assert httpx.post(f"{auth_server.url}{path}", json={"input": "hi"}).status_code == 401, path
     # Probes and scraping need no key.
     assert httpx.get(f"{auth_server.url}/health").status_code == 200
     assert httpx.get(f"{auth_server.url}/metrics").status_code == 200

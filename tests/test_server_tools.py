@@ -295,7 +295,6 @@ def test_responses_streaming_events(client):
 
 
 @pytest.mark.parametrize("body,message", [
-    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id is not supported"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "function tools only"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "'wizard' is not a chat role"),
     ({"input": "x", "tools": [FLAT_WEATHER], "tool_choice": {"type": "function", "name": "nope"}},

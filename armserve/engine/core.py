@@ -199,7 +199,9 @@ class EngineCore:
             # The frontend holds the prompt: a 4k-token prompt is not re-sent with every token.
             out.prompt = None
             out.prompt_token_ids = None  # type: ignore[assignment]
-        self.emit(("outputs", outputs, self.snapshot(), self.engine.output_processor.take_stats()))
+        stats = self.engine.output_processor.take_stats()
+        stats.step = True
+        self.emit(("outputs", outputs, self.snapshot(), stats))
 
     def snapshot(self) -> SchedulerStats:
         """The engine's state now (call from the loop's thread, or before `run`)."""

@@ -39,6 +39,18 @@ class PromptTokensError(RequestError):
     """The prompt has no token, or one outside the vocabulary."""
 
 
+class LogprobsLimitError(RequestError):
+    """A request asks for more logprobs per position than `max_logprobs` (--max-logprobs)."""
+
+    def __init__(self, field: str, asked: int, limit: int) -> None:
+        super().__init__(self.message(field, asked, limit))
+        self.field, self.asked, self.limit = field, asked, limit
+
+    @staticmethod
+    def message(field: str, asked: int, limit: int) -> str:
+        return f"{field} {asked} is more than this server returns per token: at most {limit} (max_logprobs, --max-logprobs)"
+
+
 class ContextLengthError(RequestError):
     """The prompt leaves no room to generate within `max_model_len`, or with `max_tokens` (not
     None) asks for more than it; `max_tokens` 0: an input to pool is longer than max_model_len."""
@@ -95,6 +107,7 @@ class InputProcessor:
     eos_token_ids: set[int]
     num_kv_blocks: int
     block_size: int
+    max_logprobs: int = -1  # most logprobs per position a request may ask for; -1: no cap
     # An embedding model's pooling (the pooling runner's engine), else None: the engine generates.
     pooler: PoolerConfig | None = None
 
@@ -169,6 +182,11 @@ class InputProcessor:
         whole cache for its `n` sequences (each holds its own blocks) at the longest they may grow."""
         if not ids:
             raise PromptTokensError("the prompt is empty")
+        if self.max_logprobs >= 0:
+            for name in ("logprobs", "prompt_logprobs"):
+                asked = getattr(params, name)
+                if asked is not None and asked > self.max_logprobs:
+                    raise LogprobsLimitError(name, asked, self.max_logprobs)
         vocab = self.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

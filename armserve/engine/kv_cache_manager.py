@@ -134,7 +134,8 @@ class KVCacheManager:
         for _ in range(max(num_new_blocks, 0)):
             held.append(self._pop_free_block())
         if self.enable_caching:
-            self._cache_full_blocks(req, held, total_tokens)
+            # NOTE: only blocks of known tokens: draft tokens (speculative decoding) may be rejected.
+            self._cache_full_blocks(req, held, min(total_tokens, req.num_tokens))
         return True
 
     def _touch(self, block_id: int) -> None:
@@ -185,6 +186,21 @@ class KVCacheManager:
                     self.free_queue.move_to_end(block_id, last=False)
                 else:
                     self.free_queue[block_id] = None
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free a request's blocks past its first `num_tokens` tokens (the slots of rejected draft
+        tokens; never hashed, since only known tokens' blocks are)."""
+        held = self.req_blocks.get(request_id)
+        if not held:
+            return
+        keep = self.blocks_needed(num_tokens)
+        while len(held) > keep:
+            block_id = held.pop()
+            block = self.blocks[block_id]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+                self.free_queue.move_to_end(block_id, last=False)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their contents)."""

@@ -13,7 +13,7 @@ import itertools
 import time
 from typing import Any, Sequence
 
-from armserve.config import EngineConfig
+from armserve.config import ConfigError, EngineConfig
 from armserve.engine.backend import EngineBackend
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType, RequestError
 from armserve.engine.output_processor import OUTPUT_KINDS, OutputProcessor
@@ -29,6 +29,8 @@ def create_backend(config: EngineConfig) -> EngineBackend:
 
     config.runner = resolve_runner(config)
     if config.runner == "pooling":
+        if config.speculative_config is not None:
+            raise ConfigError("speculative_config applies to text generation, not to a pooling model")
         return PoolingBackend(config)
     if config.backend == "openvino":
         from armserve.engine.openvino_backend import OpenVINOBackend
@@ -55,7 +57,7 @@ class LLMEngine:
         self.structured = backend.structured
         self.input_processor = InputProcessor(
             self.tokenizer, self.max_model_len, min(backend.vocab_size, len(self.tokenizer)), backend.eos_token_ids,
-            backend.num_kv_blocks, backend.kv_block_size, getattr(backend, "pooler", None))
+            backend.num_kv_blocks, backend.kv_block_size, config.max_logprobs, getattr(backend, "pooler", None))
         # (log_stats: the engine core takes each step's IterationStats from it)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self._ids = itertools.count()

@@ -20,6 +20,7 @@ from armserve.engine.sampler import (
     compute_logprobs_tensors,
 )
 from armserve import kernels
+from armserve.engine.rejection_sampler import rejection_sample
 from armserve.engine.scheduler import SchedulerOutput
 from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs, graph_batch
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
@@ -136,8 +137,12 @@ def tp_step_inputs(input_ids: torch.Tensor, positions: torch.Tensor, md, logit_r
 @dataclass
 class ModelRunnerOutput:
     sampled: list[int | None]  # one per scheduled request; None for a mid-prompt chunk
-    logprobs: list[tuple[list[int], list[float], int] | None]  # (token ids, logprobs, rank) per request
+    # (token ids, logprobs, rank) per request; a list of them, one per emitted token, for a request
+    # that verified drafts
+    logprobs: list[Any]
     prompt_logprobs: dict[str, LogprobsTensors]  # request id -> this chunk's prompt logprobs
+    # scheduled index -> its accepted draft tokens (speculative decoding), which come before `sampled`
+    accepted: dict[int, list[int]] | None = None
 
 
 class ModelRunner:
@@ -248,6 +253,8 @@ class ModelRunner:
             end = start + s.num_new_tokens
             q_start = len(ids)
             ids.extend(req.all_token_ids[start:end])
+            if s.spec_token_ids:
+                ids.extend(s.spec_token_ids)  # (past the known tokens: drafts, verified this step)
             pos.extend(range(start, end))
             blocks = s.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
@@ -344,20 +351,24 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         sched = out.scheduled
         sample_idx = [i for i, s in enumerate(sched) if s.samples]
+        # requests verifying drafts (speculative decoding) apart: they sample k + 1 rows each
+        spec_idx = [i for i in sample_idx if sched[i].spec_token_ids]
+        plain_idx = [i for i in sample_idx if not sched[i].spec_token_ids] if spec_idx else sample_idx
         # Structured outputs: the constrained rows' bitmask is filled while the model runs.
-        grammar_rows = [j for j, i in enumerate(sample_idx) if sched[i].request.grammar is not None]
+        grammar_rows = [j for j, i in enumerate(plain_idx) if sched[i].request.grammar is not None]
         bitmask_job = None
         if grammar_rows:
             assert self.structured is not None, "a constrained request reached a runner without a manager"
             bitmask_job = self.structured.fill_bitmask_async(
-                [sched[sample_idx[j]].request.grammar for j in grammar_rows])
+                [sched[plain_idx[j]].request.grammar for j in grammar_rows])
         graph_logits = self._graph_logits(out)
         row_end: list[int] | None = None  # (a graph step has no prompt logprobs)
         if graph_logits is None:
             input_ids, positions, md, row_end, order = self._prepare(out)
             if self.tp_workers is not None:
                 # the rows compute_logits will see, in the order it will see them (below)
-                logit_rows = [[row_end[i] for i in sample_idx]] + [
+                logit_rows = [[row_end[i] for i in plain_idx] + [
+                    r for i in spec_idx for r in range(row_end[i] - len(sched[i].spec_token_ids), row_end[i] + 1)]] + [
                     list(range(lo, hi)) for *_, slices in self._prompt_logprob_chunks(sched, row_end)
                     for lo, hi in slices]
                 self.tp_workers.send_step(tp_step_inputs(input_ids, positions, md, logit_rows))
@@ -369,13 +380,39 @@ class ModelRunner:
 
         sampled: list[int | None] = [None] * len(sched)
         logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(sched)
-        if sample_idx:
+        accepted: dict[int, list[int]] | None = None
+        if spec_idx:
+            # One logits row per query token of a request with drafts (row j predicts the token
+            # after draft j-1), after the plain requests' rows, all in one compute_logits call.
+            rows = [row_end[i] for i in plain_idx]
+            for i in spec_idx:
+                k = len(sched[i].spec_token_ids)
+                rows.extend(range(row_end[i] - k, row_end[i] + 1))
+            all_logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long)))
+            spec_reqs = [sched[i].request for i in spec_idx]
+            verified = rejection_sample(all_logits[len(plain_idx):], spec_reqs,
+                                        [sched[i].spec_token_ids for i in spec_idx], self.vocab_size)
+            accepted = {}
+            base = len(plain_idx)
+            for i, (acc, token) in zip(spec_idx, verified):
+                accepted[i] = acc
+                sampled[i] = token
+                k = sched[i].request.params.logprobs
+                if k is not None:  # one (token ids, logprobs, rank) per emitted token, from its own row
+                    emitted = torch.tensor(acc + [token], dtype=torch.long)
+                    lpt = compute_logprobs_tensors(all_logits[base:base + len(emitted)], emitted, k)
+                    logprobs[i] = list(zip(lpt.token_ids.tolist(), lpt.logprobs.tolist(),  # type: ignore[call-overload]
+                                           lpt.ranks.tolist()))
+                base += len(sched[i].spec_token_ids) + 1
+            logits = all_logits[:len(plain_idx)]
+        elif plain_idx:
             if graph_logits is not None:
                 logits = graph_logits  # every request samples, rows in schedule order
             else:
-                rows = torch.tensor([row_end[i] for i in sample_idx], dtype=torch.long)
-                logits = self.model.compute_logits(hidden.index_select(0, rows))
-            reqs = [sched[i].request for i in sample_idx]
+                rows_t = torch.tensor([row_end[i] for i in plain_idx], dtype=torch.long)
+                logits = self.model.compute_logits(hidden.index_select(0, rows_t))
+        if plain_idx:
+            reqs = [sched[i].request for i in plain_idx]
             batch = build_sampling_batch(
                 [r.params for r in reqs],
                 [r.prompt_token_ids for r in reqs],
@@ -391,7 +428,7 @@ class ModelRunner:
             lp = so.logprobs
             if lp is not None:
                 lp_ids, lp_vals, lp_ranks = lp.token_ids.tolist(), lp.logprobs.tolist(), lp.ranks.tolist()
-            for j, i in enumerate(sample_idx):
+            for j, i in enumerate(plain_idx):
                 sampled[i] = tokens[j]
                 k = reqs[j].params.logprobs
                 if lp is not None and k is not None:
@@ -410,7 +447,7 @@ class ModelRunner:
                 torch.cat([x.logprobs for x in parts]),
                 torch.cat([x.ranks for x in parts]),
             )
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, accepted)
 
     @staticmethod
     def _prompt_logprob_chunks(sched, row_end: list[int] | None):

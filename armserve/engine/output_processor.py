@@ -151,6 +151,9 @@ class OutputProcessor:
                 r.metrics.first_token_time = now
                 if self.stats is not None:
                     self.stats.time_to_first_tokens.append(now - r.metrics.arrival_time)
+            elif i == 0 and self.stats is not None and r.metrics.last_token_time not in (None, now):
+                # (once per request and step: a second completion of it sees last_token_time == now)
+                self.stats.inter_token_latencies.append(now - r.metrics.last_token_time)  # type: ignore[operator]
             r.metrics.last_token_time = now
             if lps is not None and i < len(lps) and lps[i] is not None:
                 self._add_logprobs(c, lps[i])  # type: ignore[arg-type]
@@ -172,8 +175,12 @@ class OutputProcessor:
         if m.first_token_time and m.last_token_time and longest > 1:
             tpot = (m.last_token_time - m.first_token_time) / (longest - 1)
         queue_time = m.first_scheduled_time - m.arrival_time if m.first_scheduled_time else None
+        prefill = decode = None  # (vLLM's phases: first scheduled -> first token -> last token)
+        if m.first_token_time and m.first_scheduled_time:
+            prefill = m.first_token_time - m.first_scheduled_time
+            decode = (m.last_token_time or m.first_token_time) - m.first_token_time
         return FinishedRequestStats(reason, len(r.prompt_token_ids), sum(len(c.token_ids) for c in r.completions),
-                                    now - m.arrival_time, queue_time, tpot)
+                                    now - m.arrival_time, queue_time, tpot, prefill, decode)
 
     @staticmethod
     def _add_logprobs(c: _Completion, lp: TokenLogprobs) -> None:

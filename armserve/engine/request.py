@@ -39,7 +39,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "max_tokens", "status", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "arrival_time", "generator", "block_hashes", "num_preemptions", "prompt_logprobs_done",
-        "grammar",
+        "grammar", "spec",
     )
 
     def __init__(
@@ -73,6 +73,9 @@ class Request:
         # xgrammar GrammarMatcher of a structured-output request (set by the engine), else None.
         # It has accepted exactly output_token_ids.
         self.grammar = None
+        # Speculative decoding (engine/spec_decode.py): its SpecState, False where it may not
+        # speculate, None until the proposer first sees it.
+        self.spec = None
 
     @property
     def num_tokens(self) -> int:

@@ -89,7 +89,6 @@ def build_sampling_batch(
     `output_token_ids[i]` are the tokens generated so far by row i (used for penalties and
     min_tokens); `generators[i]` is the request's seeded generator or None.
     """
-    n = len(params)
     greedy = [p.greedy for p in params]
     temperature = torch.tensor(
         [0.0 if g else p.temperature for p, g in zip(params, greedy)], dtype=torch.float32
@@ -317,12 +316,33 @@ class Sampler:
         """Sample from `logits` [B, V] (not modified). Logprobs, when asked for, are the raw
         model log-softmax, before penalties, temperature and filtering (like vLLM)."""
         raw_logits = logits
-        # Work on a float32 copy: the caller's logits stay untouched (a plain greedy batch only
-        # reads them).
+        logits = self.adjusted_logits(logits, batch)
+        greedy_ids = None if batch.all_random else kernels.argmax(logits)
+        if batch.all_greedy:
+            assert greedy_ids is not None
+            sampled = greedy_ids
+        else:
+            probs = self.probs(logits, batch)
+            # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a sample from p,
+            # without a cumulative sum or a search.
+            random_ids = (probs / _exponential_noise(probs.shape, batch.generators)).argmax(dim=-1)
+            if greedy_ids is None:
+                sampled = random_ids
+            else:
+                sampled = torch.where(batch.temperature < _SAMPLING_EPS, greedy_ids, random_ids)
+
+        lp = None
+        if batch.max_num_logprobs is not None:
+            lp = compute_logprobs_tensors(raw_logits, sampled, batch.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=lp)
+
+    @staticmethod
+    def adjusted_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """float32 logits after the grammar mask, min_tokens and penalties: greedy rows take their
+        argmax. A copy unless a plain greedy batch, which only reads them."""
         plain_greedy = (batch.all_greedy and batch.no_penalties and not batch.min_tokens_mask
                         and batch.grammar_bitmask is None)
         logits = logits.to(torch.float32, copy=not plain_greedy)
-
         if batch.grammar_bitmask is not None:
             assert batch.grammar_rows is not None
             apply_grammar_bitmask(logits, batch.grammar_bitmask, batch.grammar_rows)
@@ -338,27 +358,14 @@ class Sampler:
                 batch.frequency_penalty,
                 batch.repetition_penalty,  # type: ignore[arg-type]
             )
+        return logits
 
-        greedy_ids = None if batch.all_random else kernels.argmax(logits)
-        if batch.all_greedy:
-            assert greedy_ids is not None
-            sampled = greedy_ids
-        else:
-            # Greedy rows of a mixed batch get temperature 1 here; their result is discarded.
-            temp = torch.where(batch.temperature < _SAMPLING_EPS, 1.0, batch.temperature)
-            logits.div_(temp.unsqueeze(1))
-            if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
-                logits = apply_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
-            probs = logits.softmax(dim=-1)
-            # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is a sample from p,
-            # without a cumulative sum or a search.
-            random_ids = (probs / _exponential_noise(probs.shape, batch.generators)).argmax(dim=-1)
-            if greedy_ids is None:
-                sampled = random_ids
-            else:
-                sampled = torch.where(batch.temperature < _SAMPLING_EPS, greedy_ids, random_ids)
-
-        lp = None
-        if batch.max_num_logprobs is not None:
-            lp = compute_logprobs_tensors(raw_logits, sampled, batch.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled.to(torch.int64), logprobs=lp)
+    @staticmethod
+    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The distribution random rows sample from: `adjusted_logits` (divided in place) over the
+        temperature, then top-k / top-p / min-p. Greedy rows get temperature 1 (discarded)."""
+        temp = torch.where(batch.temperature < _SAMPLING_EPS, 1.0, batch.temperature)
+        logits.div_(temp.unsqueeze(1))
+        if batch.top_k is not None or batch.top_p is not None or batch.min_p is not None:
+            logits = apply_top_k_top_p_min_p(logits, batch.top_k, batch.top_p, batch.min_p)
+        return logits.softmax(dim=-1)

@@ -8,6 +8,10 @@ preempted request is recomputed by the same rule.
 
 A pooling engine (engine/pooling_backend.py) schedules with `chunked_prefill=False`: a request
 runs whole in one step or waits for a step with room for it (an encoder sees every token at once).
+
+With speculative decoding (engine/spec_decode.py) a decoding request may carry k draft tokens:
+it is scheduled as 1 + k query tokens (from the same budget, with KV slots for all of them), and
+`update_from_output` keeps the KV of the accepted ones only (engine/rejection_sampler.py).
 """
 
 from __future__ import annotations
@@ -17,19 +21,22 @@ from dataclasses import dataclass, field
 
 from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.request import Request, RequestStatus
+from armserve.engine.spec_decode import NgramProposer
+from armserve.engine.stats import SpecDecodingStats
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # including the drafts
     block_ids: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts after the last known token
 
     @property
     def samples(self) -> bool:
         """True when this step computes the request's last known token, so it yields a new one."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
 
 
 @dataclass(slots=True)
@@ -51,9 +58,12 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         chunked_prefill: bool = True,
+        proposer: NgramProposer | None = None,  # or engine/draft_proposer.py's DraftModelProposer
     ) -> None:
         self.kv = kv
         self.chunked_prefill = chunked_prefill
+        self.proposer = proposer
+        self.spec_stats = SpecDecodingStats.empty(proposer.k) if proposer is not None else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -102,12 +112,32 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         kv = self.kv
 
+        proposer = self.proposer
+        if proposer is not None and len(self.running) * (1 + proposer.k) > proposer.config.max_verify_tokens():
+            proposer = None  # a batch this large: verifying drafts costs more than it saves
+        if proposer is not None:
+            proposer.step += 1
+        batched = proposer is not None and getattr(proposer, "batched", False)
+        pending: list[tuple[ScheduledRequest, int]] = []  # (a draft model's requests, tokens to draft)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts: list[int] = []
+            reserve = 0  # slots for a draft model's tokens, drafted once every slot is allocated
+            if proposer is not None and n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
+                # never draft past max_tokens or max_model_len, nor past the budget
+                limit = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
+                            budget - 1)
+                if batched:
+                    reserve = proposer.draft_length(req, limit)  # type: ignore[union-attr]
+                else:
+                    drafts = proposer.propose(req, limit)
             scheduled = True
-            while not kv.allocate_slots(req, n):
+            while not kv.allocate_slots(req, n + len(drafts) + reserve):
+                if drafts or reserve:
+                    drafts, reserve = [], 0  # drafts are never worth a preemption
+                    continue
                 # Out of blocks: preempt the newest running request and retry.
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -117,9 +147,24 @@ class Scheduler:
                     break
             if not scheduled:
                 break
-            out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req.request_id)))
-            budget -= n
+            n += len(drafts)
+            sched = ScheduledRequest(req, n, kv.get_block_ids(req.request_id), drafts)
+            out.scheduled.append(sched)
+            if reserve:
+                pending.append((sched, reserve))
+            budget -= n + reserve
             i += 1
+        if pending:
+            # a preemption above may have taken a pending request's blocks
+            pending = [(s, r) for s, r in pending if s.request.status == RequestStatus.RUNNING]
+            found = proposer.propose_batch(  # type: ignore[union-attr]
+                [(s.request, r, s.block_ids) for s, r in pending])
+            for (s, r), d in zip(pending, found):
+                s.spec_token_ids = d
+                s.num_new_tokens += len(d)
+                budget += r - len(d)
+                if len(d) < r:
+                    kv.trim(s.request.request_id, s.request.num_tokens + len(d))
 
         # NOTE: after a preemption memory is tight: admitting new work would only thrash.
         if not out.preempted:
@@ -153,34 +198,72 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: list[int | None]
-    ) -> list[Request]:
+        self, out: SchedulerOutput, sampled: list[int | None], accepted: dict[int, list[int]] | None = None
+    ) -> list[list[int] | None]:
         """Advance computed counts, append sampled tokens and finish requests that hit a
-        stop token, `max_tokens` or `max_model_len`. Returns the requests that got a token.
+        stop token, `max_tokens` or `max_model_len`. `accepted[i]`: the drafts of scheduled
+        request i that were accepted (its tokens this step are those, then `sampled[i]`).
+        Returns each scheduled request's new tokens (None: a prefill chunk), cut after the
+        token that finished it.
 
         This loop runs once per step for every scheduled request: keep it lean.
         """
-        got_token: list[Request] = []
-        for sched, token in zip(out.scheduled, sampled):
+        new_tokens: list[list[int] | None] = []
+        for idx, (sched, token) in enumerate(zip(out.scheduled, sampled)):
             req = sched.request
-            req.num_computed_tokens += sched.num_new_tokens
             if token is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            req.append_output_token(token)
-            got_token.append(req)
-            params = req.params
-            status = None
-            if req.grammar is not None and not req.grammar.accept_token(token):
-                # Cannot happen with the mask applied, short of every allowed token being -inf/NaN.
-                status = RequestStatus.FINISHED_STOPPED
-            elif req.grammar is not None and req.grammar.is_terminated():
-                status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (it took a stop token)
-                req.stop_reason = None
-            elif token in params.all_stop_token_ids and req.num_output_tokens >= params.min_tokens:
-                status = RequestStatus.FINISHED_STOPPED
-                req.stop_reason = token if token in params.stop_token_ids else None
-            elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-                status = RequestStatus.FINISHED_LENGTH
-            if status is not None:
-                self.finish_request(req.request_id, status)
-        return got_token
+                req.num_computed_tokens += sched.num_new_tokens
+                new_tokens.append(None)  # a prefill chunk that did not reach the end of the prompt
+                continue
+            if not sched.spec_token_ids:
+                req.num_computed_tokens += sched.num_new_tokens
+                new_tokens.append([token])
+                self._append(req, token)
+                continue
+            # A verified run: keep the KV of the last known token and of the accepted drafts only.
+            acc = accepted[idx] if accepted else []
+            num_drafts = len(sched.spec_token_ids)
+            req.num_computed_tokens += sched.num_new_tokens - num_drafts + len(acc)
+            self._record_spec(req, num_drafts, len(acc))
+            toks = acc + [token]
+            for j, t in enumerate(toks):
+                if self._append(req, t):
+                    toks = toks[: j + 1]  # never past a stop token or the length limit
+                    break
+            else:
+                self.kv.trim(req.request_id, req.num_tokens)  # the rejected drafts' blocks
+            new_tokens.append(toks)
+        return new_tokens
+
+    def _append(self, req: Request, token: int) -> bool:
+        """Append one token; finish the request (True) on a stop token, its grammar's end,
+        `max_tokens` or `max_model_len`."""
+        req.append_output_token(token)
+        params = req.params
+        status = None
+        if req.grammar is not None and not req.grammar.accept_token(token):
+            # Cannot happen with the mask applied, short of every allowed token being -inf/NaN.
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.grammar is not None and req.grammar.is_terminated():
+            status = RequestStatus.FINISHED_STOPPED  # the grammar is complete (it took a stop token)
+            req.stop_reason = None
+        elif token in params.all_stop_token_ids and req.num_output_tokens >= params.min_tokens:
+            status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token if token in params.stop_token_ids else None
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        if status is None:
+            return False
+        self.finish_request(req.request_id, status)
+        return True
+
+    def _record_spec(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        st = self.spec_stats
+        st.num_drafts += 1  # type: ignore[union-attr]
+        st.num_draft_tokens += num_drafts  # type: ignore[union-attr]
+        st.num_accepted_tokens += num_accepted  # type: ignore[union-attr]
+        per_pos = st.num_accepted_tokens_per_pos  # type: ignore[union-attr]
+        for j in range(num_accepted):
+            per_pos[j] += 1
+        proposer = self.proposer
+        req.spec.update(num_drafts, num_accepted, proposer.k, proposer.step)  # type: ignore[union-attr]

@@ -21,6 +21,8 @@ from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, kv_cache_num_blocks
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
+from armserve.engine.draft_proposer import DraftModelProposer, load_draft_model
+from armserve.engine.spec_decode import NgramProposer
 from armserve.engine.stats import SchedulerStats
 from armserve.engine.structured_output import StructuredOutputManager
 from armserve.layers.linear import ParallelContext
@@ -73,17 +75,34 @@ class TorchBackend:
                 self.tp_workers.close()
             raise
 
-        # (under tensor parallelism each rank caches only its share of the KV heads)
+        spec = config.speculative_config
+        draft = draft_config = None
+        if spec is not None and spec.method == "draft_model":  # type: ignore[union-attr]
+            draft, draft_config = load_draft_model(spec, hf, self.dtype)  # type: ignore[arg-type]
+        # (under tensor parallelism each rank caches only its share of the KV heads; a draft model's
+        # cache shares the space, block for block)
         num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,
                                          config.tensor_parallel_size)
+        if draft_config is not None:
+            per_token = (kv_cache_bytes_per_token(hf, self.kv_cache_dtype)
+                         + kv_cache_bytes_per_token(draft_config, self.kv_cache_dtype))
+            num_blocks = int(config.kv_cache_space * (1 << 30)) // (config.block_size * per_token)
         if num_blocks < 1:
             raise ConfigError(
                 f"kv_cache_space {config.kv_cache_space} GiB holds no block of {config.block_size} tokens "
                 "for this model; raise it"
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        proposer = None
+        if draft is not None:
+            proposer = DraftModelProposer(spec, ModelRunner(  # type: ignore[arg-type]
+                draft, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype, self.max_model_len,
+                config.enforce_eager))
+        elif spec is not None:
+            proposer = NgramProposer(spec)  # type: ignore[arg-type]
         self.scheduler = Scheduler(
-            self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len  # type: ignore[arg-type]
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,  # type: ignore[arg-type]
+            proposer=proposer,
         )
         if self.tp_workers is not None:
             try:
@@ -126,6 +145,8 @@ class TorchBackend:
         saved = (kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions)
         run_dummy_request(self, min(self.config.max_num_batched_tokens, self.max_model_len - 2))  # type: ignore
         kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions = saved
+        if self.scheduler.spec_stats is not None:
+            self.scheduler.spec_stats = type(self.scheduler.spec_stats).empty(self.scheduler.proposer.k)
         kv.reset_prefix_cache()
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -183,20 +204,22 @@ class TorchBackend:
         )
 
         result = self.runner.execute(sched)
-        self.scheduler.update_from_output(sched, result.sampled)
+        new_tokens = self.scheduler.update_from_output(sched, result.sampled, result.accepted)
         prompt_lp = result.prompt_logprobs
         for child, lpt in prompt_lp.items():
             out.prompt_logprobs[seq_of[child][0]] = (lpt.token_ids.tolist(), lpt.logprobs.tolist(), lpt.ranks.tolist())
         ended = []
         # This loop runs once per step for every scheduled sequence: keep it lean.
-        for s, token, lp in zip(sched.scheduled, result.sampled, result.logprobs):
+        for s, tokens, lp in zip(sched.scheduled, new_tokens, result.logprobs):
             req = s.request
             rid, index = seq_of[req.request_id]
-            if token is None:
+            if tokens is None:
                 if prompt_lp:  # (an output goes out with the new prompt logprobs)
                     out.sequences.append(SequenceOutput(rid, index, []))
                 continue
-            seq = SequenceOutput(rid, index, [token], None if lp is None else [lp])
+            if lp is not None:
+                lp = lp[:len(tokens)] if isinstance(lp, list) else [lp]  # (a verified run's: one per token)
+            seq = SequenceOutput(rid, index, tokens, lp)
             if req.is_finished:
                 seq.finish_reason, seq.stop_reason = req.status.value, req.stop_reason  # type: ignore[assignment]
                 ended.append(rid)
@@ -218,4 +241,5 @@ class TorchBackend:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decoding=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
         )

@@ -1,7 +1,9 @@
 """The OpenAI-compatible FastAPI app (`build_app`): error handlers and routes.
 
-Routes: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /version, /tokenize,
-/detokenize, /metrics. Each endpoint's logic lives in its serving_*.py; what happens before a route
+Routes: /v1/chat/completions, /v1/completions, /v1/responses (and GET / DELETE /v1/responses/{id}),
+/v1/messages and /v1/messages/count_tokens (Anthropic's API; their errors in its shape), /v1/embeddings,
+/pooling, /score, /v1/score, /rerank, /v1/rerank, /v2/rerank, /v1/models, /health, /ping, /load, /version,
+/tokenize, /detokenize, /metrics. Each endpoint's logic lives in its serving_*.py; what happens before a route
 (API key, body limits, drain) in middleware.py; the server process (`armserve serve`) in server_process.py.
 """
 
@@ -22,6 +24,7 @@ import armserve
 from armserve.prompts import encode_text
 from armserve.engine.async_llm import AsyncLLM
 from armserve.engine.exceptions import EngineOverloadedError, RequestFailedError
+from armserve.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
 from armserve.entrypoints.metrics import CONTENT_TYPE_LATEST, PrometheusMetrics
 from armserve.entrypoints.middleware import BodyRefused, ServerLimits, ServerMiddleware
 from armserve.entrypoints.protocol import (
@@ -35,11 +38,13 @@ from armserve.entrypoints.protocol import (
     ResponsesRequest,
     TokenizeRequest,
 )
+from armserve.entrypoints.response_store import ResponseStore
 from armserve.entrypoints.serving import OpenAIServing
 from armserve.entrypoints.serving_chat import OpenAIServingChat
 from armserve.entrypoints.serving_completion import OpenAIServingCompletion
 from armserve.entrypoints.serving_embedding import OpenAIServingEmbedding
 from armserve.entrypoints.serving_score import OpenAIServingScore
+from armserve.entrypoints.serving_messages import AnthropicServingMessages
 from armserve.entrypoints.serving_responses import OpenAIServingResponses
 from armserve.sampling_params import SamplingParams
 
@@ -108,63 +113,74 @@ def build_app(
     allow_credentials: bool = False,
     allowed_methods: list[str] | None = None,
     allowed_headers: list[str] | None = None,
+    root_path: str = "",
+    log_requests: bool = False,
+    responses_store: str | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; the engine is shut down with the app.
 
     CORS takes vLLM's flags; by default any origin may call it without credentials (no cookies or
     auth headers sent by a browser on the user's behalf), and a wildcard origin is never echoed
-    back together with `access-control-allow-credentials`."""
+    back together with `access-control-allow-credentials`. `root_path`: the path prefix of a proxy in
+    front (vLLM's --root-path); `log_requests`: one log line per engine request (--enable-log-requests).
+    Stored Responses live in memory, or in the SQLite file `responses_store`."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         engine.shutdown()
+        store.close()
 
     app = FastAPI(title="armserve", version=armserve.__version__, lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None)
+                  docs_url="/docs", redoc_url=None, root_path=root_path)
     serving = OpenAIServing(engine, served_model_names, reasoning_parser, tool_call_parser, enable_auto_tool_choice,
-                            request_timeout)
+                            request_timeout, log_requests)
     app.state.serving = serving
     chat_serving = OpenAIServingChat(serving)
     completion_serving = OpenAIServingCompletion(serving)
-    responses_serving = OpenAIServingResponses(serving)
+    store = ResponseStore(responses_store)
+    responses_serving = OpenAIServingResponses(serving, store)
+    messages_serving = AnthropicServingMessages(serving)
     embedding_serving = OpenAIServingEmbedding(serving)
     score_serving = OpenAIServingScore(serving)
     app.state.draining = False
+    app.state.server_load = 0  # generation requests in flight (the middleware counts them)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), e.status)
+    async def _api_error(req: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(req.url.path, e), e.status)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(req: Request, e: RequestValidationError) -> JSONResponse:
         msg, param = _validation_message(e)
-        return JSONResponse(APIError(msg, 400, param).body(), 400)
+        return JSONResponse(error_body(req.url.path, APIError(msg, 400, param)), 400)
 
     @app.exception_handler(RequestFailedError)
-    async def _request_failed(_: Request, e: RequestFailedError) -> JSONResponse:
+    async def _request_failed(req: Request, e: RequestFailedError) -> JSONResponse:
         # 503 engine dead, 429 overloaded (with Retry-After), 504 past the request's deadline
         headers = None
         if isinstance(e, EngineOverloadedError):
             metrics.record_rejection("overloaded")
             headers = {"Retry-After": str(e.retry_after)}
-        return JSONResponse(APIError(str(e), e.status).body(), e.status, headers=headers)
+        return JSONResponse(error_body(req.url.path, APIError(str(e), e.status)), e.status, headers=headers)
 
     @app.exception_handler(ValueError)
-    async def _value_error(_: Request, e: ValueError) -> JSONResponse:
+    async def _value_error(req: Request, e: ValueError) -> JSONResponse:
         # Engine and sampling-parameter errors: the message names the problem.
-        return JSONResponse(APIError(str(e), 400, _value_error_param(str(e))).body(), 400)
+        return JSONResponse(error_body(req.url.path, APIError(str(e), 400, _value_error_param(str(e)))), 400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(req: Request, e: StarletteHTTPException) -> JSONResponse:
         if isinstance(e, BodyRefused):
             metrics.record_rejection(e.reason)
-        return JSONResponse(APIError(str(e.detail), e.status_code).body(), e.status_code, headers=e.headers)
+        return JSONResponse(error_body(req.url.path, APIError(str(e.detail), e.status_code)), e.status_code,
+                            headers=e.headers)
 
     @app.exception_handler(Exception)
-    async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+    async def _internal_error(req: Request, e: Exception) -> JSONResponse:
         logger.exception("internal error")
-        return JSONResponse(APIError(f"internal server error: {type(e).__name__}: {e}", 500).body(), 500)
+        return JSONResponse(error_body(req.url.path, APIError(f"internal server error: {type(e).__name__}: {e}", 500)),
+                            500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -174,6 +190,14 @@ def build_app(
             why = "it is restarting" if engine.restarting else engine.dead_error
             return JSONResponse(APIError(f"the engine is not running: {why}", 503).body(), 503)
         return Response(status_code=200)
+
+    # SageMaker's health check (vLLM's /ping): /health's answer, to GET and POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's server load: generation requests (/v1/... POSTs) being answered now, streams included."""
+        return {"server_load": app.state.server_load}
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -196,7 +220,8 @@ def build_app(
     # NOTE: the routes parse their bodies themselves (serving.parse: large ones off the event
     # loop); _with_body_schemas puts each body's schema in /openapi.json all the same.
     bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-              "/v1/responses": ResponsesRequest, "/tokenize": TokenizeRequest,
+              "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+              "/v1/messages/count_tokens": CountTokensRequest, "/tokenize": TokenizeRequest,
               "/v1/embeddings": EmbeddingRequest, "/pooling": EmbeddingRequest, "/score": ScoreRequest,
               "/v1/score": ScoreRequest, "/rerank": RerankRequest, "/v1/rerank": RerankRequest,
               "/v2/rerank": RerankRequest}
@@ -240,6 +265,23 @@ def build_app(
         serving.check_task(raw.url.path, "embed", "classify")
         return await score_serving.create_rerank(await serving.parse(raw, RerankRequest), raw)
 
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return await responses_serving.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return await responses_serving.delete(response_id)
+
+    @app.post("/v1/messages")
+    async def messages(raw: Request) -> Response:
+        serving.check_task("/v1/messages", "generate")
+        return await messages_serving.create_message(await serving.parse(raw, MessagesRequest), raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw: Request) -> dict[str, int]:
+        return await messages_serving.count_tokens(await serving.parse(raw, CountTokensRequest), raw)
+
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict[str, Any]:
         body = await serving.parse(raw, TokenizeRequest)
@@ -248,8 +290,10 @@ def build_app(
         def count(tok: Any) -> dict[str, Any]:  # (the whole prompt: /tokenize counts past max_model_len too)
             if body.messages is not None:
                 add_gen = body.add_generation_prompt and not body.continue_final_message
+                # (the tools as a chat request hands them to the template: serving.tool_setup)
+                tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
                 ids = serving.render_chat(body.messages, add_gen, body.continue_final_message, None,
-                                          body.chat_template_kwargs, tokenizer=tok, limit=False)
+                                          body.chat_template_kwargs, tools, tokenizer=tok, limit=False)
             else:
                 with serving.prompt_errors("prompt"):
                     ids = encode_text(tok, body.prompt, "prompt", body.add_special_tokens)

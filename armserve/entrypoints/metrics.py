@@ -26,13 +26,19 @@ from prometheus_client import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
-from armserve.engine.stats import IterationStats, SchedulerStats
+from armserve.engine.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                  0.75, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# vLLM's buckets for the series below (same bounds, so its dashboards' quantiles read the same)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+_REQUEST_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                          240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class _Twin:
@@ -62,6 +68,7 @@ class _EngineSeries:
     histograms: dict[str, Any]
     request_success: Any
     last: dict[str, int] = field(default_factory=dict)  # CUMULATIVE name -> total
+    last_spec: SpecDecodingStats | None = None
 
 
 class PrometheusMetrics:
@@ -84,6 +91,10 @@ class PrometheusMetrics:
         "num_preemptions": ("Requests preempted for lack of KV blocks.", True),
         "prompt_tokens": ("Prompt tokens prefilled.", True),
         "generation_tokens": ("Tokens generated.", True),
+        # speculative decoding (0 without it)
+        "spec_decode_num_drafts": ("Speculative decoding: draft runs verified.", True),
+        "spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.", True),
+        "spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted.", True),
     }
     CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # SchedulerStats' totals
     HISTOGRAMS = {  # every histogram has its vLLM twin
@@ -94,6 +105,13 @@ class PrometheusMetrics:
         "request_queue_time_seconds": ("Time waiting before first scheduled.", _LATENCY_BUCKETS),
         "request_prompt_tokens": ("Prompt length per request.", _TOKEN_BUCKETS),
         "request_generation_tokens": ("Generated tokens per request.", _TOKEN_BUCKETS),
+        "iteration_tokens_total": ("Tokens per engine step (prompt tokens computed plus tokens generated).",
+                                   _ITERATION_TOKEN_BUCKETS),
+        "inter_token_latency_seconds": ("Time between a request's consecutive tokens.", _ITL_BUCKETS),
+        "request_prefill_time_seconds": ("Time from a request's first scheduling to its first token (PREFILL phase).",
+                                         _REQUEST_PHASE_BUCKETS),
+        "request_decode_time_seconds": ("Time from a request's first token to its last (DECODE phase).",
+                                        _REQUEST_PHASE_BUCKETS),
     }
 
     REJECTION_REASONS = ("overloaded", "body_too_large", "body_timeout", "draining")
@@ -118,6 +136,9 @@ class PrometheusMetrics:
         self._request_success = family(Counter, "request_success",
                                        "Requests finished, by finish reason (stop, length, abort).", True,
                                        ("finished_reason",))
+        self._accepted_per_pos = family(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                        "Speculative decoding: draft tokens accepted, by draft position (0-based).",
+                                        True, ("position",))
         self._engines: dict[int, _EngineSeries] = {}
         for i in range(num_engines):  # export zeros, so a scrape sees every series from the start
             self._engine(i)
@@ -154,10 +175,16 @@ class PrometheusMetrics:
         for name in self.CUMULATIVE:  # the engine keeps totals; counters only take increments
             c[name].inc(getattr(s, name) - e.last.get(name, 0))
             e.last[name] = getattr(s, name)
+        if s.spec_decoding is not None:
+            self._record_spec(e, s.spec_decoding, engine)
         c["prompt_tokens"].inc(it.num_prompt_tokens)
         c["generation_tokens"].inc(it.num_generation_tokens)
+        if it.step:
+            h["iteration_tokens_total"].observe(it.num_prompt_tokens + it.num_generation_tokens)
         for t in it.time_to_first_tokens:
             h["time_to_first_token_seconds"].observe(t)
+        for t in it.inter_token_latencies:
+            h["inter_token_latency_seconds"].observe(t)
         for f in it.finished:
             e.request_success[f.finish_reason].inc()
             h["e2e_request_latency_seconds"].observe(f.e2e_latency)
@@ -167,6 +194,37 @@ class PrometheusMetrics:
                 h["request_queue_time_seconds"].observe(f.queue_time)
             if f.time_per_output_token is not None:
                 h["time_per_output_token_seconds"].observe(f.time_per_output_token)
+            if f.prefill_time is not None:
+                h["request_prefill_time_seconds"].observe(f.prefill_time)
+            if f.decode_time is not None:
+                h["request_decode_time_seconds"].observe(f.decode_time)
+
+    def set_cache_config(self, engine: Any) -> None:
+        """vLLM's `cache_config_info` of a started `AsyncLLM`: a gauge at 1 whose labels are its KV
+        cache's configuration, with vLLM's CacheConfig names (the CPU KV cache is what vLLM's CPU
+        backend counts in num_gpu_blocks), one series per engine."""
+        cfg, ip = engine.config, engine.input_processor
+        info = {"block_size": ip.block_size, "cache_dtype": cfg.kv_cache_dtype,
+                "enable_prefix_caching": cfg.enable_prefix_caching, "num_gpu_blocks": ip.num_kv_blocks,
+                "num_cpu_blocks": None, "cpu_kvcache_space_bytes": int(cfg.kv_cache_space * 2**30)}
+        names = sorted(info) + ["engine"]
+        for prefix in ("armserve", "vllm"):
+            g = Gauge(f"{prefix}:cache_config_info", "Information of the engine's KV cache configuration.", names,
+                      registry=self.registry)
+            for engine in self._engines:
+                g.labels(**{k: str(v) for k, v in info.items()}, engine=str(engine)).set(1)
+
+    def _record_spec(self, e: _EngineSeries, sd: SpecDecodingStats, engine: int) -> None:
+        last = e.last_spec or SpecDecodingStats.empty(len(sd.num_accepted_tokens_per_pos))
+        c = e.counters
+        c["spec_decode_num_drafts"].inc(sd.num_drafts - last.num_drafts)
+        c["spec_decode_num_draft_tokens"].inc(sd.num_draft_tokens - last.num_draft_tokens)
+        c["spec_decode_num_accepted_tokens"].inc(sd.num_accepted_tokens - last.num_accepted_tokens)
+        lab = {"model_name": self.model_name, "engine": str(engine)}
+        for j, v in enumerate(sd.num_accepted_tokens_per_pos):
+            before = last.num_accepted_tokens_per_pos[j] if j < len(last.num_accepted_tokens_per_pos) else 0
+            self._accepted_per_pos.labels(position=str(j), **lab).inc(v - before)
+        e.last_spec = sd.copy()
 
     def record_rejection(self, reason: str) -> None:
         self.rejected.labels(reason=reason).inc()

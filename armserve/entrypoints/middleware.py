@@ -15,6 +15,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from armserve.entrypoints.anthropic_protocol import error_body
 from armserve.entrypoints.metrics import PrometheusMetrics
 from armserve.entrypoints.protocol import APIError
 
@@ -23,9 +24,20 @@ access_logger = logging.getLogger("armserve.access")
 
 # Routes that need the API key when one is set. /health, /version and /metrics stay open so
 # load balancers and Prometheus need no secret (as in vLLM).
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models", "/health", "/version",
-                "/tokenize", "/detokenize", "/metrics"}
+_PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
+_KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+                "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
+                "/v1/models", "/health", "/version", "/tokenize", "/detokenize", "/metrics", "/ping", "/load"}
+
+
+def route_path(scope) -> str:
+    """The path the routes see: behind a proxy prefix (--root-path), a path under it loses it, as
+    Starlette's router strips it; so the API-key check and the metrics see the same route."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
 
 
 @dataclass
@@ -115,7 +127,7 @@ class ServerMiddleware:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        path: str = scope["path"]
+        path = route_path(scope)
         status = 500
         started = False
         done = False
@@ -155,12 +167,13 @@ class ServerMiddleware:
             return message
 
         async def refuse(status_code: int, err: APIError, headers: dict[str, str] | None = None) -> None:
-            await JSONResponse(err.body(), status_code, headers=headers)(scope, receive, send_wrapper)
+            await JSONResponse(error_body(path, err), status_code, headers=headers)(scope, receive, send_wrapper)
 
         try:
             if self.api_key and scope["method"] != "OPTIONS" and path.startswith(_PROTECTED_PREFIXES) \
                     and not self._authorized(scope):
-                await refuse(401, APIError("Invalid or missing API key: send 'Authorization: Bearer <key>'.", 401,
+                await refuse(401, APIError("Invalid or missing API key: send 'Authorization: Bearer <key>' (or "
+                                           "'x-api-key: <key>', as Anthropic's clients do).", 401,
                                            None, "invalid_api_key"), {"WWW-Authenticate": "Bearer"})
                 return
             if getattr(self.state, "draining", False) and scope["method"] == "POST":
@@ -174,6 +187,10 @@ class ServerMiddleware:
                 self.metrics.record_rejection("body_too_large")
                 await refuse(413, APIError(self._too_large(), 413), {"Connection": "close"})
                 return
+            # Server load (GET /load, vLLM's): generation requests in flight, until their stream ends.
+            counted = scope["method"] == "POST" and path.startswith("/v1/")
+            if counted:
+                self.state.server_load = getattr(self.state, "server_load", 0) + 1
             try:
                 await self.app(scope, receive_wrapper, send_wrapper)
             except BodyRefused as e:  # raised where the app's handlers do not see it
@@ -181,16 +198,20 @@ class ServerMiddleware:
                 if started:
                     raise
                 await refuse(e.status_code, APIError(str(e.detail), e.status_code), e.headers)
+            finally:
+                if counted:
+                    self.state.server_load -= 1
         finally:
             seconds = time.perf_counter() - start
             handler = path if path in _KNOWN_PATHS else ("/v1/models/{model}" if path.startswith("/v1/models/")
+                                                         else "/v1/responses/{id}" if path.startswith("/v1/responses/")
                                                          else "other")
             self.metrics.record_http(scope["method"], handler, status, seconds)
             if self.access_log:
                 client = scope.get("client")
                 who = f"{client[0]}:{client[1]}" if client else "-"
                 query = scope.get("query_string", b"").decode("latin-1")
-                target = path + (f"?{query}" if query else "")
+                target = scope["path"] + (f"?{query}" if query else "")
                 access_logger.info('%s "%s %s HTTP/%s" %d %.3fs%s', who, scope["method"], target,
                                    scope.get("http_version", "1.1"), status, seconds,
                                    " (client disconnected)" if disconnected else "")
@@ -200,7 +221,10 @@ class ServerMiddleware:
         for name, value in scope["headers"]:
             if name == b"authorization":
                 scheme, _, token = value.partition(b" ")
-                return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+                if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key):
+                    return True
+            elif name == b"x-api-key" and secrets.compare_digest(value.strip(), self.api_key):  # Anthropic's header
+                return True
         return False
 
     def _too_large(self) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from armserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from armserve.sampling_params import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger("armserve")
 
@@ -169,10 +169,16 @@ class _SamplingFields(OpenAIBaseModel):
         return found[0][1] if found else None
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises `SamplingParamsError` naming the bad field. A field left out or null takes
+                         prompt_logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises `SamplingParamsError` naming the bad field. A field left out or null takes `defaults`
+        (the server's values, --generation-config; their max_tokens caps the request's too), else
         SamplingParams' default; max_tokens None: the engine generates up to max_model_len."""
+        d = defaults or {}
+        if d.get("max_tokens") is not None:
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens, d["max_tokens"])
         given = {f: v for f in _PASSED_TO_SAMPLING if (v := getattr(self, f)) is not None}
+        given.update({f: d[f] for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                      if f in d and f not in given})
         return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               structured_outputs=self.structured())
 
@@ -182,7 +188,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # (at most --max-logprobs: the input processor checks)
     max_completion_tokens: int | None = None
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
@@ -252,11 +258,11 @@ class ChatCompletionRequest(_SamplingFields):
             schema["maxItems"] = 1
         return schema
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         # max_completion_tokens replaces the deprecated max_tokens (OpenAI); it wins if both are set.
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        params = self._sampling_params(max_tokens, logprobs)
+        params = self._sampling_params(max_tokens, logprobs, defaults=defaults)
         forced = self.forced_tool_schema()
         if forced is not None:
             params.structured_outputs = StructuredOutputsParams(json=forced)
@@ -268,16 +274,21 @@ class CompletionRequest(_SamplingFields):
 
     prompt: list[int] | list[list[int]] | str | list[str]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0)
+    # Fill-in-the-middle: the text after the completion (models with FIM tokens, prompts.fim_prompt).
     suffix: str | None = None
-    best_of: int | None = None
+    # Generate best_of completions, return the n with the highest cumulative logprob (not streamed).
+    best_of: int | None = Field(None, ge=1, le=128)
+    # vLLM's: each choice also carries prompt_token_ids and token_ids.
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _check_completion(self) -> "CompletionRequest":
-        if self.suffix:
-            raise ValueError("suffix is not supported by this server")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError(f"best_of ({self.best_of}) other than n ({self.n}) is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of greater than n is not supported when streaming: the best completions are "
+                             "known only once all have finished")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         return self
@@ -291,16 +302,17 @@ class CompletionRequest(_SamplingFields):
             return [p]  # type: ignore[list-item]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
         # echo with logprobs also returns the prompt's logprobs, as OpenAI's legacy API does.
         prompt_logprobs = self.logprobs if (self.echo and self.logprobs is not None) else None
-        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, prompt_logprobs, defaults)
 
 
 class ResponsesRequest(OpenAIBaseModel):
-    """POST /v1/responses (stateless: no store, no previous_response_id).
+    """POST /v1/responses.
 
-    Served by turning it into the equivalent chat request (`to_chat_request`): input items become
+    Served by turning it into the equivalent chat request (`to_chat_request`): the stored
+    conversation of `previous_response_id` (serving_responses.py), then the input items become
     messages, flat function tools become chat tools, `text.format` becomes response_format.
     """
 
@@ -322,22 +334,17 @@ class ResponsesRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _check_responses(self) -> "ResponsesRequest":
-        if self.previous_response_id:
-            raise ValueError("previous_response_id is not supported: this server keeps no responses; "
-                             "send the whole conversation as input")
         for i, t in enumerate(self.tools or []):
             if t.get("type") != "function":
                 raise ValueError(f"tools[{i}]: type {t.get('type')!r} is not supported (function tools only)")
         return self
 
-    def messages(self) -> list[dict[str, Any]]:
-        """The input as chat messages; function_call / function_call_output items become an
-        assistant turn with tool_calls / a tool message."""
+    def input_messages(self) -> list[dict[str, Any]]:
+        """The input as chat messages (without the instructions); function_call /
+        function_call_output items become an assistant turn with tool_calls / a tool message."""
         msgs: list[dict[str, Any]] = []
-        if self.instructions:
-            msgs.append({"role": "system", "content": self.instructions})
         if isinstance(self.input, str):
-            return msgs + [{"role": "user", "content": self.input}]
+            return [{"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
             if kind == "message":
@@ -359,26 +366,31 @@ class ResponsesRequest(OpenAIBaseModel):
                 raise ValueError(f"input[{i}]: item type {kind!r} is not supported")
         return msgs
 
-    def to_chat_request(self) -> ChatCompletionRequest:
-        """The equivalent chat request (its validation then applies: tools, tool_choice, formats)."""
+    def to_chat_request(self, history: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+        """The equivalent chat request (its validation then applies: tools, tool_choice, formats):
+        the instructions, then `history` (a stored conversation this one continues), then the input."""
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters", "strict")
                                                    if k in t}} for t in self.tools or []]
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
             choice = {"type": "function", "function": {"name": choice["name"]}}
         return ChatCompletionRequest(
-            model=self.model, messages=self.messages(), tools=tools or None, tool_choice=choice,
+            model=self.model, messages=system + (history or []) + self.input_messages(), tools=tools or None,
+            tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p,
             response_format=(self.text or {}).get("format"))
 
 
 class TokenizeRequest(OpenAIBaseModel):
-    """POST /tokenize: either `prompt` or chat `messages`."""
+    """POST /tokenize: either `prompt` or chat `messages` (with `tools`, rendered as a chat request
+    renders them)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -389,6 +401,8 @@ class TokenizeRequest(OpenAIBaseModel):
     def _one_input(self) -> "TokenizeRequest":
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.tools is not None and self.messages is None:
+            raise ValueError("tools go with messages (a chat), not with prompt")
         return self
 
 

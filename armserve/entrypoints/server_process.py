@@ -138,6 +138,7 @@ def run_server(args: argparse.Namespace) -> int:
     from armserve.engine_args import engine_kwargs
     from armserve.config import EngineConfig
     from armserve.entrypoints.reasoning import ReasoningParser
+    from armserve.entrypoints.response_store import ResponseStore
     from armserve.entrypoints.tool_parsers import get_tool_parser
     from armserve.model_loader import bundled_model_path
 
@@ -147,10 +148,20 @@ def run_server(args: argparse.Namespace) -> int:
         get_tool_parser(args.tool_call_parser)  # likewise
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if args.responses_store:
+        ResponseStore(args.responses_store).close()  # an unusable file: fail before loading anything
     api_key = args.api_key or os.environ.get("ARMSERVE_API_KEY") or None
     sock = _bind(args.host, args.port)
     model = args.model or bundled_model_path()
     names = args.served_model_name or [default_served_name(args.model, model)]
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        if getattr(args, flag) and not os.path.isfile(getattr(args, flag)):
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such file")
+    root_path = args.root_path.rstrip("/")
+    if root_path and not root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
     if args.allow_credentials and not args.allowed_origins:
         raise ValueError("--allow-credentials needs --allowed-origins (the origins trusted with credentials)")
     metrics = PrometheusMetrics(names[0], args.data_parallel_size)
@@ -161,6 +172,7 @@ def run_server(args: argparse.Namespace) -> int:
                       log_stats=not args.disable_log_stats, stat_loggers=[metrics],
                       restart_on_failure=args.restart_engine_on_failure)
     try:
+        metrics.set_cache_config(engine)
         if engine.frontend_cpus:
             pin_process(engine.frontend_cpus)
             logger.info("the HTTP front end runs on CPU(s) %s, apart from the engine's",
@@ -172,15 +184,19 @@ def run_server(args: argparse.Namespace) -> int:
                         access_log=not args.disable_access_log, allowed_origins=args.allowed_origins,
                         tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                         limits=limits, request_timeout=args.request_timeout, allow_credentials=args.allow_credentials,
-                        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers)
+                        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+                        root_path=root_path, log_requests=args.log_requests,
+                        responses_store=args.responses_store)
         # NOTE: uvicorn's own graceful timeout only bounds the connections still open after the drain
         # (ArmServer.drain) has ended every request.
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.uvicorn_log_level,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=5,
-                                http=http_protocol(limits.header_read_timeout))
+                                http=http_protocol(limits.header_read_timeout), ssl_keyfile=args.ssl_keyfile,
+                                ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
         shown_host = f"[{args.host}]" if ":" in args.host else args.host
-        logger.info("serving %s as %s on http://%s:%d (API key %s)", model, ", ".join(names), shown_host,
-                    args.port, "required" if api_key else "off")
+        scheme = "https" if args.ssl_certfile else "http"
+        logger.info("serving %s as %s on %s://%s:%d%s (API key %s)", model, ", ".join(names), scheme, shown_host,
+                    args.port, root_path, "required" if api_key else "off")
         code = ArmServer(config, app, engine, args.shutdown_timeout).run(sock)
     finally:
         engine.shutdown()

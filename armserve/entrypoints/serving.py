@@ -22,7 +22,8 @@ from fastapi.responses import Response, StreamingResponse
 from armserve.prompts import PromptError, PromptTooLongError, render_chat
 from armserve.engine.async_llm import AsyncLLM, RequestStream
 from armserve.engine.exceptions import EngineDeadError
-from armserve.engine.input_processor import ContextLengthError, EngineCoreRequest, PromptTokensError
+from armserve import model_loader
+from armserve.engine.input_processor import ContextLengthError, EngineCoreRequest, LogprobsLimitError, PromptTokensError
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, ChatMessage
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.tool_parsers import ToolCall, ToolCallStream, get_tool_parser
@@ -33,6 +34,10 @@ logger = logging.getLogger("armserve")
 
 # JSON has no -inf; a token the model rules out gets this instead (as vLLM does).
 _MIN_LOGPROB = -9999.0
+
+# --enable-log-requests: a request's parameters are cut to this many characters in its log line (a
+# structured-output schema may be megabytes).
+LOGGED_PARAMS_CHARS = 2000
 
 # Request bodies at least this large are templated and tokenized on a worker thread, so that the
 # event loop keeps answering /health and streaming everyone else's tokens meanwhile (a 2 MB
@@ -111,7 +116,7 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], reasoning_parser: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 request_timeout: float | None = None) -> None:
+                 request_timeout: float | None = None, log_requests: bool = False) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
@@ -126,6 +131,15 @@ class OpenAIServing:
         self.enable_auto_tool_choice = enable_auto_tool_choice
         # Seconds a request may take from arrival to its last token (None: no deadline).
         self.request_timeout = request_timeout
+        self.log_requests = log_requests
+        # Defaults of the sampling fields a request leaves out (--generation-config), checked now so
+        # that a bad generation_config.json fails the start, not every request.
+        self.default_sampling: dict[str, Any] = model_loader.generation_defaults(engine.config.model,
+                                                                                engine.config.generation_config)
+        if self.default_sampling:
+            SamplingParams(**self.default_sampling)
+            logger.info("default sampling parameters from the model's generation config: %s (--generation-config "
+                        "vllm to ignore them)", self.default_sampling)
         # NOTE: the worker has a tokenizer of its own: the event loop's keeps tokenizing small
         # requests meanwhile, and one Rust tokenizer is not meant to be used by two threads at once.
         self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="armserve-tokenize")
@@ -198,9 +212,11 @@ class OpenAIServing:
             raise APIError(str(e), 400, param) from None
 
     def process(self, request_id: str, ids: list[int], params: SamplingParams, prompt_param: str,
-                max_param: str = "max_tokens", text: str | None = None) -> EngineCoreRequest:
+                max_param: str = "max_tokens", text: str | None = None,
+                logprobs_param: str = "logprobs") -> EngineCoreRequest:
         """The engine request of a prompt's token ids (engine/input_processor.py); a 400 naming
-        `prompt_param` (or `max_param`) when the prompt cannot be served as asked."""
+        `prompt_param` (or `max_param`, or `logprobs_param` past --max-logprobs) when the prompt
+        cannot be served as asked."""
         try:
             return self.engine.input_processor.process(request_id, {"prompt": text, "prompt_token_ids": ids}, params)
         except ContextLengthError as e:
@@ -212,9 +228,18 @@ class OpenAIServing:
                                      f"completion). Lower {max_param} or shorten the prompt.", max_param) from None
         except PromptTokensError as e:
             raise APIError(str(e), 400, prompt_param) from None
+        except LogprobsLimitError as e:
+            field = logprobs_param if e.field == "logprobs" else e.field
+            raise APIError(e.message(field, e.asked, e.limit), 400, field) from None
 
     async def submit(self, request: EngineCoreRequest) -> RequestStream:
         """`engine.add_processed_request` with the server's deadline."""
+        if self.log_requests:
+            shown = repr(request.params)
+            if len(shown) > LOGGED_PARAMS_CHARS:
+                shown = shown[:LOGGED_PARAMS_CHARS] + f"... ({len(shown)} characters)"
+            logger.info("Received request %s: %d prompt tokens, params: %s", request.request_id,
+                        len(request.prompt_token_ids), shown)
         return await self.engine.add_processed_request(request, deadline=self.request_timeout)
 
     # ---- shared checks -------------------------------------------------------------------
@@ -284,20 +309,26 @@ class OpenAIServing:
                                chat_template_kwargs=chat_template_kwargs,
                                max_tokens=self.engine.max_model_len if limit else None)
 
-    async def submit_chat(self, body: ChatCompletionRequest, raw: Request, rid: str, prompt_param: str,
-                          max_param: str) -> tuple[SamplingParams, RequestStream, int, tuple[str, str | None]]:
-        """A chat request rendered, checked and sent to the engine: its sampling parameters, its
-        stream, its prompt's length and its tool mode (tool_mode) with the forced function's name."""
-        params = body.to_sampling_params()
+    def tool_setup(self, body: ChatCompletionRequest, params: SamplingParams) -> tuple[str, list[dict[str, Any]] | None]:
+        """A chat request's tool mode (tool_mode) and its tools as the template takes them."""
         mode = self.tool_mode(body.effective_tool_choice, bool(body.tools))
         if mode == "auto":
             # NOTE: the parser needs the call markers, which some tokenizers (Qwen's from GGUF) count
             # as special tokens and would drop from the text (vLLM's parsers do the same).
             params.skip_special_tokens = False
-        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return mode, [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+    async def submit_chat(self, body: ChatCompletionRequest, raw: Request, rid: str, prompt_param: str,
+                          max_param: str, logprobs_param: str = "logprobs",
+                          ) -> tuple[SamplingParams, RequestStream, int, tuple[str, str | None]]:
+        """A chat request (with the server's default sampling) rendered, checked and sent to the
+        engine: its sampling parameters, its stream, its prompt's length and its tool mode
+        (tool_mode) with the forced function's name."""
+        params = body.to_sampling_params(self.default_sampling)
+        mode, tools = self.tool_setup(body, params)
         request = await self.prepare(raw, lambda tok: self.process(rid, self.render_chat(
             body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
-            body.chat_template_kwargs, tools, tok), params, prompt_param, max_param))
+            body.chat_template_kwargs, tools, tok), params, prompt_param, max_param, logprobs_param=logprobs_param))
         stream = await self.submit(request)
         return params, stream, len(request.prompt_token_ids), (mode, body.forced_function)
 

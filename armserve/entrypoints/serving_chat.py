@@ -42,7 +42,8 @@ class OpenAIServingChat:
         model = self.serving.model_name(body.model)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        params, stream, num_prompt, tool = await self.serving.submit_chat(body, raw, rid, "messages", max_param)
+        params, stream, num_prompt, tool = await self.serving.submit_chat(body, raw, rid, "messages", max_param,
+                                                                          "top_logprobs")
         created = int(time.time())
         if body.stream:
             opts = body.stream_options

@@ -1,5 +1,7 @@
 """POST /v1/completions: a prompt (text or token ids, one or a batch) -> engine -> OpenAI text_completion
-JSON or SSE chunks, with OpenAI's legacy logprobs format and `echo`.
+JSON or SSE chunks, with OpenAI's legacy logprobs format and `echo`; `suffix` (fill-in-the-middle on
+models with FIM tokens), `best_of` (the n best of best_of by cumulative logprob) and vLLM's
+`return_token_ids`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from armserve.prompts import encode_text
+from armserve.prompts import NoFIMError, PromptError, encode_text, fim_prompt
 from armserve.engine.async_llm import RequestStream
 from armserve.engine.exceptions import RequestFailedError
 from armserve.engine.input_processor import EngineCoreRequest
@@ -40,22 +42,37 @@ class OpenAIServingCompletion:
         """POST /v1/completions: one prompt or a batch of them; one JSON response, or SSE chunks when `stream`."""
         body.warn_ignored_fields()
         model = self.serving.model_name(body.model)
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(self.serving.default_sampling)
+        # best_of > n: the engine runs best_of completions (logprobs on, to rank them); n are returned.
+        n = params.n
+        rank = body.best_of is not None and body.best_of > n
+        hide_logprobs = rank and params.logprobs is None
+        if rank:
+            params.n = body.best_of  # type: ignore[assignment]
+            if hide_logprobs:
+                params.logprobs = 0
 
         rid = f"cmpl-{uuid.uuid4().hex}"
         texts = body.prompts()
+        suffix = body.suffix or None
+        limit = self.serving.engine.max_model_len
 
         def process(tok: Any) -> list[EngineCoreRequest]:
             requests = []
             for i, p in enumerate(texts):
                 sub_id = rid if len(texts) == 1 else f"{rid}-{i}"
-                if isinstance(p, str):
-                    with self.serving.prompt_errors("prompt"):
-                        ids = encode_text(tok, p, max_tokens=self.serving.engine.max_model_len)
-                    requests.append(self.serving.process(sub_id, ids, params, "prompt", text=p))
-                else:
-                    requests.append(self.serving.process(sub_id, p, params, "prompt"))
-                    requests[-1].prompt = tok.decode(p)  # (for echo)
+                try:
+                    if suffix is not None:
+                        ids = fim_prompt(tok, p, suffix, max_tokens=limit)
+                    else:
+                        ids = encode_text(tok, p, max_tokens=limit) if isinstance(p, str) else p
+                except NoFIMError as e:
+                    raise APIError(str(e), 400, "suffix") from None
+                except PromptError as e:  # a 400 naming its field (context_length_exceeded if too long)
+                    with self.serving.prompt_errors("suffix" if str(e).startswith("suffix") else "prompt"):
+                        raise
+                text = p if isinstance(p, str) else tok.decode(p)  # (for echo)
+                requests.append(self.serving.process(sub_id, ids, params, "prompt", text=text))
             return requests
 
         requests = await self.serving.prepare(raw, process)
@@ -73,14 +90,18 @@ class OpenAIServingCompletion:
             opts = body.stream_options
             return EngineStreamingResponse(
                 self._stream(streams, prompts, rid, model, created, params, body.echo,
-                             bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats)),
+                             bool(opts and opts.include_usage), bool(opts and opts.continuous_usage_stats),
+                             body.return_token_ids),
                 streams,
             )
         return await run_unless_disconnected(
-            raw, self._full(streams, prompts, rid, model, created, params, body.echo))
+            raw, self._full(streams, prompts, rid, model, created, params, body.echo, n, hide_logprobs,
+                            body.return_token_ids))
 
     async def _full(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]], rid: str, model: str,
-                    created: int, params: SamplingParams, echo: bool) -> Response:
+                    created: int, params: SamplingParams, echo: bool, n: int, hide_logprobs: bool,
+                    return_token_ids: bool) -> Response:
+        """`n` of each prompt's `params.n` completions: with best_of, those of highest cumulative logprob."""
         try:
             results = await asyncio.gather(*[collect(s, params.n) for s in streams])
         finally:
@@ -90,16 +111,20 @@ class OpenAIServingCompletion:
         num_generated = cached = 0
         for p_idx, ((choices, last), (ptext, pids)) in enumerate(zip(results, prompts)):
             cached += last.num_cached_tokens
+            if len(choices) > n:
+                choices = sorted(choices, key=_cumulative_logprob, reverse=True)[:n]
             for i, c in enumerate(choices):
                 num_generated += len(c.token_ids)
                 out_choices.append({
-                    "index": p_idx * params.n + i,
+                    "index": p_idx * n + i,
                     "text": (ptext + c.text) if echo else c.text,
-                    "logprobs": self._logprobs(c, params.logprobs, len(ptext) if echo else 0,
-                                               (pids, last.prompt_logprobs) if echo else None),
+                    "logprobs": None if hide_logprobs else self._logprobs(
+                        c, params.logprobs, len(ptext) if echo else 0, (pids, last.prompt_logprobs) if echo else None),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })
+                if return_token_ids:
+                    out_choices[-1].update(prompt_token_ids=pids, token_ids=c.token_ids)
         return JSONResponse({
             "id": rid, "object": "text_completion", "created": created, "model": model,
             "choices": out_choices,
@@ -109,12 +134,13 @@ class OpenAIServingCompletion:
 
     async def _stream(self, streams: list[RequestStream], prompts: list[tuple[str, list[int]]], rid: str, model: str,
                       created: int, params: SamplingParams, echo: bool, include_usage: bool,
-                      continuous_usage: bool) -> AsyncIterator[str]:
+                      continuous_usage: bool, return_token_ids: bool = False) -> AsyncIterator[str]:
         n = params.n
         num_prompt = sum(len(ids) for _, ids in prompts)
         num_tokens = [0] * (n * len(prompts))
         text_offset = [0] * (n * len(prompts))
         echoed = [False] * (n * len(prompts))
+        ids_sent = [False] * (n * len(prompts))  # return_token_ids: the prompt's ids go in a choice's first chunk
         cached = [0] * len(prompts)
 
         def chunk(choice: dict[str, Any] | None, final: bool = False) -> str:
@@ -143,8 +169,13 @@ class OpenAIServingCompletion:
                         text_offset[idx] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
                     if not text and c.finish_reason is None and not (logprobs and logprobs["tokens"]):
                         continue
-                    yield chunk({"index": idx, "text": text, "logprobs": logprobs,
-                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    choice = {"index": idx, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                              "stop_reason": c.stop_reason}
+                    if return_token_ids:
+                        choice["prompt_token_ids"] = None if ids_sent[idx] else pids
+                        choice["token_ids"] = c.token_ids
+                        ids_sent[idx] = True
+                    yield chunk(choice)
             if include_usage:
                 yield chunk(None, final=True)
         except RequestFailedError as e:
@@ -181,6 +212,11 @@ class OpenAIServingCompletion:
         rest = self._legacy_logprobs(ids[1:], [p or {} for p in (prompt_logprobs or [None])[1:]], top_k, len(first))
         head = {"tokens": first, "token_logprobs": None, "top_logprobs": None, "text_offset": 0}
         return {k: [head[k], *rest[k], *out[k]] for k in head}
+
+
+def _cumulative_logprob(c: CompletionOutput) -> float:
+    """The log-probability of a completion's tokens (its logprobs were asked for)."""
+    return sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or []))
 
 
 async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

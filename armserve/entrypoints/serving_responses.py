@@ -1,5 +1,10 @@
-"""POST /v1/responses (stateless): served as the equivalent chat request, answered as a Response
-object with output items (reasoning, a message, function calls) or as the Responses API's SSE events.
+"""POST /v1/responses: served as the equivalent chat request, answered as a Response object with
+output items (reasoning, a message, function calls) or as the Responses API's SSE events.
+
+Responses are stored unless `store` is false (OpenAI's default), in a bounded ResponseStore
+(response_store.py): GET / DELETE /v1/responses/{id} read and remove them, and
+`previous_response_id` continues from a stored response's conversation (its input and output; not
+its instructions, as in OpenAI's API). An unknown id is a 404.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from armserve.engine.async_llm import RequestStream
 from armserve.engine.exceptions import RequestFailedError
 from armserve.entrypoints.protocol import APIError, ResponsesRequest
 from armserve.entrypoints.reasoning import ReasoningParser
+from armserve.entrypoints.response_store import ResponseStore
 from armserve.entrypoints.serving import EngineStreamingResponse, OpenAIServing, collect, dumps, run_unless_disconnected
 from armserve.entrypoints.tool_parsers import ToolCall
 
@@ -23,15 +29,35 @@ from armserve.entrypoints.tool_parsers import ToolCall
 class OpenAIServingResponses:
     """The Responses API endpoint over the shared `OpenAIServing`."""
 
-    def __init__(self, serving: OpenAIServing) -> None:
+    def __init__(self, serving: OpenAIServing, store: ResponseStore) -> None:
         self.serving = serving
+        self.store = store
+
+    def _stored(self, response_id: str, param: str | None = None) -> dict[str, Any]:
+        entry = self.store.get(response_id)
+        if entry is None:
+            raise APIError(f"Response with id '{response_id}' not found.", 404, param)
+        return entry
+
+    async def retrieve(self, response_id: str) -> dict[str, Any]:
+        """GET /v1/responses/{id}: the stored Response object."""
+        return self._stored(response_id)["response"]
+
+    async def delete(self, response_id: str) -> dict[str, Any]:
+        """DELETE /v1/responses/{id}."""
+        if not self.store.delete(response_id):
+            raise APIError(f"Response with id '{response_id}' not found.", 404)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     async def create_response(self, body: ResponsesRequest, raw: Request) -> Response:
         """POST /v1/responses, served as the equivalent chat request."""
         body.warn_ignored_fields()
         model = self.serving.model_name(body.model)
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id:
+            history = self._stored(body.previous_response_id, "previous_response_id")["messages"]
         try:
-            chat = body.to_chat_request()
+            chat = body.to_chat_request(history)
         except ValidationError as e:
             raise APIError("Invalid request: " + "; ".join(
                 str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()), 400) from None
@@ -44,19 +70,36 @@ class OpenAIServingResponses:
             "parallel_tool_calls": body.parallel_tool_calls is not False, "temperature": body.temperature,
             "top_p": body.top_p, "max_output_tokens": body.max_output_tokens,
             "text": body.text or {"format": {"type": "text"}}, "metadata": body.metadata or {}, "error": None,
-            "incomplete_details": None, "previous_response_id": None, "reasoning": None, "store": False,
-            "truncation": "disabled", "user": body.user,
+            "incomplete_details": None, "previous_response_id": body.previous_response_id, "reasoning": None,
+            "store": body.store is not False, "truncation": "disabled", "user": body.user,
         }
+        conversation = history + body.input_messages() if base["store"] else None
         if body.stream:
-            return EngineStreamingResponse(self._stream(stream, base, num_prompt, tool), [stream])
+            return EngineStreamingResponse(self._stream(stream, base, num_prompt, tool, conversation), [stream])
 
         async def full() -> Response:
             (c,), last = await collect(stream, 1)
             output = self._items(c.text, tool)
-            return JSONResponse(_response_object(base, output, c.finish_reason, num_prompt, len(c.token_ids),
-                                                 last.num_cached_tokens))
+            obj = _response_object(base, output, c.finish_reason, num_prompt, len(c.token_ids), last.num_cached_tokens)
+            self._keep(obj, conversation)
+            return JSONResponse(obj)
 
         return await run_unless_disconnected(raw, full())
+
+    def _keep(self, obj: dict[str, Any], conversation: list[dict[str, Any]] | None) -> None:
+        """Store a finished response (when its request asked to) with its conversation: the input
+        so far, then its output as an assistant turn."""
+        if conversation is None:
+            return
+        items = obj["output"]
+        text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
+        calls = [{"id": it["call_id"], "type": "function",
+                  "function": {"name": it["name"], "arguments": it["arguments"]}}
+                 for it in items if it["type"] == "function_call"]
+        turn: dict[str, Any] = {"role": "assistant", "content": text or None}
+        if calls:
+            turn["tool_calls"] = calls
+        self.store.put(obj["id"], {"response": obj, "messages": conversation + [turn]})
 
     def _items(self, text: str, tool: tuple[str, str | None]) -> list[dict[str, Any]]:
         """Output items of a whole completion: reasoning, a message, then function calls."""
@@ -71,7 +114,7 @@ class OpenAIServingResponses:
         return items
 
     async def _stream(self, stream: RequestStream, base: dict[str, Any], num_prompt: int,
-                      tool: tuple[str, str | None]) -> AsyncIterator[str]:
+                      tool: tuple[str, str | None], conversation: list[dict[str, Any]] | None) -> AsyncIterator[str]:
         """The Responses API's events: created, in_progress, the message's output_text deltas,
         function-call items (arguments sent whole once the call is known), completed."""
         seq = 0
@@ -133,6 +176,7 @@ class OpenAIServingResponses:
                 items.append({**item, "status": "completed"})
                 yield event("response.output_item.done", output_index=idx, item=items[-1])
             final_obj = _response_object(base, items, finish, num_prompt, num_output, cached)
+            self._keep(final_obj, conversation)
             yield event("response.completed" if final_obj["status"] == "completed" else "response.incomplete",
                         response=final_obj)
         except RequestFailedError as e:

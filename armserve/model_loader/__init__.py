@@ -4,6 +4,7 @@ The model class comes from the registry in armserve/models/."""
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterator
 
@@ -18,7 +19,7 @@ from armserve.quantization import QuantizedTensor
 from armserve.quantization.checkpoint import armserve_quantization
 
 __all__ = ["ModelLoadError", "ModelSource", "bundled_model_path", "checkpoint_dtype", "checkpoint_weights",
-           "eos_token_ids", "load_config", "load_model", "load_tokenizer", "resolve_model_path"]
+           "eos_token_ids", "generation_defaults", "load_config", "load_model", "load_tokenizer", "resolve_model_path"]
 
 
 def load_config(src: ModelSource):
@@ -38,19 +39,38 @@ def load_config(src: ModelSource):
 
 
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
+    """The model's tokenizer, or `tokenizer`'s: an HF folder or name, a GGUF file, or a
+    tokenizer.json file (with the tokenizer_config.json beside it, if any)."""
     from transformers import AutoTokenizer
 
+    what = f"the tokenizer {tokenizer}" if tokenizer else f"the tokenizer of {src.path}"
+    # (transformers reads no tokenizer from some GGUF architectures, llama.cpp's deepseek2 among them)
+    hint = "; pass tokenizer= (--tokenizer) an HF folder or file with the model's tokenizer" if not tokenizer else ""
     try:
-        if tokenizer:
-            return AutoTokenizer.from_pretrained(tokenizer)
-        if src.is_gguf:
+        if tokenizer and os.path.isfile(tokenizer):
+            folder, name = os.path.split(os.path.abspath(tokenizer))
+            if name.endswith(".gguf"):
+                tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            elif name == "tokenizer.json":
+                tok = AutoTokenizer.from_pretrained(folder)
+            else:
+                raise ModelLoadError(f"the tokenizer {tokenizer} is neither a folder, a GGUF file nor a tokenizer.json")
+        elif tokenizer:
+            tok = AutoTokenizer.from_pretrained(tokenizer)
+        elif src.is_gguf:
             with gguf.shared_with_transformers(src):
-                return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
-        return AutoTokenizer.from_pretrained(src.folder)
+                tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+        else:
+            tok = AutoTokenizer.from_pretrained(src.folder)
+    except ModelLoadError:
+        raise
     except Exception as e:  # transformers raises many kinds here
-        # (transformers reads no tokenizer from some GGUF architectures, llama.cpp's deepseek2 among them)
-        hint = "; pass tokenizer= (--tokenizer) an HF folder or name with the model's tokenizer" if src.is_gguf else ""
-        raise ModelLoadError(f"cannot load the tokenizer of {src.path}: {e}{hint}") from e
+        raise ModelLoadError(f"cannot load {what}: {e}{hint}") from e
+    # NOTE: from a folder with a config.json and no tokenizer files, transformers builds a tokenizer
+    # with no vocabulary (only its special tokens): every prompt would become unknown tokens.
+    if len(tok) <= len(tok.all_special_tokens):
+        raise ModelLoadError(f"cannot load {what}: it has no vocabulary ({len(tok)} tokens){hint}")
+    return tok
 
 
 def eos_token_ids(src: ModelSource, tokenizer) -> set[int]:
@@ -70,6 +90,44 @@ def eos_token_ids(src: ModelSource, tokenizer) -> set[int]:
         except (OSError, ValueError):
             pass  # no generation_config.json
     return ids
+
+
+# generation_config.json keys a server takes as its default sampling parameters (vLLM's
+# --generation-config), and their request names.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model: str, generation_config: str = "auto") -> dict[str, float | int]:
+    """Default sampling parameters from a generation_config.json (request names: temperature, top_p,
+    top_k, min_p, repetition_penalty, max_tokens), only those it sets. `generation_config`: "auto"
+    (the model folder's; a GGUF file has none), "vllm" (none) or a folder."""
+    if generation_config == "vllm":
+        return {}
+    folder = generation_config
+    if generation_config == "auto":
+        src = resolve_model_path(model)
+        if src.is_gguf:
+            return {}
+        folder = src.folder
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if generation_config != "auto":
+            raise ModelLoadError(f"--generation-config {generation_config}: there is no generation_config.json in it")
+        return {}
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+    # NOTE: the keys the file sets, not transformers' GenerationConfig, which fills in its own
+    # defaults (top_k 50) for keys the model's authors never chose.
+    out: dict[str, float | int] = {}
+    for key, name in GENERATION_DEFAULT_KEYS.items():
+        value = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    return out
 
 
 def checkpoint_dtype(config) -> torch.dtype | None:
