@@ -166,7 +166,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     qcfg = quantize_model(
         args.model, args.out, scheme=args.scheme,
-        group_size=args.group_size if args.group_size == "channel" else args.group_size,
+        group_size=args.group_size,
         symmetric=args.symmetric, lm_head=args.lm_head,
         skip_modules=[s for s in args.skip_modules.split(",") if s], dtype=args.dtype,
     )

@@ -57,27 +57,14 @@ def cpu_has_native_bf16() -> bool:
     native = kernels.native_bf16()
     if native is not None:
         return native
-    cap = ""
-    try:
-        cap = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # older torch
-        pass
-    flags = ""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                low = line.lower()
-                if low.startswith("flags") or low.startswith("features"):
-                    flags = low
-                    break
+            flags = next((low for low in map(str.lower, f) if low.startswith(("flags", "features"))), "")
     except OSError:
-        pass
-    words = set(flags.replace(":", " ").split())
-    if {"avx512_bf16", "amx_bf16"} & words:
+        flags = ""
+    if {"avx512_bf16", "amx_bf16", "bf16"} & set(flags.replace(":", " ").split()):  # bf16: aarch64's "Features"
         return True
-    if "bf16" in words:  # aarch64 /proc/cpuinfo "Features" line
-        return True
-    return cap.upper() in {"AVX512_BF16", "AMX"}
+    return torch.backends.cpu.get_cpu_capability().upper() in {"AVX512_BF16", "AMX"}
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
@@ -409,3 +396,11 @@ class EngineConfig:
             )
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(OFFLINE_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
+
+
+def check_engine_args(engine_args: dict) -> None:
+    """A TypeError naming any engine argument EngineConfig does not know (before anything loads)."""
+    known = set(EngineConfig.__dataclass_fields__) - {"model"}  # type: ignore[attr-defined]
+    unknown = set(engine_args) - known
+    if unknown:
+        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")

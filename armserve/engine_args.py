@@ -105,10 +105,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_params(args: argparse.Namespace):
     from armserve.sampling_params import SamplingParams
 
-    return SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty, seed=args.sampling_seed, stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    names = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+             "frequency_penalty", "repetition_penalty", "stop", "ignore_eos")  # SamplingParams' own names
+    return SamplingParams(**{f: getattr(args, f) for f in names}, seed=args.sampling_seed)

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from armserve import model_loader
 from armserve.prompts import encode_pair, render_chat, score_pairs
-from armserve.config import TASK_RUNNERS, EngineConfig
+from armserve.config import TASK_RUNNERS, EngineConfig, check_engine_args
 from armserve.engine.input_processor import PromptType
 from armserve.engine.llm_engine import LLMEngine
 from armserve.outputs import (
@@ -42,12 +42,7 @@ class LLM:
             if task not in TASK_RUNNERS:
                 raise ValueError(f"unknown task {task!r}; expected one of {', '.join(TASK_RUNNERS)}")
             engine_args.setdefault("runner", TASK_RUNNERS[task])
-        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)  # type: ignore[attr-defined]
-        if unknown:
-            raise TypeError(
-                f"unknown engine argument(s): {', '.join(sorted(unknown))}; "
-                f"known: {', '.join(sorted(f for f in EngineConfig.__dataclass_fields__ if f != 'model'))}"
-            )
+        check_engine_args(engine_args)
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
     def get_tokenizer(self):
@@ -76,10 +71,8 @@ class LLM:
         ):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -188,11 +181,8 @@ class LLM:
         `tools` (OpenAI function tools) reach the template; to force a call, constrain the output
         with `SamplingParams(structured_outputs=StructuredOutputsParams(json=...))`.
         """
-        convs: list[ChatMessages]
-        if messages and isinstance(messages[0], dict):
-            convs = [messages]  # type: ignore[list-item]
-        else:
-            convs = list(messages)  # type: ignore[arg-type]
+        one = bool(messages) and isinstance(messages[0], dict)
+        convs: list[ChatMessages] = [messages] if one else list(messages)  # type: ignore[list-item, arg-type]
         prompts = [
             {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template, tools)} for c in convs
         ]

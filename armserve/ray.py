@@ -25,7 +25,7 @@ except ImportError:  # pragma: no cover - exercised by hand
 
 import numpy as np
 
-from armserve.config import EngineConfig
+from armserve.config import EngineConfig, check_engine_args
 from armserve.sampling_params import SamplingParams
 
 __all__ = ["ArmserveDeployment", "generate_batch", "serve_app", "run_on_cluster"]
@@ -37,14 +37,6 @@ DEFAULT_MAX_ONGOING_REQUESTS = 256
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 32}
 
 _SERVER_ARGS = ("api_key", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice", "access_log")
-
-
-def _check_engine_args(engine_args: dict[str, Any]) -> None:
-    """Fail in the driver, not in every replica, on an unknown or bad engine argument."""
-    fields = set(EngineConfig.__dataclass_fields__) - {"model"}  # type: ignore[attr-defined]
-    unknown = set(engine_args) - fields
-    if unknown:
-        raise TypeError(f"unknown engine argument(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(fields))}")
 
 
 @serve.ingress()
@@ -66,10 +58,8 @@ class ArmserveDeployment:
         self.engine = AsyncLLM(EngineConfig(model=path, served_model_name=name, **engine_args),
                                log_stats=False, stat_loggers=[metrics])
         metrics.set_cache_config(self.engine)
-        self._openai_app = build_app(self.engine, [name], metrics, server_args.get("api_key"),
-                             server_args.get("reasoning_parser"), access_log=server_args.get("access_log", False),
-                             tool_call_parser=server_args.get("tool_call_parser"),
-                             enable_auto_tool_choice=server_args.get("enable_auto_tool_choice", False))
+        # _SERVER_ARGS are build_app's own names; no access log unless asked for
+        self._openai_app = build_app(self.engine, [name], metrics, **{"access_log": False, **server_args})
 
     def __serve_build_asgi_app__(self):
         return self._openai_app
@@ -95,7 +85,7 @@ def serve_app(model: str, num_replicas: int | str = 1, *, num_cpus_per_replica: 
         serve.run(armserve.ray.serve_app("Qwen/Qwen2.5-0.5B-Instruct", num_replicas=2), route_prefix="/")
     """
     server_args = {k: engine_args.pop(k) for k in _SERVER_ARGS if k in engine_args}
-    _check_engine_args(engine_args)
+    check_engine_args(engine_args)  # fail in the driver, not in every replica
     EngineConfig(model=model, **engine_args)  # bad values fail here too
     options: dict[str, Any] = {"name": name, "max_ongoing_requests": max_ongoing_requests,
                                "ray_actor_options": {"num_cpus": num_cpus_per_replica}}
@@ -158,7 +148,7 @@ def generate_batch(ray_dataset: "ray.data.Dataset", model: str, sampling_params:
     Data processor does); `batch_size` rows go to an engine at once, and it batches them itself.
     The result is lazy, like any Ray Data dataset: iterate, `take_all()` or write it.
     """
-    _check_engine_args(engine_args)
+    check_engine_args(engine_args)
     if "prompt" not in ray_dataset.columns():
         raise ValueError(f"the dataset needs a 'prompt' column; it has {ray_dataset.columns()}")
     return ray_dataset.map_batches(_Generator, fn_constructor_args=(model, sampling_params, engine_args),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -138,12 +138,10 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            bad("logprobs", "must be an integer >= 0")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0
-        ):
-            bad("prompt_logprobs", "must be an integer >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                bad(name, "must be an integer >= 0")
         if self.stop and not self.detokenize:
             bad("stop", "needs detokenize=True (stop strings are matched on text)")
         if self.seed is not None and not isinstance(self.seed, int):
@@ -172,12 +170,6 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (used to fan out n > 1)."""
-        values = {
-            f: getattr(self, f)
-            for f in self.__dataclass_fields__  # type: ignore[attr-defined]
-            if not f.startswith("_")
-        }
-        values.update(changes)
-        p = SamplingParams(**values)
+        p = replace(self, **changes)
         p._all_stop_token_ids = set(self._all_stop_token_ids)
         return p

@@ -187,14 +187,13 @@ def _read_prompt_file(path: str) -> list[tuple[str, int | None]]:
     return out
 
 
-def file_requests(tok: Tokenizer, path: str, num: int, output_len: int, input_len: int | None = None,
-                  seed: int = 0) -> list[SampleRequest]:
+def file_requests(tok: Tokenizer, path: str, num: int, output_len: int,
+                  input_len: int | None = None) -> list[SampleRequest]:
     """`num` prompts from a file, in order (cycled if the file is shorter). With `input_len`, each is
     cut or extended (with the file's following text) to exactly that many tokens."""
     if num < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {num}")
     entries = _read_prompt_file(path)
-    del seed  # file order is the order; kept for a uniform signature
     out: list[SampleRequest] = []
     for k in range(num):
         text, n_out = entries[k % len(entries)]

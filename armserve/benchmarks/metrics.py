@@ -12,7 +12,9 @@ Means, medians and percentiles are numpy's (linear interpolation), reported in m
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Sequence
 
 import numpy as np
@@ -80,18 +82,8 @@ def tpot_of(r: RequestResult) -> float | None:
     return time_per_output_token(r.output_tokens, r.ttft, r.latency)
 
 
-def _summary(values: list[float], percentiles: Sequence[float]) -> dict[str, Any]:
-    """mean/median/std/percentiles in ms; all zeros when there is nothing to summarise (as vLLM)."""
-    arr = np.asarray(values if values else [0.0], dtype=np.float64) * 1000.0
-    return {
-        "mean": float(np.mean(arr)),
-        "median": float(np.median(arr)),
-        "std": float(np.std(arr)),
-        "percentiles": {_pkey(p): float(np.percentile(arr, p)) for p in percentiles},
-    }
-
-
-def _pkey(p: float) -> str:
+def percentile_key(p: float) -> str:
+    """99 -> "p99", 99.9 -> "p99.9": the name of a percentile in result keys."""
     return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
 
 
@@ -104,25 +96,13 @@ def peak_output_throughput(results: Sequence[RequestResult], bucket_s: float = 1
     if not results:
         return 0.0
     t0 = min(r.start_time for r in results)
-    arrivals: list[tuple[float, int]] = []
+    buckets: Counter[int] = Counter()
     for r in results:
-        if not r.success:
-            continue
-        t = r.start_time - t0 + r.ttft
-        times = [t]
-        for gap in r.itl:
-            t += gap
-            times.append(t)
-        counts = [1] * len(times)
-        counts[-1] += max(0, r.output_tokens - len(times))
-        arrivals.extend(zip(times, counts))
-    if not arrivals:
-        return 0.0
-    buckets: dict[int, int] = {}
-    for t, n in arrivals:
-        b = int(t // bucket_s)
-        buckets[b] = buckets.get(b, 0) + n
-    return max(buckets.values()) / bucket_s
+        if r.success:
+            times = list(accumulate(r.itl, initial=r.start_time - t0 + r.ttft))
+            buckets.update(int(t // bucket_s) for t in times)
+            buckets[int(times[-1] // bucket_s)] += max(0, r.output_tokens - len(times))
+    return max(buckets.values()) / bucket_s if buckets else 0.0
 
 
 def peak_concurrency(results: Sequence[RequestResult]) -> int:
@@ -155,10 +135,6 @@ def calculate_metrics(
     if duration_s <= 0:
         raise ValueError(f"duration_s must be > 0, got {duration_s}")
     ok = [r for r in results if r.success]
-    ttfts = [r.ttft for r in ok]
-    e2els = [r.latency for r in ok]
-    tpots = [t for t in (tpot_of(r) for r in ok) if t is not None]
-    itls = [gap for r in ok for gap in r.itl]
     total_input = sum(r.prompt_len for r in ok)
     total_output = sum(r.output_tokens for r in ok)
 
@@ -185,11 +161,12 @@ def calculate_metrics(
         "max_output_tokens_per_s": peak_output_throughput(ok),
         "max_concurrent_requests": peak_concurrency(ok),
     }
-    for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
-        s = _summary(values, percentiles)
-        out[f"mean_{name}_ms"] = s["mean"]
-        out[f"median_{name}_ms"] = s["median"]
-        out[f"std_{name}_ms"] = s["std"]
-        for key, v in s["percentiles"].items():
-            out[f"{key}_{name}_ms"] = v
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", [t for t in map(tpot_of, ok) if t is not None]),
+                         ("itl", [gap for r in ok for gap in r.itl]), ("e2el", [r.latency for r in ok])):
+        arr = np.asarray(values or [0.0], dtype=np.float64) * 1000.0  # all zeros when there is none (as vLLM)
+        out[f"mean_{name}_ms"] = float(np.mean(arr))
+        out[f"median_{name}_ms"] = float(np.median(arr))
+        out[f"std_{name}_ms"] = float(np.std(arr))
+        for p in percentiles:
+            out[f"{percentile_key(p)}_{name}_ms"] = float(np.percentile(arr, p))
     return out

@@ -31,15 +31,10 @@ def load_results(paths: Sequence[str]) -> list[dict[str, Any]]:
 
 
 def point_label(d: dict[str, Any]) -> str:
-    rate = d["request_rate"]
-    if rate == "inf" or (isinstance(rate, float) and math.isinf(rate)):
+    rate = float(d["request_rate"])  # (saved as "inf" when infinite)
+    if math.isinf(rate):
         return f"c={d['max_concurrency']}" if d.get("max_concurrency") else "inf"
-    return f"{float(rate):g}/s" + (f" c={d['max_concurrency']}" if d.get("max_concurrency") else "")
-
-
-def _rate_key(d: dict[str, Any]) -> float:
-    rate = d["request_rate"]
-    return math.inf if rate == "inf" else float(rate)
+    return f"{rate:g}/s" + (f" c={d['max_concurrency']}" if d.get("max_concurrency") else "")
 
 
 def plot_results(results: Sequence[dict[str, Any]], out_path: str, title: str | None = None) -> str:
@@ -58,7 +53,7 @@ def plot_results(results: Sequence[dict[str, Any]], out_path: str, title: str | 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (system, points) in enumerate(sorted(by_system.items())):
         color = colors[i % len(colors)]
-        poisson = sorted((d for d in points if not d.get("max_concurrency")), key=_rate_key)
+        poisson = sorted((d for d in points if not d.get("max_concurrency")), key=lambda d: float(d["request_rate"]))
         capped = [d for d in points if d.get("max_concurrency")]
         for ax, (key, _) in zip(axes, panels):
             if poisson:

@@ -9,6 +9,7 @@ much of the machine an engine uses, independent of how fast the machine is.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -95,9 +96,6 @@ def load_or_measure(path: str | None, threads: int | None = None) -> dict[str, A
     return roof
 
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
-
-
 def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
     """Bytes of weights one decode step reads for one model: every weight except an untied input
     embedding (a step reads one row of it).
@@ -105,52 +103,41 @@ def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
     `path` is an HF folder (safetensors) or a GGUF file. `dtype` is the dtype the engine computes in;
     None counts the bytes as stored (right for llama.cpp, which runs a GGUF as it is).
     """
+    from armserve.config import resolve_dtype
+
+    itemsize = resolve_dtype(dtype).itemsize if dtype is not None else None
     path = os.path.expanduser(path)
+    sizes: dict[str, tuple[int, int]] = {}  # name -> (elements, bytes as stored)
     if path.endswith(".gguf") and os.path.isfile(path):
         from gguf import GGUFReader
 
-        reader = GGUFReader(path)
-        has_output = any(t.name == "output.weight" for t in reader.tensors)
-        total = 0
-        for t in reader.tensors:
-            if t.name == "token_embd.weight" and has_output:
-                continue
-            total += int(t.n_bytes) if dtype is None else int(t.n_elements) * _DTYPE_BYTES[dtype]
-        return total
-    import glob
+        sizes = {t.name: (int(t.n_elements), int(t.n_bytes)) for t in GGUFReader(path).tensors}
+        embedding, head = "token_embd.weight", "output.weight"
+    else:
+        import glob
 
-    from safetensors import safe_open
+        from safetensors import safe_open
 
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise ValueError(f"{path}: no *.safetensors files to count weights from")
-    sizes: dict[str, tuple[int, int]] = {}  # name -> (elements, bytes as stored)
-    for fpath in files:
-        with safe_open(fpath, framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                numel = 1
-                for d in sl.get_shape():
-                    numel *= d
-                stored = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I8": 1, "U8": 1}.get(sl.get_dtype(), 4)
-                sizes[name] = (numel, numel * stored)
-    untied = "lm_head.weight" in sizes
-    total = 0
-    for name, (numel, stored) in sizes.items():
-        if untied and name.endswith("embed_tokens.weight"):
-            continue
-        total += stored if dtype is None else numel * _DTYPE_BYTES[dtype]
-    return total
-
-
-def limit_bandwidth_gbs(roof: dict[str, Any]) -> float:
-    """The bandwidth a decode step is held to: the higher of read and copy (decode mostly reads)."""
-    return max(roof.get("read_bandwidth_gbs", 0.0), roof["copy_bandwidth_gbs"])
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors files to count weights from")
+        for fpath in files:
+            with safe_open(fpath, framework="pt") as f:
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    numel = math.prod(sl.get_shape())
+                    stored = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I8": 1, "U8": 1}.get(sl.get_dtype(), 4)
+                    sizes[name] = (numel, numel * stored)
+        embedding, head = "embed_tokens.weight", "lm_head.weight"
+    untied = head in sizes
+    return sum(stored if itemsize is None else numel * itemsize
+               for name, (numel, stored) in sizes.items() if not (untied and name.endswith(embedding)))
 
 
 def bandwidth_limit(weight_bytes: int, roof: dict[str, Any]) -> float:
-    """Decode steps per second at the bandwidth limit (= tok/s of one sequence)."""
-    return limit_bandwidth_gbs(roof) * 1e9 / weight_bytes
+    """Decode steps per second at the bandwidth limit (= tok/s of one sequence): the higher of
+    read and copy bandwidth (decode mostly reads)."""
+    return max(roof.get("read_bandwidth_gbs", 0.0), roof["copy_bandwidth_gbs"]) * 1e9 / weight_bytes
 
 
 def describe(roof: dict[str, Any]) -> str:

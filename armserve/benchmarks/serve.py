@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -26,7 +27,8 @@ import numpy as np
 from armserve.benchmarks.datasets import (SampleRequest, ServerTokenizer, file_requests, load_local_tokenizer,
                                           random_requests)
 from armserve.benchmarks.metrics import (LATENCY_METRICS, METRIC_NAMES, RequestResult, calculate_metrics,
-                                         parse_percentiles, parse_slo)
+                                         parse_percentiles, parse_slo, percentile_key)
+from armserve.entrypoints.chat_client import ChatClientError, first_model
 
 ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
 
@@ -166,7 +168,7 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, requests
     url = base_url.rstrip("/") + ENDPOINTS[backend]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     rng = np.random.default_rng(seed)
-    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
     bar = None
     if show_progress:
         from tqdm.auto import tqdm
@@ -181,11 +183,8 @@ async def run_benchmark(base_url: str, backend: str, model: str | None, requests
                                      read_bufsize=1 << 20) as session:
         async def one(req: SampleRequest) -> RequestResult:
             payload = build_payload(backend, model, req, ignore_eos, extra_body)
-            if sem is None:
+            async with sem:
                 res = await send_request(session, url, payload, req.prompt_len, headers, count_tokens)
-            else:
-                async with sem:
-                    res = await send_request(session, url, payload, req.prompt_len, headers, count_tokens)
             if bar is not None:
                 bar.update(1)
             return res
@@ -248,8 +247,7 @@ def format_summary(m: dict[str, Any], rate: float, concurrency: int | None, burs
         row(f"Mean {tag} (ms):", m[f"mean_{name}_ms"])
         row(f"Median {tag} (ms):", m[f"median_{name}_ms"])
         for p in percentiles:
-            key = f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
-            row(f"P{p:g} {tag} (ms):", m[f"{key}_{name}_ms"])
+            row(f"P{p:g} {tag} (ms):", m[f"{percentile_key(p)}_{name}_ms"])
     if extra:
         lines.append(" Roofline ".center(w, "-"))
         for k, v in extra.items():
@@ -323,14 +321,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def _first_model(base_url: str, api_key: str | None) -> str | None:
-    import httpx
-
     try:
-        r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30,
-                      headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
-        data = r.json().get("data") or []
-        return data[0]["id"] if data else None
-    except (httpx.HTTPError, ValueError, KeyError):
+        return first_model(base_url.rstrip("/") + "/v1", api_key)
+    except (ChatClientError, OSError, ValueError, KeyError):
         return None
 
 
@@ -364,8 +357,7 @@ def main(args: argparse.Namespace) -> int:
     if args.dataset_name == "file":
         if not args.dataset_path:
             raise ValueError("--dataset-name file needs --dataset-path")
-        requests = file_requests(tok, args.dataset_path, args.num_prompts + 1, args.output_len, args.input_len,
-                                 args.seed)
+        requests = file_requests(tok, args.dataset_path, args.num_prompts + 1, args.output_len, args.input_len)
     else:
         requests = random_requests(tok, args.num_prompts + 1, args.input_len or 128, args.output_len,
                                    args.random_range_ratio, args.random_prefix_len, args.seed)

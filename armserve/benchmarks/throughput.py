@@ -50,7 +50,7 @@ def main(args: argparse.Namespace) -> int:
     tok = llm.get_tokenizer()
     seed = llm.llm_engine.config.seed  # (--seed, or the engine's default)
     if args.dataset_path:
-        reqs = file_requests(tok, args.dataset_path, args.num_prompts, args.output_len, args.input_len, seed)
+        reqs = file_requests(tok, args.dataset_path, args.num_prompts, args.output_len, args.input_len)
     else:
         reqs = random_requests(tok, args.num_prompts, args.input_len, args.output_len, args.random_range_ratio,
                                seed=seed)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, OpenAIBaseModel, structured_response_format
+from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, OpenAIBaseModel
 
 # Paths whose errors go out in Anthropic's shape instead of OpenAI's.
 ANTHROPIC_PATHS = ("/v1/messages",)
@@ -201,4 +201,4 @@ class MessagesRequest(CountTokensRequest):
             model=self.model, messages=self.chat_messages(), tools=self.chat_tools(), tool_choice=tool_choice,
             parallel_tool_calls=parallel, max_tokens=self.max_tokens, stop=self.stop_sequences,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            response_format=structured_response_format((self.output_config or {}).get("format")))
+            response_format=(self.output_config or {}).get("format"))  # flat, as the Responses API's

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import armserve
-from armserve.prompts import PromptError, encode_text
+from armserve.prompts import encode_text
 from armserve.engine.async_llm import AsyncLLM
 from armserve.engine.exceptions import EngineOverloadedError, RequestFailedError
 from armserve.entrypoints.anthropic_protocol import CountTokensRequest, MessagesRequest, error_body
@@ -295,10 +295,8 @@ def build_app(
                 ids = serving.render_chat(body.messages, add_gen, body.continue_final_message, None,
                                           body.chat_template_kwargs, tools, tokenizer=tok, limit=False)
             else:
-                try:
+                with serving.prompt_errors("prompt"):
                     ids = encode_text(tok, body.prompt, "prompt", body.add_special_tokens)
-                except PromptError as e:
-                    raise APIError(str(e), 400, "prompt") from None
             return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,
                     "token_strs": tok.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 

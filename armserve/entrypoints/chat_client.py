@@ -85,11 +85,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
     def ask(text: str) -> bool:
         messages.append({"role": "user", "content": text})
-        body: dict[str, Any] = {"model": model, "messages": messages}
-        if args.max_tokens is not None:
-            body["max_tokens"] = args.max_tokens
-        if args.temperature is not None:
-            body["temperature"] = args.temperature
+        body: dict[str, Any] = {"model": model, "messages": messages, **{
+            k: v for k in ("max_tokens", "temperature") if (v := getattr(args, k)) is not None}}
         answer = []
         try:
             for kind, piece in stream_chat(base_url, api_key, body):

@@ -10,7 +10,8 @@ owns its own registry, so several servers in one process (tests) never collide.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partialmethod
 from typing import Any
 
 from prometheus_client import (
@@ -46,17 +47,13 @@ class _Twin:
     def __init__(self, *children) -> None:
         self.children = children
 
-    def set(self, v: float) -> None:
+    def _each(self, method: str, *args: Any) -> None:
         for c in self.children:
-            c.set(v)
+            getattr(c, method)(*args)
 
-    def inc(self, v: float = 1.0) -> None:
-        for c in self.children:
-            c.inc(v)
-
-    def observe(self, v: float) -> None:
-        for c in self.children:
-            c.observe(v)
+    set = partialmethod(_each, "set")
+    inc = partialmethod(_each, "inc")
+    observe = partialmethod(_each, "observe")
 
     def labels(self, **kw) -> "_Twin":
         return _Twin(*(c.labels(**kw) for c in self.children))
@@ -70,24 +67,24 @@ class _EngineSeries:
     counters: dict[str, Any]
     histograms: dict[str, Any]
     request_success: Any
-    last_queries: int = 0
-    last_hits: int = 0
-    last_preemptions: int = 0
+    last: dict[str, int] = field(default_factory=dict)  # CUMULATIVE name -> total
     last_spec: SpecDecodingStats | None = None
 
 
 class PrometheusMetrics:
     """All of one server's metrics; also a `StatLogger` for `AsyncLLM`."""
 
-    # name -> (help, vLLM twin)
+    # name -> (help, vLLM twin, the SchedulerStats attribute shown)
     GAUGES = {
-        "num_requests_running": ("Requests in the running batch.", True),
-        "num_requests_waiting": ("Requests waiting to be scheduled.", True),
-        "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0-1).", True),
-        "kv_cache_used_blocks": ("KV cache blocks held by requests.", False),
-        "kv_cache_total_blocks": ("KV cache blocks in the pool.", False),
-        "prefix_cache_hit_rate": ("Prefix-cache hit rate over all queried prompt tokens (0-1).", False),
+        "num_requests_running": ("Requests in the running batch.", True, "num_running"),
+        "num_requests_waiting": ("Requests waiting to be scheduled.", True, "num_waiting"),
+        "kv_cache_usage_perc": ("Fraction of KV cache blocks in use (0-1).", True, "kv_cache_usage"),
+        "kv_cache_used_blocks": ("KV cache blocks held by requests.", False, "kv_blocks_used"),
+        "kv_cache_total_blocks": ("KV cache blocks in the pool.", False, "kv_blocks_total"),
+        "prefix_cache_hit_rate": ("Prefix-cache hit rate over all queried prompt tokens (0-1).", False,
+                                  "prefix_cache_hit_rate"),
     }
+    # name -> (help, vLLM twin)
     COUNTERS = {
         "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", True),
         "prefix_cache_hits": ("Prompt tokens found in the prefix cache.", True),
@@ -99,6 +96,7 @@ class PrometheusMetrics:
         "spec_decode_num_draft_tokens": ("Speculative decoding: draft tokens verified.", True),
         "spec_decode_num_accepted_tokens": ("Speculative decoding: draft tokens accepted.", True),
     }
+    CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")  # SchedulerStats' totals
     HISTOGRAMS = {  # every histogram has its vLLM twin
         "time_to_first_token_seconds": ("Time to first token.", _LATENCY_BUCKETS),
         "time_per_output_token_seconds": ("Mean time per output token of each request (after the first).",
@@ -132,7 +130,7 @@ class PrometheusMetrics:
             return _Twin(*(kind(f"{p}:{name}", doc, labels + list(extra), registry=r, **kw)
                            for p in (("armserve", "vllm") if twin else ("armserve",))))
 
-        self._gauges = {n: family(Gauge, n, doc, twin) for n, (doc, twin) in self.GAUGES.items()}
+        self._gauges = {n: family(Gauge, n, doc, twin) for n, (doc, twin, _) in self.GAUGES.items()}
         self._counters = {n: family(Counter, n, doc, twin) for n, (doc, twin) in self.COUNTERS.items()}
         self._histograms = {n: family(Histogram, n, doc, True, buckets=b) for n, (doc, b) in self.HISTOGRAMS.items()}
         self._request_success = family(Counter, "request_success",
@@ -172,17 +170,11 @@ class PrometheusMetrics:
     def record(self, s: SchedulerStats, it: IterationStats, engine: int = 0) -> None:
         e = self._engine(engine)
         g, c, h = e.gauges, e.counters, e.histograms
-        g["num_requests_running"].set(s.num_running)
-        g["num_requests_waiting"].set(s.num_waiting)
-        g["kv_cache_usage_perc"].set(s.kv_cache_usage)
-        g["kv_cache_used_blocks"].set(s.kv_blocks_used)
-        g["kv_cache_total_blocks"].set(s.kv_blocks_total)
-        g["prefix_cache_hit_rate"].set(s.prefix_cache_hit_rate)
-        # The engine keeps cumulative totals; counters only take increments.
-        c["prefix_cache_queries"].inc(s.prefix_cache_queries - e.last_queries)
-        c["prefix_cache_hits"].inc(s.prefix_cache_hits - e.last_hits)
-        c["num_preemptions"].inc(s.num_preemptions - e.last_preemptions)
-        e.last_queries, e.last_hits, e.last_preemptions = s.prefix_cache_queries, s.prefix_cache_hits, s.num_preemptions
+        for name, (_, _, attr) in self.GAUGES.items():
+            g[name].set(getattr(s, attr))
+        for name in self.CUMULATIVE:  # the engine keeps totals; counters only take increments
+            c[name].inc(getattr(s, name) - e.last.get(name, 0))
+            e.last[name] = getattr(s, name)
         if s.spec_decoding is not None:
             self._record_spec(e, s.spec_decoding, engine)
         c["prompt_tokens"].inc(it.num_prompt_tokens)

@@ -80,8 +80,7 @@ def tool_parameters(fn: FunctionDefinition) -> dict[str, Any]:
     return fn.parameters or {"type": "object", "properties": {}}
 
 
-def structured_from_response_format(rf: dict[str, Any] | None, field: str = "response_format") -> \
-        StructuredOutputsParams | None:
+def structured_from_response_format(rf: dict[str, Any] | None) -> StructuredOutputsParams | None:
     """OpenAI's response_format (chat) / text.format (responses) as StructuredOutputsParams."""
     if not rf:
         return None
@@ -95,9 +94,15 @@ def structured_from_response_format(rf: dict[str, Any] | None, field: str = "res
         spec = rf.get("json_schema", rf)
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise ValueError(f"{field}: json_schema needs a 'schema' object")
+            raise ValueError("response_format: json_schema needs a 'schema' object")
         return StructuredOutputsParams(json=schema)
-    raise ValueError(f"{field}: type {kind!r} is not supported; use text, json_object or json_schema")
+    raise ValueError(f"response_format: type {kind!r} is not supported; use text, json_object or json_schema")
+
+
+# Request fields that are SamplingParams fields of the same name and meaning.
+_PASSED_TO_SAMPLING = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                       "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
+                       "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens")
 
 
 class _SamplingFields(OpenAIBaseModel):
@@ -165,39 +170,17 @@ class _SamplingFields(OpenAIBaseModel):
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None, defaults: dict[str, Any] | None = None) -> SamplingParams:
-        """Raises `SamplingParamsError` naming the bad field. `defaults`: the server's values for the
-        fields the request leaves out (--generation-config); their max_tokens caps the request's too."""
+        """Raises `SamplingParamsError` naming the bad field. A field left out or null takes `defaults`
+        (the server's values, --generation-config; their max_tokens caps the request's too), else
+        SamplingParams' default; max_tokens None: the engine generates up to max_model_len."""
         d = defaults or {}
-
-        def pick(name: str, api_default: float) -> Any:
-            value = getattr(self, name)
-            return value if value is not None else d.get(name, api_default)
-
         if d.get("max_tokens") is not None:
             max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens, d["max_tokens"])
-        return SamplingParams(
-            n=self.n,
-            temperature=pick("temperature", 1.0),
-            top_p=pick("top_p", 1.0),
-            top_k=pick("top_k", 0),
-            min_p=pick("min_p", 0.0),
-            seed=self.seed,
-            presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty,
-            repetition_penalty=pick("repetition_penalty", 1.0),
-            # None: the engine generates up to max_model_len - prompt length.
-            max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            stop=self.stop,
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            structured_outputs=self.structured(),
-        )
+        given = {f: v for f in _PASSED_TO_SAMPLING if (v := getattr(self, f)) is not None}
+        given.update({f: d[f] for f in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+                      if f in d and f not in given})
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              structured_outputs=self.structured())
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -392,21 +375,12 @@ class ResponsesRequest(OpenAIBaseModel):
         choice = self.tool_choice
         if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
             choice = {"type": "function", "function": {"name": choice["name"]}}
-        fmt = (self.text or {}).get("format")
         return ChatCompletionRequest(
             model=self.model, messages=system + (history or []) + self.input_messages(), tools=tools or None,
             tool_choice=choice,
             parallel_tool_calls=self.parallel_tool_calls, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p,
-            response_format=structured_response_format(fmt))
-
-
-def structured_response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The Responses API's flat text.format as chat's response_format."""
-    if not fmt or fmt.get("type") != "json_schema":
-        return fmt
-    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema"),
-                                                   "strict": fmt.get("strict")}}
+            response_format=(self.text or {}).get("format"))
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -1,13 +1,7 @@
-"""The serving base every endpoint shares: request parsing, model names, chat rendering, the engine
-request (the engine's input processor, its refusals as 400s), tool setup, and the response
-helpers (SSE, usage, reading a stream to its end).
-
-One request's path: validate the body (pydantic) -> `SamplingParams` -> prompt token ids
-(chat template or tokenizer) -> `process` (engine/input_processor.py: checks, n fan-out) ->
-`AsyncLLM.add_processed_request` (engine errors become 400s before any byte is sent) -> either
-collect the deltas into one response or stream them as SSE chunks ending in `data: [DONE]`. The
-endpoints: serving_chat.py (/v1/chat/completions), serving_completion.py (/v1/completions),
-serving_responses.py (/v1/responses).
+"""The serving base every endpoint (serving_chat.py, serving_completion.py, serving_responses.py)
+shares: request parsing, model names, chat rendering, the engine request (the engine's input
+processor, its refusals as 400s before any byte is sent), tool setup, and the response helpers
+(SSE, usage, reading a stream to its end).
 """
 
 from __future__ import annotations
@@ -17,8 +11,8 @@ import copy
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -33,7 +27,7 @@ from armserve.engine.input_processor import ContextLengthError, EngineCoreReques
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, ChatMessage
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.tool_parsers import ToolCall, ToolCallStream, get_tool_parser
-from armserve.outputs import Logprob, PositionLogprobs, RequestOutput
+from armserve.outputs import CompletionOutput, Logprob, RequestOutput
 from armserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("armserve")
@@ -72,10 +66,11 @@ def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
 
 
 class EngineStreamingResponse(StreamingResponse):
-    """An SSE response that closes its engine streams however the response ends.
+    """An SSE response that closes its engine streams however the response ends (the body
+    generators leave that to it).
 
     NOTE: if the client disconnects before the body generator even starts, the generator's
-    own `finally` never runs; closing here still aborts the requests and frees their blocks.
+    own `finally` would never run; closing here still aborts the requests and frees their blocks.
     """
 
     def __init__(self, content: AsyncIterator[str], streams: Sequence[RequestStream]) -> None:
@@ -113,17 +108,6 @@ async def run_unless_disconnected(request: Request, work: Awaitable[Response]) -
     except asyncio.CancelledError:
         pass
     return Response(status_code=499)  # nobody reads it; the access log shows the disconnect
-
-
-@dataclass
-class Choice:
-    """Accumulated state of one completion while collecting or streaming."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class OpenAIServing:
@@ -216,8 +200,16 @@ class OpenAIServing:
         return APIError(f"This model's maximum context length is {self.engine.max_model_len} tokens, but {but}",
                         400, param, "context_length_exceeded")
 
-    def too_long(self, e: PromptTooLongError, param: str) -> APIError:
-        return self.context_error(f"the prompt has at least {e.num_tokens} tokens. Shorten the prompt.", param)
+    @contextmanager
+    def prompt_errors(self, param: str) -> Iterator[None]:
+        """A PromptError inside as a 400 naming `param` (context_length_exceeded if too long)."""
+        try:
+            yield
+        except PromptTooLongError as e:
+            raise self.context_error(f"the prompt has at least {e.num_tokens} tokens. Shorten the prompt.",
+                                     param) from None
+        except PromptError as e:
+            raise APIError(str(e), 400, param) from None
 
     def process(self, request_id: str, ids: list[int], params: SamplingParams, prompt_param: str,
                 max_param: str = "max_tokens", text: str | None = None,
@@ -311,15 +303,11 @@ class OpenAIServing:
             raise APIError("this model has no chat template; start the server with --chat-template "
                            "or use /v1/completions", 400, "messages")
         convo = [m.model_dump(exclude_none=True) if isinstance(m, ChatMessage) else m for m in messages]
-        try:
+        with self.prompt_errors("messages"):
             return render_chat(tokenizer, convo, tools=tools, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message, chat_template=chat_template,
                                chat_template_kwargs=chat_template_kwargs,
                                max_tokens=self.engine.max_model_len if limit else None)
-        except PromptTooLongError as e:
-            raise self.too_long(e, "messages") from None
-        except PromptError as e:
-            raise APIError(str(e), 400, "messages") from None
 
     def tool_setup(self, body: ChatCompletionRequest, params: SamplingParams) -> tuple[str, list[dict[str, Any]] | None]:
         """A chat request's tool mode (tool_mode) and its tools as the template takes them."""
@@ -329,6 +317,20 @@ class OpenAIServing:
             # as special tokens and would drop from the text (vLLM's parsers do the same).
             params.skip_special_tokens = False
         return mode, [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+
+    async def submit_chat(self, body: ChatCompletionRequest, raw: Request, rid: str, prompt_param: str,
+                          max_param: str, logprobs_param: str = "logprobs",
+                          ) -> tuple[SamplingParams, RequestStream, int, tuple[str, str | None]]:
+        """A chat request (with the server's default sampling) rendered, checked and sent to the
+        engine: its sampling parameters, its stream, its prompt's length and its tool mode
+        (tool_mode) with the forced function's name."""
+        params = body.to_sampling_params(self.default_sampling)
+        mode, tools = self.tool_setup(body, params)
+        request = await self.prepare(raw, lambda tok: self.process(rid, self.render_chat(
+            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
+            body.chat_template_kwargs, tools, tok), params, prompt_param, max_param, logprobs_param=logprobs_param))
+        stream = await self.submit(request)
+        return params, stream, len(request.prompt_token_ids), (mode, body.forced_function)
 
     def tool_mode(self, tool_choice: str | dict[str, Any], has_tools: bool, param: str = "tool_choice") -> str:
         """How tool calls come out: "named" / "required" (forced by the grammar), "auto" (parsed
@@ -368,9 +370,9 @@ class OpenAIServing:
         return self.tokenizer.decode([token_id])
 
 
-async def collect(stream: RequestStream, n: int) -> tuple[list[Choice], RequestOutput]:
-    """Read a stream to the end; raises EngineDeadError if the engine stopped meanwhile."""
-    choices = [Choice() for _ in range(n)]
+async def collect(stream: RequestStream, n: int) -> tuple[list[CompletionOutput], RequestOutput]:
+    """Read a stream to the end: each completion whole; raises EngineDeadError if the engine stopped meanwhile."""
+    choices = [CompletionOutput(i, "", [], None, None) for i in range(n)]
     last: RequestOutput | None = None
     try:
         async for out in stream:

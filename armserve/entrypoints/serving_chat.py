@@ -40,17 +40,11 @@ class OpenAIServingChat:
         """POST /v1/chat/completions: one JSON response, or SSE chunks when `stream`."""
         body.warn_ignored_fields()
         model = self.serving.model_name(body.model)
-        params = body.to_sampling_params(self.serving.default_sampling)
-        mode, tools = self.serving.tool_setup(body, params)
         max_param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        request = await self.serving.prepare(raw, lambda tok: self.serving.process(rid, self.serving.render_chat(
-            body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
-            body.chat_template_kwargs, tools, tok), params, "messages", max_param, logprobs_param="top_logprobs"))
-        stream = await self.serving.submit(request)
-        num_prompt = len(request.prompt_token_ids)
+        params, stream, num_prompt, tool = await self.serving.submit_chat(body, raw, rid, "messages", max_param,
+                                                                          "top_logprobs")
         created = int(time.time())
-        tool = (mode, body.forced_function)
         if body.stream:
             opts = body.stream_options
             return EngineStreamingResponse(
@@ -92,11 +86,11 @@ class OpenAIServingChat:
         num_tokens = [0] * n
         cached = 0
 
-        def chunk(choice: dict[str, Any] | None) -> str:
+        def chunk(choice: dict[str, Any] | None, final: bool = False) -> str:
             obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
                                    "model": model, "choices": [choice] if choice is not None else []}
             if include_usage:
-                obj["usage"] = usage(num_prompt, sum(num_tokens), cached) if continuous_usage else None
+                obj["usage"] = usage(num_prompt, sum(num_tokens), cached) if continuous_usage or final else None
             return sse(obj)
 
         try:
@@ -137,13 +131,9 @@ class OpenAIServingChat:
                     yield chunk({"index": c.index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish, "stop_reason": c.stop_reason})
             if include_usage:
-                final = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                         "choices": [], "usage": usage(num_prompt, sum(num_tokens), cached)}
-                yield sse(final)
+                yield chunk(None, final=True)
         except RequestFailedError as e:
             yield sse(APIError(str(e), e.status).body())
-        finally:
-            stream.close()
         yield "data: [DONE]\n\n"
 
     def _logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,

@@ -14,13 +14,12 @@ from typing import Any, AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from armserve.prompts import NoFIMError, PromptError, PromptTooLongError, encode_text, fim_prompt
+from armserve.prompts import NoFIMError, PromptError, encode_text, fim_prompt
 from armserve.engine.async_llm import RequestStream
 from armserve.engine.exceptions import RequestFailedError
 from armserve.engine.input_processor import EngineCoreRequest
 from armserve.entrypoints.protocol import APIError, CompletionRequest
 from armserve.entrypoints.serving import (
-    Choice,
     EngineStreamingResponse,
     OpenAIServing,
     collect,
@@ -29,7 +28,7 @@ from armserve.entrypoints.serving import (
     sse,
     usage,
 )
-from armserve.outputs import PositionLogprobs, RequestOutput
+from armserve.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from armserve.sampling_params import SamplingParams
 
 
@@ -67,12 +66,11 @@ class OpenAIServingCompletion:
                         ids = fim_prompt(tok, p, suffix, max_tokens=limit)
                     else:
                         ids = encode_text(tok, p, max_tokens=limit) if isinstance(p, str) else p
-                except PromptTooLongError as e:
-                    raise self.serving.too_long(e, "prompt") from None
                 except NoFIMError as e:
                     raise APIError(str(e), 400, "suffix") from None
-                except PromptError as e:
-                    raise APIError(str(e), 400, "suffix" if str(e).startswith("suffix") else "prompt") from None
+                except PromptError as e:  # a 400 naming its field (context_length_exceeded if too long)
+                    with self.serving.prompt_errors("suffix" if str(e).startswith("suffix") else "prompt"):
+                        raise
                 text = p if isinstance(p, str) else tok.decode(p)  # (for echo)
                 requests.append(self.serving.process(sub_id, ids, params, "prompt", text=text))
             return requests
@@ -117,17 +115,11 @@ class OpenAIServingCompletion:
                 choices = sorted(choices, key=_cumulative_logprob, reverse=True)[:n]
             for i, c in enumerate(choices):
                 num_generated += len(c.token_ids)
-                logprobs = None
-                if params.logprobs is not None and not hide_logprobs:
-                    logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
-                                                     len(ptext) if echo else 0)
-                    if echo:
-                        logprobs = _join_legacy(self._prompt_legacy_logprobs(pids, last.prompt_logprobs,
-                                                                             params.logprobs), logprobs)
                 out_choices.append({
                     "index": p_idx * n + i,
                     "text": (ptext + c.text) if echo else c.text,
-                    "logprobs": logprobs,
+                    "logprobs": None if hide_logprobs else self._logprobs(
+                        c, params.logprobs, len(ptext) if echo else 0, (pids, last.prompt_logprobs) if echo else None),
                     "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason,
                 })
@@ -151,11 +143,11 @@ class OpenAIServingCompletion:
         ids_sent = [False] * (n * len(prompts))  # return_token_ids: the prompt's ids go in a choice's first chunk
         cached = [0] * len(prompts)
 
-        def chunk(choice: dict[str, Any]) -> str:
+        def chunk(choice: dict[str, Any] | None, final: bool = False) -> str:
             obj: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                   "model": model, "choices": [choice]}
+                                   "model": model, "choices": [choice] if choice is not None else []}
             if include_usage:
-                obj["usage"] = usage(num_prompt, sum(num_tokens), sum(cached)) if continuous_usage else None
+                obj["usage"] = usage(num_prompt, sum(num_tokens), sum(cached)) if continuous_usage or final else None
             return sse(obj)
 
         try:
@@ -166,16 +158,11 @@ class OpenAIServingCompletion:
                     idx = p_idx * n + c.index
                     num_tokens[idx] += len(c.token_ids)
                     text = c.text
-                    logprobs = None
-                    if params.logprobs is not None:
-                        logprobs = self._legacy_logprobs(c.token_ids, c.logprobs or [], params.logprobs,
-                                                         text_offset[idx])
-                    if echo and not echoed[idx]:
-                        if params.logprobs is not None:
-                            # NOTE: complete by now: the engine fills them before the first token.
-                            plp = self._prompt_legacy_logprobs(pids, out.prompt_logprobs, params.logprobs)
-                            logprobs = _join_legacy(plp, self._legacy_logprobs(
-                                c.token_ids, c.logprobs or [], params.logprobs, len(ptext)))
+                    # NOTE: the prompt's logprobs are complete by now: the engine fills them before the first token.
+                    echo_now = echo and not echoed[idx]
+                    logprobs = self._logprobs(c, params.logprobs, len(ptext) if echo_now else text_offset[idx],
+                                              (pids, out.prompt_logprobs) if echo_now else None)
+                    if echo_now:
                         text = ptext + text
                         echoed[idx] = True
                     if logprobs is not None and logprobs["tokens"]:
@@ -190,13 +177,9 @@ class OpenAIServingCompletion:
                         ids_sent[idx] = True
                     yield chunk(choice)
             if include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": usage(num_prompt, sum(num_tokens), sum(cached))})
+                yield chunk(None, final=True)
         except RequestFailedError as e:
             yield sse(APIError(str(e), e.status).body())
-        finally:
-            for s in streams:
-                s.close()
         yield "data: [DONE]\n\n"
 
     def _legacy_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs], top_k: int,
@@ -215,22 +198,25 @@ class OpenAIServingCompletion:
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def _prompt_legacy_logprobs(self, ids: list[int], prompt_logprobs: list[PositionLogprobs | None] | None,
-                                top_k: int) -> dict[str, Any]:
-        # The first prompt token has no logprob (nothing precedes it).
-        first = self.serving.tokenizer.decode([ids[0]])
+    def _logprobs(self, c: CompletionOutput, top_k: int | None, offset: int,
+                  prompt: tuple[list[int], list[PositionLogprobs | None] | None] | None) -> dict[str, Any] | None:
+        """Legacy logprobs of a completion's tokens from text offset `offset`, after those of the
+        echoed `prompt` (its token ids and prompt logprobs) when given; None unless asked for."""
+        if top_k is None:
+            return None
+        out = self._legacy_logprobs(c.token_ids, c.logprobs or [], top_k, offset)
+        if prompt is None:
+            return out
+        ids, prompt_logprobs = prompt
+        first = self.serving.tokenizer.decode([ids[0]])  # no logprob: nothing precedes it
         rest = self._legacy_logprobs(ids[1:], [p or {} for p in (prompt_logprobs or [None])[1:]], top_k, len(first))
-        return {"tokens": [first] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
-                "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}
+        head = {"tokens": first, "token_logprobs": None, "top_logprobs": None, "text_offset": 0}
+        return {k: [head[k], *rest[k], *out[k]] for k in head}
 
 
-def _cumulative_logprob(c: Choice) -> float:
+def _cumulative_logprob(c: CompletionOutput) -> float:
     """The log-probability of a completion's tokens (its logprobs were asked for)."""
     return sum(pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs or []))
-
-
-def _join_legacy(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    return {k: a[k] + b[k] for k in a}
 
 
 async def _merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

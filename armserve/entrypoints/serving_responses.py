@@ -61,14 +61,8 @@ class OpenAIServingResponses:
         except ValidationError as e:
             raise APIError("Invalid request: " + "; ".join(
                 str(err.get("msg", "")).removeprefix("Value error, ") for err in e.errors()), 400) from None
-        params = chat.to_sampling_params(self.serving.default_sampling)
-        mode, tools = self.serving.tool_setup(chat, params)
         rid = f"resp_{uuid.uuid4().hex}"
-        request = await self.serving.prepare(raw, lambda tok: self.serving.process(
-            rid, self.serving.render_chat(chat.messages, tools=tools, tokenizer=tok), params, "input",
-            "max_output_tokens"))
-        stream = await self.serving.submit(request)
-        num_prompt = len(request.prompt_token_ids)
+        _, stream, num_prompt, tool = await self.serving.submit_chat(chat, raw, rid, "input", "max_output_tokens")
         base = {
             "id": rid, "object": "response", "created_at": int(time.time()), "model": model,
             "instructions": body.instructions, "tools": body.tools or [],
@@ -79,7 +73,6 @@ class OpenAIServingResponses:
             "incomplete_details": None, "previous_response_id": body.previous_response_id, "reasoning": None,
             "store": body.store is not False, "truncation": "disabled", "user": body.user,
         }
-        tool = (mode, chat.forced_function)
         conversation = history + body.input_messages() if base["store"] else None
         if body.stream:
             return EngineStreamingResponse(self._stream(stream, base, num_prompt, tool, conversation), [stream])
@@ -188,8 +181,6 @@ class OpenAIServingResponses:
                         response=final_obj)
         except RequestFailedError as e:
             yield event("error", code="timeout" if e.status == 504 else "engine_dead", message=str(e), param=None)
-        finally:
-            stream.close()
 
 
 def _response_object(base: dict[str, Any], output: list[dict[str, Any]], finish: str | None, num_prompt: int,

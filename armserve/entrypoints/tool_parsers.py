@@ -20,6 +20,8 @@ import ast
 import json
 import re
 import uuid
+
+import regex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -108,26 +110,15 @@ class HermesToolParser(ToolParser):
         except ValueError:
             return None
 
+    # What a reply that is a fenced bare call starts with (a fence of any other language streams at once).
+    _FENCED_START = regex.compile(r"```(?:json)?[ \t\n]*\{.*", regex.DOTALL)
+
     def call_start(self, text: str) -> int:
         stripped = text.lstrip()
-        if stripped.startswith("{") or self._may_be_fenced_call(stripped):
+        # partial: the reply so far can still become one
+        if stripped.startswith("{") or (stripped and self._FENCED_START.fullmatch(stripped, partial=True)):
             return len(text) - len(stripped)  # maybe a bare call: hold it back until the end decides
         return super().call_start(text)
-
-    @staticmethod
-    def _may_be_fenced_call(s: str) -> bool:
-        """`s` (the reply so far) can still become a fenced bare call: a fence, then `json` or
-        nothing, then the object's `{`. A fence of any other language streams at once."""
-        if len(s) < 3:
-            return bool(s) and "```".startswith(s)
-        if not s.startswith("```"):
-            return False
-        rest = s[3:]
-        if len(rest) < 4 and "json".startswith(rest):
-            return True
-        rest = rest[4:] if rest.startswith("json") else rest
-        rest = rest.lstrip(" \t\n")
-        return rest == "" or rest.startswith("{")
 
 
 class Llama3JsonToolParser(ToolParser):
