@@ -196,7 +196,9 @@ def test_base64_round_trip_and_pooling_endpoint(embed_server):
                      timeout=60).json()
     for f, b in zip(floats["data"], b64["data"]):
         decoded = np.frombuffer(base64.b64decode(b["embedding"]), dtype="<f4")
-        assert decoded.tolist() == np.asarray(f["embedding"], dtype=np.float32).tolist()
+        # (two requests: the engine may batch their rows differently, so equal up to GEMM rounding)
+        assert decoded.shape == (len(f["embedding"]),)
+        np.testing.assert_allclose(decoded, np.asarray(f["embedding"], dtype=np.float32), rtol=1e-4, atol=1e-5)
     pooled = httpx.post(f"{embed_server.url}/pooling", json=body, timeout=60).json()
     assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
     assert_close_vectors([d["data"] for d in pooled["data"]],

@@ -77,7 +77,7 @@ class AnthropicServingMessages:
             chat: ChatCompletionRequest = body.to_chat_request()
         except ValueError as e:  # (pydantic's ValidationError is one)
             raise self._bad_request(e) from None
-        params = chat.to_sampling_params()
+        params = chat.to_sampling_params(self.serving.default_sampling)
         mode, tools = self.serving.tool_setup(chat, params)
         rid = f"msg_{uuid.uuid4().hex}"
         request = await self.serving.prepare(raw, lambda tok: self.serving.process(
