@@ -429,3 +429,16 @@ def smollm2_server(smollm2_gguf, tmp_path_factory):
                         str(tmp_path_factory.mktemp("smol") / "server.log"))
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def dp_server(tiny_llama, tmp_path_factory):
+    """Two data-parallel engines behind one server, one core each (on a 2-core machine), restarted
+    when one dies: test_server's load across both engines, then test_server_hardening's dead engine
+    (its tests measure deltas, so they share one server: a data-parallel start is three processes)."""
+    from server_process import ServerProcess
+
+    srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.02", "--data-parallel-size", "2",
+                                     "--restart-engine-on-failure"], str(tmp_path_factory.mktemp("dp") / "server.log"))
+    yield srv
+    srv.stop()

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+import test_step_graph as step_graph
 from conftest import kernel_isas
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,7 +43,9 @@ RUN_ONCE = [
 # NOTE: each variant's run is one process on one thread (conftest), so the variants run side by
 # side on a machine's two cores; the two-thread replays (test_step_graph) wait until they are all
 # done and then run one variant at a time, since a two-thread team next to another process would
-# measure nothing but the contention.
+# measure nothing but the contention. Those replays run straight from test_step_graph's helpers
+# (its test asserts with check_team_case, as this file does): a pytest process per variant around
+# them only added an interpreter, the imports and the collection of FILES.
 TWO_THREADS = "two_threads"
 
 
@@ -73,23 +76,33 @@ def _finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def forced_runs(tmp_path_factory) -> dict[str, list[tuple[int, str]]]:
-    """Per variant: (exit code, output) of its runs of FILES without RUN_ONCE: all but the two-thread
-    replays, then those."""
+def forced_runs(tmp_path_factory, tiny_checkpoints, tiny_llama) -> dict[str, tuple[tuple[int, str], dict]]:
+    """Per variant: (exit code, output) of its run of FILES without RUN_ONCE and the two-thread
+    replays, then those replays' results per case (test_step_graph.TEAM_CASES)."""
     tmp = tmp_path_factory.mktemp("forced-isa")
     once = " or ".join(RUN_ONCE)
     side_by_side = {v: _pytest(v, f"not ({once} or {TWO_THREADS})", str(tmp / f"{v}.log")) for v in VARIANTS}
-    runs = {v: [_finish(*started)] for v, started in side_by_side.items()}
+    runs = {v: _finish(*started) for v, started in side_by_side.items()}
+    cases = step_graph.team_cases(tiny_checkpoints, step_graph.biased_copy(tiny_checkpoints["qwen2"]),
+                                  step_graph.w4a8_copy(tiny_llama, str(tmp / "w4a8")))
+    out = {}
     for v in VARIANTS:
-        runs[v].append(_finish(*_pytest(v, TWO_THREADS, str(tmp / f"{v}-{TWO_THREADS}.log"))))
-    return runs
+        try:
+            teams = step_graph.run_on_two_threads(cases, {**os.environ, "ARMSERVE_ISA": v})
+        except AssertionError as e:  # the process failed: every case reports it
+            teams = {case: {"error": str(e)} for case in step_graph.TEAM_CASES}
+        out[v] = (runs[v], teams)
+    return out
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_isa_sensitive_files_pass_with_variant_forced(forced_runs, variant):
-    for code, output in forced_runs[variant]:
-        tail = "\n".join(output.splitlines()[-40:])
-        assert code == 0, f"ARMSERVE_ISA={variant} pytest {' '.join(FILES)} failed:\n{tail}"
+    (code, output), teams = forced_runs[variant]
+    tail = "\n".join(output.splitlines()[-40:])
+    assert code == 0, f"ARMSERVE_ISA={variant} pytest {' '.join(FILES)} failed:\n{tail}"
+    # test_step_graph's two-thread replays under this variant, checked as that test checks them
+    for case in step_graph.TEAM_CASES:
+        step_graph.check_team_case(teams[case])
     env = {**os.environ, "ARMSERVE_ISA": variant}
     # The forced variant was really the one used (kernels raises on an unknown or unsupported name).
     check = subprocess.run([sys.executable, "-c", "from armserve import kernels; print(kernels.isa())"], env=env,

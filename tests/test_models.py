@@ -115,8 +115,6 @@ def test_gemma3_gguf_matches_transformers(gemma3_gguf, gemma3_hf_reference):
 def test_gemma3_gguf_quantized_perplexity(gemma3_gguf, gemma3_hf_reference):
     """Kept quantized (w4a8 / w8a8 from Q4_K / Q6_K blocks), Gemma 3's perplexity on a text stays
     within 3% of transformers' on the same file dequantized."""
-    from transformers import AutoModelForCausalLM
-
     from armserve.evaluate import perplexity
 
     text = (
@@ -129,7 +127,7 @@ def test_gemma3_gguf_quantized_perplexity(gemma3_gguf, gemma3_hf_reference):
     llm = LLM(gemma3_gguf, kv_cache_space=0.2, max_model_len=1024)
     ids = llm.get_tokenizer()(text)["input_ids"]
     ours = perplexity(llm, ids, window=len(ids))
-    ref_model = AutoModelForCausalLM.from_pretrained(gemma3_hf_reference, dtype=torch.float32).eval()
+    ref_model = hf_model(gemma3_hf_reference)  # the test above's, kept: one load per process
     with torch.no_grad():
         ref = math.exp(ref_model(torch.tensor([ids]), labels=torch.tensor([ids])).loss.item())
     assert abs(ours / ref - 1) < 0.03, (ours, ref)

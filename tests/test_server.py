@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from server_process import API_KEY, ServerProcess, free_port
+from server_process import API_KEY, ServerProcess, free_port  # noqa: F401 (other test files import it from here)
 
 # ---- fixtures (`server` and `auth_server`: conftest.py, one of each for the session) -----------
 
@@ -566,15 +566,6 @@ def test_tools_with_auto_choice_need_the_server_flag(server):
     assert r.status_code == 200 and not r.json()["choices"][0]["message"]["tool_calls"]
 
 
-@pytest.fixture(scope="module")
-def dp_server(tiny_llama, tmp_path_factory):
-    """Two data-parallel engines behind one server, one core each (on a 2-core machine)."""
-    srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.02", "--data-parallel-size", "2"],
-                        str(tmp_path_factory.mktemp("dp") / "server.log"))
-    yield srv
-    srv.stop()
-
-
 def test_data_parallel_server_serves_64_streams_on_both_engines(dp_server):
     client = OpenAI(base_url=dp_server.base_url, api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
@@ -598,6 +589,9 @@ def test_data_parallel_server_serves_64_streams_on_both_engines(dp_server):
         _summed(before).get('armserve:request_success_total{finished_reason="length"}', 0) == 48
     assert total['vllm:request_success_total{finished_reason="abort"}'] - \
         _summed(before).get('vllm:request_success_total{finished_reason="abort"}', 0) == 16
-    # Each engine process pinned its threads to cores of its own.
+    # Each engine process pinned its threads to cores of its own (dp_server is conftest's, shared
+    # with test_server_hardening, which kills engine 0: its restart, if that ran first, logs a third
+    # line with engine 0's cores).
     pinned = re.findall(r"loaded .* pinned to \[([\d, ]+)\]", dp_server.log())
-    assert len(pinned) == 2 and not set(pinned[0].split(", ")) & set(pinned[1].split(", ")), pinned
+    assert len(pinned) in (2, 3) and not set(pinned[0].split(", ")) & set(pinned[1].split(", ")), pinned
+    assert len(pinned) == 2 or pinned[2] in pinned[:2], pinned

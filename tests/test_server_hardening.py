@@ -358,31 +358,28 @@ def test_restart_engine_on_failure_restarts_the_core_in_place(tiny_llama, tmp_pa
         srv.stop()
 
 
-def test_a_dead_data_parallel_engine_fails_only_its_requests_and_restarts(tiny_llama, tmp_path):
+def test_a_dead_data_parallel_engine_fails_only_its_requests_and_restarts(dp_server):
     """Two engines: killing one ends its stream with an error; the other's stream completes, and
-    the dead engine comes back (--restart-engine-on-failure)."""
-    srv = ServerProcess(tiny_llama, ["--kv-cache-space", "0.02", "-dp", "2", "--restart-engine-on-failure"],
-                        str(tmp_path / "server.log"))
-    try:
-        outs: list[list[str]] = [[], []]
-        threads = [threading.Thread(target=_sse_lines, args=(f"{srv.base_url}/chat/completions",
-                                                             _stream_body(MAX_MODEL_LEN - 64), o)) for o in outs]
-        for t in threads:  # the second goes to the other engine (fewest requests in flight)
-            t.start()
-            _wait_streaming([outs[threads.index(t)]])
-        cores = _engine_cores(srv)
-        assert len(cores) == 2, cores
-        victim = min(cores, key=lambda p: p.create_time())  # engine 0, started first
-        victim.kill()
-        for t in threads:
-            t.join(120)
-        deadline = time.monotonic() + 120
-        while httpx.get(f"{srv.url}/health", timeout=10).status_code != 200 or len(_engine_cores(srv)) != 2:
-            assert srv.proc.poll() is None and time.monotonic() < deadline, srv.log()[-2000:]
-            time.sleep(0.2)
-        r = httpx.post(f"{srv.base_url}/completions", json={"model": "", "prompt": "hi", "max_tokens": 2}, timeout=60)
-    finally:
-        srv.stop()
+    the dead engine comes back (--restart-engine-on-failure; conftest's server, which
+    test_server's data-parallel test loads first)."""
+    srv = dp_server
+    outs: list[list[str]] = [[], []]
+    threads = [threading.Thread(target=_sse_lines, args=(f"{srv.base_url}/chat/completions",
+                                                         _stream_body(MAX_MODEL_LEN - 64), o)) for o in outs]
+    for t in threads:  # the second goes to the other engine (fewest requests in flight)
+        t.start()
+        _wait_streaming([outs[threads.index(t)]])
+    cores = _engine_cores(srv)
+    assert len(cores) == 2, cores
+    victim = min(cores, key=lambda p: p.create_time())  # engine 0, started first
+    victim.kill()
+    for t in threads:
+        t.join(120)
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{srv.url}/health", timeout=10).status_code != 200 or len(_engine_cores(srv)) != 2:
+        assert srv.proc.poll() is None and time.monotonic() < deadline, srv.log()[-2000:]
+        time.sleep(0.2)
+    r = httpx.post(f"{srv.base_url}/completions", json={"model": "", "prompt": "hi", "max_tokens": 2}, timeout=60)
     ends = sorted("error" if "error" in json.loads(o[-2]) else "done" for o in outs)
     assert ends == ["done", "error"], [o[-2:] for o in outs]
     for o in outs:
