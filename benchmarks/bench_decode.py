@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
-from armserve.benchmarks.roofline import measure_bandwidth  # noqa: E402
+from armserve.benchmarks.roofline import measure_bandwidth, weight_bytes_per_token  # noqa: E402
 from armserve.benchmarks.timing import request_decode_tok_s  # noqa: E402
 
 PROMPT = "Write a short story about a robot who learns to paint. Once upon a time"
@@ -41,7 +41,8 @@ def worker(model: str, dtype: str, tokens: int, runs: int) -> None:
     p = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], SamplingParams(max_tokens=4), use_tqdm=False)
     samples = [request_decode_tok_s(llm.generate([PROMPT], p, use_tqdm=False)[0]) for _ in range(runs)]
-    weight_bytes = sum(t.numel() * t.element_size() for t in llm.llm_engine.model.parameters())
+    # (from the checkpoint: the engine keeps prepacked GEMM weights as buffers, not parameters)
+    weight_bytes = weight_bytes_per_token(model, dtype)
     print(json.dumps({"samples": samples, "weight_bytes": weight_bytes, "isa": kernels.isa(),
                       "threads": torch.get_num_threads()}), flush=True)
 
@@ -104,8 +105,9 @@ def main() -> None:
         f"Read bandwidth (sum over 1 GiB, {args.threads} threads): **{bw:.1f} GB/s**; copy bandwidth (1 GiB "
         f"tensor copy, bytes read + written): {copy_bw:.1f} GB/s. armserve rev `{git_revision()}`.",
         "",
-        "Roofline = read bandwidth / weight bytes (every weight is read once per token; the KV cache is "
-        "negligible at this length). The read bandwidth is the stricter of the two: decode only reads "
+        "Roofline = read bandwidth / weight bytes per token (every weight is read once per token, counted "
+        "from the checkpoint in the compute dtype; an untied input embedding only by the row a step reads; "
+        "the KV cache is negligible at this length). The read bandwidth is the stricter of the two: decode only reads "
         "weights, and a plain read streams faster than a copy here. Before = `ARMSERVE_ISA=torch` (PyTorch path: oneDNN matmuls, "
         "gather + SDPA attention), after = C++ kernels (attention, norms, RoPE, activations, and the skinny "
         "bf16 matmul for decode), with decode steps replayed from step graphs (engine/step_graph.py). "
