@@ -46,7 +46,7 @@ def attention_cases(dtype: torch.dtype):
         nb = -(-ctx // bs)
         num_blocks = batch * nb + 1
         attn = Attention(hq, hd, hd**-0.5, hk)
-        k_shape, v_shape, _ = kv_cache_shapes(num_blocks, bs, hk, hd)
+        k_shape, v_shape, _ = kv_cache_shapes(num_blocks, bs, hk, hd, dtype)
         attn.k_cache = torch.randn(k_shape).to(dtype)
         attn.v_cache = torch.randn(v_shape).to(dtype)
         perm = torch.randperm(num_blocks - 1)[: batch * nb].view(batch, nb)  # scattered blocks, as in use
