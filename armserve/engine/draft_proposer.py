@@ -26,7 +26,7 @@ from armserve import kernels
 from armserve.config import ConfigError, SpeculativeConfig
 from armserve.engine.request import Request
 from armserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from armserve.engine.spec_decode import SpecState, speculation_allowed
+from armserve.engine.spec_decode import SpecState, request_state
 from armserve.layers.attention import set_attention_metadata
 
 
@@ -52,13 +52,7 @@ class DraftModelProposer:
         self.step = 0
 
     def state(self, req: Request) -> SpecState | None:
-        st = req.spec
-        if st is None:
-            if not speculation_allowed(req):
-                req.spec = False
-                return None
-            st = req.spec = SpecState(1, 0, self.k)  # (no n-gram tables)
-        return st or None
+        return request_state(req, 1, 0, self.k)  # (no n-gram tables)
 
     def draft_length(self, req: Request, limit: int) -> int:
         """How many tokens to draft for `req` this step (its adaptive k, capped by `limit`)."""

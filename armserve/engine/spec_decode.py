@@ -58,6 +58,17 @@ def speculation_allowed(req: Request) -> bool:
     return p.seed is None or p.greedy
 
 
+def request_state(req: Request, nmin: int, nmax: int, k: int) -> SpecState | None:
+    """The request's state (made on first use), or None when it must not speculate."""
+    st = req.spec
+    if st is None:
+        if not speculation_allowed(req):
+            req.spec = False
+            return None
+        st = req.spec = SpecState(nmin, nmax, k)
+    return st or None
+
+
 class NgramProposer:
     """Prompt-lookup drafts (`speculative_config` method "ngram")."""
 
@@ -69,14 +80,7 @@ class NgramProposer:
         self.step = 0  # scheduler steps that could speculate (for back-off)
 
     def state(self, req: Request) -> SpecState | None:
-        """The request's state (made on first use), or None when it must not speculate."""
-        st = req.spec
-        if st is None:
-            if not speculation_allowed(req):
-                req.spec = False
-                return None
-            st = req.spec = SpecState(self.nmin, self.nmax, self.k)
-        return st or None
+        return request_state(req, self.nmin, self.nmax, self.k)
 
     def propose(self, req: Request, limit: int) -> list[int]:
         """Up to min(limit, the request's k) tokens that followed the latest earlier occurrence of
