@@ -107,6 +107,16 @@ def acceptance(llm) -> str:
     return f"{100 * st.acceptance_rate:.0f}%" if st is not None and st.num_draft_tokens else "-"
 
 
+def alternate(engines: dict, run, rounds: int) -> tuple[dict, float, float]:
+    """`run(llm)` `rounds` times per engine, off and on alternating (so drifting load hits both):
+    the results per mode and the mean tok/s off and on."""
+    res: dict[str, list] = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode, llm in engines.items():
+            res[mode].append(run(llm, r))
+    return res, *(sum(x["tok_s"] for x in res[m]) / rounds for m in ("off", "on"))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--max-tokens", type=int, default=160, help="batch-1 output tokens")
@@ -134,12 +144,7 @@ def main() -> int:
         for llm in engines.values():  # warm-up: step graphs, first-touch memory
             batch1(llm, "Say hello.", 8)
         for kind, prompt in PROMPTS.items():
-            res = {"off": [], "on": []}
-            for _ in range(rounds):
-                for mode, llm in engines.items():
-                    res[mode].append(batch1(llm, prompt, max_tokens))
-            off = sum(r["tok_s"] for r in res["off"]) / rounds
-            on = sum(r["tok_s"] for r in res["on"]) / rounds
+            res, off, on = alternate(engines, lambda llm, _: batch1(llm, prompt, max_tokens), rounds)
             same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res["on"]))
             rows.append((name, kind, off, on, res["on"][0]["tokens"], same, acceptance(engines["on"])))
             print(f"{name} / {kind}: off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x), same tokens: {same}",
@@ -151,13 +156,8 @@ def main() -> int:
                 engines = {"off": LLM(path, **kw_c), "on": LLM(path, speculative_config=NGRAM, **kw_c)}
                 for llm in engines.values():
                     concurrent(llm, conc, 4, seed=99)
-                res = {"off": [], "on": []}
-                for r in range(rounds):
-                    for mode, llm in engines.items():
-                        res[mode].append(concurrent(llm, 2 * conc if not args.smoke else conc,
-                                                    8 if args.smoke else 64, seed=r))
-                off = sum(x["tok_s"] for x in res["off"]) / rounds
-                on = sum(x["tok_s"] for x in res["on"]) / rounds
+                _, off, on = alternate(engines, lambda llm, r: concurrent(llm, 2 * conc if not args.smoke else conc,
+                                                                          8 if args.smoke else 64, seed=r), rounds)
                 conc_rows.append((name, conc, off, on, acceptance(engines["on"])))
                 print(f"{name} / {conc} concurrent: off {off:.1f}, on {on:.1f} ({on / off:.2f}x)", flush=True)
                 del engines
@@ -169,12 +169,7 @@ def main() -> int:
         engines = {"off": LLM(path, **kw), "on": LLM(path, speculative_config=draft, **kw)}
         for llm in engines.values():
             batch1(llm, "Say hello.", 8)
-        res = {"off": [], "on": []}
-        for _ in range(rounds):
-            for mode, llm in engines.items():
-                res[mode].append(batch1(llm, CHAT, max_tokens))
-        off = sum(r["tok_s"] for r in res["off"]) / rounds
-        on = sum(r["tok_s"] for r in res["on"]) / rounds
+        res, off, on = alternate(engines, lambda llm, _: batch1(llm, CHAT, max_tokens), rounds)
         same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res["on"]))
         self_rows.append(("SmolLM2-135M-Instruct, dequantized", "open chat", off, on, res["on"][0]["tokens"], same,
                           acceptance(engines["on"])))
