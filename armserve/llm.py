@@ -129,8 +129,7 @@ class LLM:
         params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         if task == "classify":
             tok = self.llm_engine.tokenizer
-            k = truncate_prompt_tokens
-            k = None if k is None else (self.llm_engine.max_model_len if k == -1 else k)
+            k = params.max_tokens(self.llm_engine.max_model_len)
             outs = self._pool([{"prompt_token_ids": encode_pair(tok, a, b, k)} for a, b in pairs],
                               PoolingParams(), use_tqdm)
             if outs and outs[0].pooled.shape[-1] != 1:

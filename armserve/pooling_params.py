@@ -30,3 +30,9 @@ class PoolingParams:
         t = self.truncate_prompt_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or (t < 1 and t != -1)):
             raise PoolingParamsError(f"truncate_prompt_tokens must be -1 or a positive integer, got {t!r}")
+
+    def max_tokens(self, max_model_len: int) -> int | None:
+        """The most tokens an input keeps (`truncate_prompt_tokens`, -1 and anything larger meaning
+        max_model_len), or None: not cut."""
+        t = self.truncate_prompt_tokens
+        return None if t is None else (max_model_len if t == -1 else min(t, max_model_len))

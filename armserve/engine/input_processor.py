@@ -155,15 +155,13 @@ class InputProcessor:
         except ValueError as e:
             raise RequestError(str(e)) from None
         text, ids = prompt_to_ids(tokenizer, prompt)
-        k = params.truncate_prompt_tokens
-        if k is not None:
-            k = self.max_model_len if k == -1 else min(k, self.max_model_len)
-            if len(ids) > k:
-                if text is not None and (not isinstance(prompt, dict) or "prompt_token_ids" not in prompt):
-                    # the tokenizer cuts text and keeps its special tokens ([CLS] ... [SEP])
-                    ids = list(tokenizer(text, truncation=True, max_length=k)["input_ids"])
-                else:
-                    ids = ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
+        k = params.max_tokens(self.max_model_len)
+        if k is not None and len(ids) > k:
+            if text is not None and (not isinstance(prompt, dict) or "prompt_token_ids" not in prompt):
+                # the tokenizer cuts text and keeps its special tokens ([CLS] ... [SEP])
+                ids = list(tokenizer(text, truncation=True, max_length=k)["input_ids"])
+            else:
+                ids = ids[-k:] if getattr(tokenizer, "truncation_side", "right") == "left" else ids[:k]
         if not ids:
             raise PromptTokensError("the input is empty")
         vocab = self.vocab_size

@@ -40,8 +40,7 @@ class OpenAIServingScore:
             raise APIError(str(e), 400, "truncate_prompt_tokens") from None
         rid = f"score-{uuid.uuid4().hex}"
         classify = serving.task == "classify"
-        limit = serving.engine.max_model_len
-        k = None if truncate is None else (limit if truncate == -1 else min(truncate, limit))
+        k = params.max_tokens(serving.engine.max_model_len)
         # a cross-encoder's inputs are the pairs; an embedding model's each distinct text, once
         texts = [] if classify else list(dict.fromkeys(t for pair in pairs for t in pair))
 
