@@ -77,15 +77,9 @@ class AnthropicServingMessages:
             chat: ChatCompletionRequest = body.to_chat_request()
         except ValueError as e:  # (pydantic's ValidationError is one)
             raise self._bad_request(e) from None
-        params = chat.to_sampling_params(self.serving.default_sampling)
-        mode, tools = self.serving.tool_setup(chat, params)
         rid = f"msg_{uuid.uuid4().hex}"
-        request = await self.serving.prepare(raw, lambda tok: self.serving.process(
-            rid, self.serving.render_chat(chat.messages, tools=tools, tokenizer=tok), params, "messages", "max_tokens"))
-        stream = await self.serving.submit(request)
-        num_prompt = len(request.prompt_token_ids)
+        _, stream, num_prompt, tool = await self.serving.submit_chat(chat, raw, rid, "messages", "max_tokens")
         base = {"id": rid, "type": "message", "role": "assistant", "model": model}
-        tool = (mode, chat.forced_function)
         if body.stream:
             return EngineStreamingResponse(self._stream(stream, base, num_prompt, tool), [stream])
 
