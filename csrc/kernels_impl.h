@@ -171,6 +171,7 @@ struct Buffer {
 }  // namespace armserve
 
 #include "attention_impl.h"
+#include "lora_impl.h"
 
 namespace armserve {
 namespace {
@@ -350,8 +351,9 @@ struct Kernels {
 
   static const KernelTable* table(const char* name) {
     using A = Attention<Isa>;
+    using L = Lora<Isa>;
     static const KernelTable t = {name, rms_norm, rotary, act_and_mul, A::reshape_and_cache, A::paged_attention,
-                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv};
+                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv, L::shrink, L::expand};
     return &t;
   }
 };
