@@ -13,8 +13,10 @@
 //           one `Isa::dot_w`: the variant's widening FMAs, or its bf16 dot instruction (AVX512-BF16,
 //           ARM BFDOT) where the CPU has one.
 //   expand: y[t, :N] = round(y + scale[slot] * buf[t] @ B[slot].T). Items are 64-column blocks of
-//           N, each thread updating its own columns of every token: a block of B [64, R] is widened
-//           and transposed once per group, then each token of the group is R axpys of 64 lanes.
+//           N, each thread updating its own columns of every token: a block of B [64, R] (64 rows
+//           of R, one contiguous run) is widened to fp32 once per group, then each token of the
+//           group is 64 short dots (`Isa::dots`, rows side by side). Transposing the block for
+//           axpys over 64 lanes cost more than the products themselves at decode's few tokens.
 #pragma once
 #include <cstdint>
 #include <cstdlib>
@@ -82,6 +84,7 @@ struct Lora {
   static constexpr int64_t kTokBlock = 16;     // shrink: tokens per item (x rows of a chunk stay in L1)
   static constexpr int64_t kColsN = 64;        // expand: output columns per item
 
+
   static void shrink(int32_t dtype, float* out, const void* x, const void* a, const int64_t* idx, int64_t t,
                      int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo) {
     if (t <= 0 || r <= 0) return;
@@ -148,7 +151,6 @@ struct Lora {
     armserve_par::for_static(nblk, t * n * r >= (1 << 15), [&](int64_t it) {
       const int64_t n0 = it * kColsN, nc = n - n0 < kColsN ? n - n0 : kColsN;
       float* bf = scratch(0, kColsN * (r > 0 ? r : 1));  // B rows n0.. as stored: [nc][r]
-      float* bt = scratch(1, kColsN * (r > 0 ? r : 1));  // transposed: [r][nc]
       float* acc = scratch(2, kColsN);
       float* yf = scratch(3, kColsN);
       for (int64_t i = 0; i < g.count; ++i) {
@@ -156,13 +158,9 @@ struct Lora {
         const float sc = scales[s];
         // Rows n0 .. n0 + nc of B[s] are one contiguous run of nc * r elements.
         Isa::load(dtype, static_cast<const char*>(b) + (s * n + n0) * r * es, bf, nc * r);
-        for (int64_t c = 0; c < nc; ++c)
-          for (int64_t j = 0; j < r; ++j) bt[j * nc + c] = bf[c * r + j];
         for (int64_t p = g.start[i]; p < g.start[i + 1]; ++p) {
           const int64_t tk = g.tok[p];
-          const float* br = buf + tk * ldb;
-          zero(acc, nc);
-          for (int64_t j = 0; j < r; ++j) Isa::axpy(acc, br[j], bt + j * nc, nc);
+          Isa::dots(bf, r, buf + tk * ldb, r, acc, nc);
           // y + scale * delta in fp32, rounded once to y's dtype.
           char* yr = static_cast<char*>(y) + (tk * ldy + n0) * es;
           Isa::load(dtype, yr, yf, nc);
