@@ -161,6 +161,8 @@ def test_step_graph_replay(isa, dtype):
     with kernels.capture.recording() as rec:
         lora_expand_(y, lora_shrink(x, a, idx), b, idx, scales)
     assert not rec.errors and len(rec.calls) == 2
+    teams = kernels.capture.graph_team_replays()
     one, two = on_one_and_two_threads(lambda: [step(s, rec) for s in (1, 2)])
+    assert kernels.capture.graph_team_replays() - teams == 2  # the two-thread replays ran as one region
     for u, v in zip(one, two):
         torch.testing.assert_close(u, v, rtol=0, atol=0)
