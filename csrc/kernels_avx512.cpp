@@ -80,7 +80,8 @@ struct IsaAvx512 {
       _mm512_mask_storeu_ps(y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
     }
   }
-  // 8 rows side by side (ymm: LoRA ranks are multiples of 8, not always of 16): 8 accumulators over k, then one transposing reduction (hadd tree).
+  // 8 rows side by side: 8 accumulators over k, then one transposing reduction (hadd tree). ymm,
+  // not zmm: LoRA ranks are multiples of 8, not always of 16.
   static void dots(const float* rows, int64_t ld, const float* v, int64_t k, float* out, int64_t n) {
     const int64_t k8 = k & ~int64_t(7);
     int64_t c = 0;

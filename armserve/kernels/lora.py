@@ -62,8 +62,8 @@ def _indices_ok(indices: torch.Tensor) -> bool:
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """x [T, K] (float32 / bfloat16), a [L, R, K] same dtype, indices [T] int64 -> [T, R] float32."""
-    _check("lora_shrink", x.dim() == 2 and a.dim() == 3 and a.shape[2] == x.shape[1]
-           and indices.shape == (x.shape[0],), f"x {tuple(x.shape)}, a {tuple(a.shape)}, indices {tuple(indices.shape)}")
+    _check("lora_shrink", x.dim() == 2 and a.dim() == 3 and a.shape[2] == x.shape[1] and indices.shape == (x.shape[0],),
+           f"x {tuple(x.shape)}, a {tuple(a.shape)}, indices {tuple(indices.shape)}")
     if not (use_kernel("lora", x) and a.dtype == x.dtype and a.is_contiguous() and _indices_ok(indices)):
         return lora_shrink_ref(x, a, indices)
     t, k = x.shape
