@@ -67,15 +67,18 @@ void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64
 // Batched LoRA (punica's shrink and expand; lora_impl.h). Token t uses adapter slot idx[t]; a slot
 // outside [0, slots) (-1: the base model alone) means no adapter.
 // shrink: out [t, r] float32 (rows `ldo` apart) = x [t, k] (dtype, rows `ldx` apart) @ a[idx[t]].T for
-//         a [slots, r, k] of x's dtype; rows of tokens without an adapter are zeros.
+//         a [slots, r, k] of x's dtype (slots `a_slot` and rows `a_row` elements apart: a slice of
+//         a fused layer's A); rows of tokens without an adapter are zeros.
 void armserve_lora_shrink(int32_t dtype, float* out, const void* x, const void* a, const int64_t* idx, int64_t t,
-                          int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo);
+                          int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo, int64_t a_slot,
+                          int64_t a_row);
 // expand: y [t, n] (dtype, rows `ldy` apart) += scales[idx[t]] * buf [t, r] (float32, rows `ldb`
-//         apart) @ b[idx[t]].T for b [slots, n, r] of y's dtype; the sum in fp32, rounded once to
-//         y's dtype. Rows of tokens without an adapter are not touched.
+//         apart) @ b[idx[t]].T for b [slots, n, r] of y's dtype (slots `b_slot` elements apart, each
+//         an [n, r] block); the sum in fp32, rounded once to y's dtype. Rows of tokens without an
+//         adapter are not touched.
 void armserve_lora_expand(int32_t dtype, void* y, const float* buf, const void* b, const int64_t* idx,
                           const float* scales, int64_t t, int64_t n, int64_t r, int64_t slots, int64_t ldy,
-                          int64_t ldb);
+                          int64_t ldb, int64_t b_slot);
 
 // ---- quantized linear layers (qdispatch.cpp; layouts in qgemm.h) --------------------------------
 // x [M, K] (f32/bf16/f16) -> q int8 [M, K], scale [M, K / G] (group absmax / 127), gsum int32 [M, K / G].

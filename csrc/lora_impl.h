@@ -86,7 +86,7 @@ struct Lora {
 
 
   static void shrink(int32_t dtype, float* out, const void* x, const void* a, const int64_t* idx, int64_t t,
-                     int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo) {
+                     int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo, int64_t a_slot, int64_t a_row) {
     if (t <= 0 || r <= 0) return;
     const int es = dtype_size(dtype);
     const LoraGroups g = lora_group(idx, t, slots);
@@ -110,10 +110,10 @@ struct Lora {
       const int64_t grp = blk_group[it / ks], p0 = blk_p0[it / ks], kc = it % ks;
       const int64_t p1 = p0 + kTokBlock < g.start[grp + 1] ? p0 + kTokBlock : g.start[grp + 1];
       const int64_t k0 = kc * chunk, kn = k - k0 < chunk ? k - k0 : chunk;
-      const char* as = static_cast<const char*>(a) + (g.slot[grp] * r * k + k0) * es;
+      const char* as = static_cast<const char*>(a) + (g.slot[grp] * a_slot + k0) * es;
       // Row outer, token inner: the A row chunk is read from memory once, then from L1.
       for (int64_t j = 0; j < r; ++j) {
-        const char* arow = as + j * k * es;
+        const char* arow = as + j * a_row * es;
         for (int64_t p = p0; p < p1; ++p) {
           const int64_t tk = g.tok[p];
           const float v = Isa::dot_w(dtype, arow, static_cast<const char*>(x) + (tk * ldx + k0) * es, kn);
@@ -142,7 +142,8 @@ struct Lora {
   }
 
   static void expand(int32_t dtype, void* y, const float* buf, const void* b, const int64_t* idx,
-                     const float* scales, int64_t t, int64_t n, int64_t r, int64_t slots, int64_t ldy, int64_t ldb) {
+                     const float* scales, int64_t t, int64_t n, int64_t r, int64_t slots, int64_t ldy, int64_t ldb,
+                     int64_t b_slot) {
     if (t <= 0 || n <= 0) return;
     const int es = dtype_size(dtype);
     const LoraGroups g = lora_group(idx, t, slots);
@@ -157,7 +158,7 @@ struct Lora {
         const int64_t s = g.slot[i];
         const float sc = scales[s];
         // Rows n0 .. n0 + nc of B[s] are one contiguous run of nc * r elements.
-        Isa::load(dtype, static_cast<const char*>(b) + (s * n + n0) * r * es, bf, nc * r);
+        Isa::load(dtype, static_cast<const char*>(b) + (s * b_slot + n0 * r) * es, bf, nc * r);
         for (int64_t p = g.start[i]; p < g.start[i + 1]; ++p) {
           const int64_t tk = g.tok[p];
           Isa::dots(bf, r, buf + tk * ldb, r, acc, nc);

@@ -54,9 +54,9 @@ def padded(t: torch.Tensor, slot: int, rank: int, dim: int) -> torch.Tensor:
 def test_shrink(isa, dtype, case):
     t, k, r, slots = case
     torch.manual_seed(t * k)
-    # x: rows of a wider tensor (row stride > K)
+    # x: rows of a wider tensor (row stride > K); a: rows r0.. of a fused layer's A stacked along R
     x = torch.randn(t, k + 5).to(dtype)[:, 2:2 + k]
-    a = padded((torch.randn(slots, r, k) / k ** 0.5).to(dtype), slots - 1, r // 2, 1)
+    a = padded((torch.randn(slots, r + 8, k) / k ** 0.5).to(dtype), slots - 1, r // 2 + 3, 1)[:, 3:3 + r]
     idx = mixed_indices(t, slots, t)
     assert kernels.use_kernel("lora", x)
     one, two = on_one_and_two_threads(lambda: lora_shrink(x, a, idx))
@@ -80,7 +80,8 @@ def test_expand(isa, dtype, case):
     y = fused[:, 17:17 + n]
     wide = torch.randn(t, r + 8)
     buf = wide[:, 3:3 + r]
-    b = padded(torch.randn(slots, n, r).to(dtype) * 0.5, 0, r // 2, 2)
+    # b: columns 5.. of a fused layer's B (each slot's [n, r] rows contiguous, slots further apart)
+    b = padded(torch.randn(slots, n + 9, r).to(dtype) * 0.5, 0, r // 2, 2)[:, 5:5 + n]
     scales = torch.rand(slots) + 0.5
     idx = mixed_indices(t, slots, n)
     before = fused.clone()
@@ -120,11 +121,15 @@ def test_shrink_then_expand_is_the_lora_delta(isa):
 
 
 def test_fallback_to_the_reference_for_other_layouts():
-    """int32 indices, a non-contiguous A: the reference runs (same values); bad shapes are named."""
+    """int32 indices, A's or B's rows not contiguous: the reference runs (same values); bad shapes are
+    named."""
     torch.manual_seed(6)
-    x, a = torch.randn(3, 40), torch.randn(2, 40, 8).transpose(1, 2)  # a [2, 8, 40], not contiguous
+    x, a = torch.randn(3, 40), torch.randn(2, 40, 8).transpose(1, 2)  # a [2, 8, 40], columns 8 apart
     idx = torch.tensor([1, -1, 0], dtype=torch.int32)
     torch.testing.assert_close(lora_shrink(x, a, idx), lora_shrink_ref(x, a, idx))
+    y, buf, b = torch.randn(3, 6), torch.randn(3, 8), torch.randn(2, 8, 6).transpose(1, 2)
+    torch.testing.assert_close(lora_expand_(y.clone(), buf, b, idx.long(), torch.ones(2)),
+                               lora_expand_ref(y.clone(), buf, b, idx.long(), torch.ones(2)))
     with pytest.raises(ValueError, match="lora_shrink"):
         lora_shrink(x, a[:, :, :39], idx)
     with pytest.raises(ValueError, match="lora_expand_"):

@@ -61,32 +61,35 @@ def _indices_ok(indices: torch.Tensor) -> bool:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """x [T, K] (float32 / bfloat16), a [L, R, K] same dtype, indices [T] int64 -> [T, R] float32."""
+    """x [T, K] (float32 / bfloat16), a [L, R, K] same dtype, indices [T] int64 -> [T, R] float32.
+    The kernel takes x rows and a's slots and rows any stride apart (a fused layer's A sliced along R)."""
     _check("lora_shrink", x.dim() == 2 and a.dim() == 3 and a.shape[2] == x.shape[1] and indices.shape == (x.shape[0],),
            f"x {tuple(x.shape)}, a {tuple(a.shape)}, indices {tuple(indices.shape)}")
-    if not (use_kernel("lora", x) and a.dtype == x.dtype and a.is_contiguous() and _indices_ok(indices)):
+    if not (use_kernel("lora", x) and a.dtype == x.dtype and (a.stride(2) == 1 or a.shape[2] <= 1)
+            and _indices_ok(indices)):
         return lora_shrink_ref(x, a, indices)
     t, k = x.shape
     out = torch.empty(t, a.shape[1], dtype=torch.float32)
     call("armserve_lora_shrink", DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), a.data_ptr(),
-         indices.data_ptr(), t, a.shape[1], k, a.shape[0], x.stride(0), out.stride(0))
+         indices.data_ptr(), t, a.shape[1], k, a.shape[0], x.stride(0), out.stride(0), a.stride(0), a.stride(1))
     return out
 
 
 def lora_expand_(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, indices: torch.Tensor,
                  scales: torch.Tensor) -> torch.Tensor:
     """y [T, N] (a view; float32 / bfloat16) += scales[idx] * buf [T, R] @ b[idx].T, in place; b [L, N, R]
-    in y's dtype, scales [L] float32. Returns y."""
+    in y's dtype, scales [L] float32. Returns y. The kernel takes y and buf rows any stride apart and b's
+    slots too (each slot's [N, R] contiguous)."""
     _check("lora_expand_", y.dim() == 2 and buf.dim() == 2 and b.dim() == 3 and buf.shape[0] == y.shape[0]
            and b.shape[1:] == (y.shape[1], buf.shape[1]) and indices.shape == (y.shape[0],)
            and scales.shape == (b.shape[0],),
            f"y {tuple(y.shape)}, buf {tuple(buf.shape)}, b {tuple(b.shape)}, indices {tuple(indices.shape)}, "
            f"scales {tuple(scales.shape)}")
-    if not (use_kernel("lora", y) and b.dtype == y.dtype and b.is_contiguous() and buf.dtype == torch.float32
+    if not (use_kernel("lora", y) and b.dtype == y.dtype and (b.shape[0] == 0 or b[0].is_contiguous()) and buf.dtype == torch.float32
             and (buf.stride(1) == 1 or buf.shape[1] <= 1) and _indices_ok(indices)
             and scales.dtype == torch.float32 and scales.is_contiguous()):
         return lora_expand_ref(y, buf, b, indices, scales)
     t, n = y.shape
     call("armserve_lora_expand", DTYPE_CODES[y.dtype], y.data_ptr(), buf.data_ptr(), b.data_ptr(),
-         indices.data_ptr(), scales.data_ptr(), t, n, b.shape[2], b.shape[0], y.stride(0), buf.stride(0))
+         indices.data_ptr(), scales.data_ptr(), t, n, b.shape[2], b.shape[0], y.stride(0), buf.stride(0), b.stride(0))
     return y
