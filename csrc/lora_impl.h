@@ -84,7 +84,6 @@ struct Lora {
   static constexpr int64_t kTokBlock = 16;     // shrink: tokens per item (x rows of a chunk stay in L1)
   static constexpr int64_t kColsN = 64;        // expand: output columns per item
 
-
   static void shrink(int32_t dtype, float* out, const void* x, const void* a, const int64_t* idx, int64_t t,
                      int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo, int64_t a_slot, int64_t a_row) {
     if (t <= 0 || r <= 0) return;
