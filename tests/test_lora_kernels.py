@@ -15,6 +15,7 @@ import torch
 from conftest import on_one_and_two_threads
 
 from armserve import kernels
+from armserve.kernels import lora
 from armserve.kernels.lora import lora_expand_, lora_expand_ref, lora_shrink, lora_shrink_ref
 
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
@@ -42,6 +43,16 @@ def mixed_indices(t: int, slots: int, seed: int) -> torch.Tensor:
     return idx[torch.randperm(t, generator=g)].to(torch.int64)
 
 
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """The kernel must run: lora.py's fallback to the reference fails the test."""
+    def refuse(*args):
+        raise AssertionError("fell back to the PyTorch reference")
+
+    monkeypatch.setattr(lora, "lora_shrink_ref", refuse)
+    monkeypatch.setattr(lora, "lora_expand_ref", refuse)
+
+
 def padded(t: torch.Tensor, slot: int, rank: int, dim: int) -> torch.Tensor:
     """Zero slot `slot`'s entries past `rank` along `dim` (an adapter of a lower rank than R)."""
     t = t.clone()
@@ -51,14 +62,13 @@ def padded(t: torch.Tensor, slot: int, rank: int, dim: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", SHRINK_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_shrink(isa, dtype, case):
+def test_shrink(isa, dtype, case, no_fallback):
     t, k, r, slots = case
     torch.manual_seed(t * k)
     # x: rows of a wider tensor (row stride > K); a: rows r0.. of a fused layer's A stacked along R
     x = torch.randn(t, k + 5).to(dtype)[:, 2:2 + k]
     a = padded((torch.randn(slots, r + 8, k) / k ** 0.5).to(dtype), slots - 1, r // 2 + 3, 1)[:, 3:3 + r]
     idx = mixed_indices(t, slots, t)
-    assert kernels.use_kernel("lora", x)
     one, two = on_one_and_two_threads(lambda: lora_shrink(x, a, idx))
     # The K split adds its partial sums in a fixed order: the thread count changes no bit.
     torch.testing.assert_close(one, two, rtol=0, atol=0)
@@ -71,7 +81,7 @@ def test_shrink(isa, dtype, case):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", EXPAND_CASES, ids=lambda c: "x".join(map(str, c)))
-def test_expand(isa, dtype, case):
+def test_expand(isa, dtype, case, no_fallback):
     t, n, r, slots = case
     torch.manual_seed(t * n)
     # y: a column range of a fused output (rows any stride apart), buf: a column slice of a wider
@@ -85,7 +95,6 @@ def test_expand(isa, dtype, case):
     scales = torch.rand(slots) + 0.5
     idx = mixed_indices(t, slots, n)
     before = fused.clone()
-    assert kernels.use_kernel("lora", y)
 
     def run():
         fused.copy_(before)
@@ -104,7 +113,7 @@ def test_expand(isa, dtype, case):
     assert torch.equal(out[keep], before[keep])
 
 
-def test_shrink_then_expand_is_the_lora_delta(isa):
+def test_shrink_then_expand_is_the_lora_delta(isa, no_fallback):
     """Independent of the references: the two kernels give x @ A.T @ B.T * scale per token, with
     a slot past the stacked adapters (the kernels' guard) treated as no adapter."""
     torch.manual_seed(5)
