@@ -292,6 +292,76 @@ def write_qdense(args) -> None:
         update_section("kernels-qdense", text)
 
 
+# (model, layer, K, N) of the LoRA targets: x [T, K] -> y [T, N] (qkv and gate_up are fused: one
+# shrink, its rank buffer expanded into each slice; timed here as one expand over all N columns).
+LORA_SHAPES = [("Llama-3-8B", "qkv", 4096, 6144), ("Llama-3-8B", "gate_up", 4096, 28672),
+               ("Llama-3-8B", "down", 14336, 4096), ("Qwen2.5-0.5B", "gate_up", 896, 9728)]
+LORA_TOKENS = [1, 8, 32, 64]
+
+
+def write_lora(args) -> None:
+    """Batched LoRA (kernels.lora_shrink + lora_expand_, 4 adapters of rank `--lora-rank` mixed
+    round-robin in the batch) against the PyTorch reference (a loop over the batch's slots) and the
+    dense gather formulation (vLLM's CPU punica fallback, vllm/lora/ops/torch_ops: A[idx] and B[idx]
+    gathered per token, then two einsums). Adapter weights are cycled through copies of > 96 MiB, so
+    each call streams them from memory as a decode step through every layer does."""
+    from armserve import kernels
+    from armserve.kernels.lora import lora_expand_, lora_expand_ref, lora_shrink, lora_shrink_ref
+
+    dtype, r, slots = getattr(torch, args.dtype), args.lora_rank, 4
+    rows = []
+    for model, layer, k, n in LORA_SHAPES:
+        per_set = slots * r * (k + n) * torch.finfo(dtype).bits // 8
+        sets = [((torch.randn(slots, r, k) / k ** 0.5).to(dtype), (torch.randn(slots, n, r) * 0.01).to(dtype))
+                for _ in range(max(1, -(-96 * 2**20 // per_set)))]
+        scales = torch.ones(slots)
+        for t in LORA_TOKENS:
+            x, y = torch.randn(t, k).to(dtype), torch.zeros(t, n, dtype=dtype)
+            idx = torch.arange(t, dtype=torch.int64) % slots
+            ws = itertools.cycle(sets)
+
+            def kernel():
+                a, b = next(ws)
+                lora_expand_(y, lora_shrink(x, a, idx), b, idx, scales)
+
+            def reference():
+                a, b = next(ws)
+                lora_expand_ref(y, lora_shrink_ref(x, a, idx), b, idx, scales)
+
+            def gather():
+                a, b = next(ws)
+                buf = torch.einsum("tk,trk->tr", x.float(), a[idx].float())
+                y.add_((torch.einsum("tr,tnr->tn", buf, b[idx].float()) * scales[idx, None]).to(dtype))
+
+            us = {name: timeit_for(fn, 0.05, args.runs)
+                  for name, fn in (("kernel", kernel), ("reference", reference), ("gather", gather))}
+            gflops = 2 * t * r * (k + n) / us["kernel"] / 1e3
+            rows.append((model, layer, k, n, t, us, gflops))
+            print(f"{model} {layer} T={t}: kernel {us['kernel']:.1f} us ({gflops:.1f} GFLOP/s), "
+                  f"reference {us['reference']:.1f} us, gather {us['gather']:.1f} us", flush=True)
+    lines = [
+        "## Kernels: batched LoRA (csrc/lora_impl.h)",
+        "",
+        f"Machine: {machine_description()}. {args.threads} thread(s); median of {args.runs} runs; load average "
+        f"{load_average():.2f}; kernel variant `{kernels.isa()}` (bf16 dot: {kernels.bf16_dot()}). armserve rev "
+        f"`{git_revision()}`. {args.dtype}, {slots} adapters of rank {r} mixed round-robin in the batch; one call = "
+        "shrink + expand of one layer (adapter weights streamed from memory). Reference = kernels/lora.py's "
+        "PyTorch loop over the batch's slots; gather = A[idx], B[idx] gathered per token and two einsums "
+        "(vLLM's CPU punica fallback).",
+        "",
+        "| layer | K -> N | tokens | kernel us | GFLOP/s | vs reference | vs gather |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model, layer, k, n, t, us, gflops in rows:
+        lines.append(f"| {model} {layer} | {k} -> {n} | {t} | {us['kernel']:.1f} | {gflops:.1f} | "
+                     f"{us['reference'] / us['kernel']:.1f}x | {us['gather'] / us['kernel']:.1f}x |")
+    lines += ["", f"Reproduce: `python benchmarks/bench_kernels.py --threads {args.threads} --only lora`"]
+    text = "\n".join(lines)
+    print(text)
+    if not args.no_write:
+        update_section("kernels-lora", text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -299,8 +369,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-write", action="store_true")
-    ap.add_argument("--only", choices=["dense", "qdense"],
-                    help="run only the dense bf16 GEMM table, or the quantized-prefill one (own doc sections)")
+    ap.add_argument("--only", choices=["dense", "qdense", "lora"],
+                    help="run only the dense bf16 GEMM table, the quantized-prefill one or the LoRA one (own doc "
+                         "sections)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="adapter rank of the --only lora table")
     args = ap.parse_args()
 
     from armserve import kernels
@@ -313,6 +385,9 @@ def main() -> None:
         return
     if args.only == "qdense":
         write_qdense(args)
+        return
+    if args.only == "lora":
+        write_lora(args)
         return
     isas = kernels.supported_isas()
     load0 = load_average()

@@ -64,6 +64,21 @@ void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const 
 // Skinny matmul for decode: out [M, N] = x [M, K] @ w [N, K]^T, M small, x and w of one dtype;
 // each weight row is read once per call as one sequential stream per thread.
 void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k);
+// Batched LoRA (punica's shrink and expand; lora_impl.h). Token t uses adapter slot idx[t]; a slot
+// outside [0, slots) (-1: the base model alone) means no adapter.
+// shrink: out [t, r] float32 (rows `ldo` apart) = x [t, k] (dtype, rows `ldx` apart) @ a[idx[t]].T for
+//         a [slots, r, k] of x's dtype (slots `a_slot` and rows `a_row` elements apart: a slice of
+//         a fused layer's A); rows of tokens without an adapter are zeros.
+void armserve_lora_shrink(int32_t dtype, float* out, const void* x, const void* a, const int64_t* idx, int64_t t,
+                          int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo, int64_t a_slot,
+                          int64_t a_row);
+// expand: y [t, n] (dtype, rows `ldy` apart) += scales[idx[t]] * buf [t, r] (float32, rows `ldb`
+//         apart) @ b[idx[t]].T for b [slots, n, r] of y's dtype (slots `b_slot` elements apart, each
+//         an [n, r] block); the sum in fp32, rounded once to y's dtype. Rows of tokens without an
+//         adapter are not touched.
+void armserve_lora_expand(int32_t dtype, void* y, const float* buf, const void* b, const int64_t* idx,
+                          const float* scales, int64_t t, int64_t n, int64_t r, int64_t slots, int64_t ldy,
+                          int64_t ldb, int64_t b_slot);
 
 // ---- quantized linear layers (qdispatch.cpp; layouts in qgemm.h) --------------------------------
 // x [M, K] (f32/bf16/f16) -> q int8 [M, K], scale [M, K / G] (group absmax / 127), gsum int32 [M, K / G].
@@ -173,7 +188,9 @@ const char* armserve_signature(const char* name);
   X(armserve_embedding)                                                                                        \
   X(armserve_cast)                                                                                             \
   X(armserve_gemm_bf16)                                                                                        \
-  X(armserve_gemm_f32)
+  X(armserve_gemm_f32)                                                                                         \
+  X(armserve_lora_shrink)                                                                                      \
+  X(armserve_lora_expand)
 
 // Everything Python binds (armserve/kernels/library.py asks for this list and each signature).
 #define ARMSERVE_EXPORTS(X)                                                                                    \

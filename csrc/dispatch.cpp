@@ -258,4 +258,16 @@ void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64
   table()->gemv(dtype, out, x, w, m, n, k);
 }
 
+void armserve_lora_shrink(int32_t dtype, float* out, const void* x, const void* a, const int64_t* idx, int64_t t,
+                          int64_t r, int64_t k, int64_t slots, int64_t ldx, int64_t ldo, int64_t a_slot,
+                          int64_t a_row) {
+  table()->lora_shrink(dtype, out, x, a, idx, t, r, k, slots, ldx, ldo, a_slot, a_row);
+}
+
+void armserve_lora_expand(int32_t dtype, void* y, const float* buf, const void* b, const int64_t* idx,
+                          const float* scales, int64_t t, int64_t n, int64_t r, int64_t slots, int64_t ldy,
+                          int64_t ldb, int64_t b_slot) {
+  table()->lora_expand(dtype, y, buf, b, idx, scales, t, n, r, slots, ldy, ldb, b_slot);
+}
+
 }  // extern "C"

@@ -23,6 +23,9 @@ struct KernelTable {
   decltype(&armserve_paged_attention_i8) paged_attention_i8;
   // Skinny matmul for decode; oneDNN's bf16 path reaches only about a third of the memory bandwidth here.
   decltype(&armserve_gemv) gemv;
+  // Batched LoRA, grouped by adapter slot (lora_impl.h).
+  decltype(&armserve_lora_shrink) lora_shrink;
+  decltype(&armserve_lora_expand) lora_expand;
 };
 
 // Nonzero: the skinny matmul's bf16 rows use the CPU's bf16 dot-product instruction (AVX512-BF16

@@ -7,6 +7,7 @@
 //   store(dtype, src, dst, n)   fp32 -> f32/bf16/f16 (round to nearest even)
 //   load_i8(src, scale, dst, n) an int8 row -> fp32, times its scale (8-bit KV cache)
 //   dot_w(dtype, w, x, k)       f32/bf16/f16 weight row . activation row of the same type
+//   dots(rows, ld, v, k, out, n) out[c] = rows[c * ld .. + k) . v for n short fp32 rows (LoRA expand)
 // and includes this file, compiled with that ISA's flags. ScalarOps is the reference every ISA
 // falls back to for what it does not specialise; all other loops are plain C++ that the compiler
 // vectorises for the TU's flags.
@@ -102,6 +103,16 @@ struct ScalarOps {
       for (int64_t i = 0; i < k; ++i) s += f16_to_f32(wr[i]) * f16_to_f32(xr[i]);
     return s;
   }
+  // n dot products of short rows (k = a LoRA rank, 8..64) with one vector. Reference version; SIMD
+  // variants accumulate a few rows side by side and reduce them together, where a dot per row
+  // would pay a whole horizontal sum for a few FMAs.
+  static void dots(const float* rows, int64_t ld, const float* v, int64_t k, float* out, int64_t n) {
+    for (int64_t c = 0; c < n; ++c) {
+      float s = 0.f;
+      for (int64_t i = 0; i < k; ++i) s += rows[c * ld + i] * v[i];
+      out[c] = s;
+    }
+  }
   static void store(int dtype, const float* src, void* dst, int64_t n) {
     if (dtype == AS_F32) {
       std::memcpy(dst, src, n * 4);
@@ -171,6 +182,7 @@ struct Buffer {
 }  // namespace armserve
 
 #include "attention_impl.h"
+#include "lora_impl.h"
 
 namespace armserve {
 namespace {
@@ -350,8 +362,9 @@ struct Kernels {
 
   static const KernelTable* table(const char* name) {
     using A = Attention<Isa>;
+    using L = Lora<Isa>;
     static const KernelTable t = {name, rms_norm, rotary, act_and_mul, A::reshape_and_cache, A::paged_attention,
-                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv};
+                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv, L::shrink, L::expand};
     return &t;
   }
 };

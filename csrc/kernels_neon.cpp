@@ -73,6 +73,25 @@ struct IsaNeon {
     for (; i + 4 <= n; i += 4) vst1q_f32(y + i, vfmaq_f32(vld1q_f32(y + i), va, vld1q_f32(x + i)));
     for (; i < n; ++i) y[i] += a * x[i];
   }
+  // 4 rows side by side: 4 accumulators over k, then one transposing reduction (pairwise adds).
+  static void dots(const float* rows, int64_t ld, const float* v, int64_t k, float* out, int64_t n) {
+    const int64_t k4 = k & ~int64_t(3);
+    int64_t c = 0;
+    if (k4 == k)
+      for (; c + 4 <= n; c += 4) {
+        const float* r = rows + c * ld;
+        float32x4_t a0 = vdupq_n_f32(0.f), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < k4; i += 4) {
+          const float32x4_t vi = vld1q_f32(v + i);
+          a0 = vfmaq_f32(a0, vld1q_f32(r + i), vi);
+          a1 = vfmaq_f32(a1, vld1q_f32(r + ld + i), vi);
+          a2 = vfmaq_f32(a2, vld1q_f32(r + 2 * ld + i), vi);
+          a3 = vfmaq_f32(a3, vld1q_f32(r + 3 * ld + i), vi);
+        }
+        vst1q_f32(out + c, vpaddq_f32(vpaddq_f32(a0, a1), vpaddq_f32(a2, a3)));
+      }
+    if (c < n) ScalarOps::dots(rows + c * ld, ld, v, k, out + c, n - c);
+  }
   static void load(int dtype, const void* src, float* dst, int64_t n) {
     int64_t i = 0;
     if (dtype == AS_BF16) {

@@ -62,6 +62,19 @@ struct IsaSve {
       svst1_f32(pg, y + i, svmla_n_f32_x(pg, svld1_f32(pg, y + i), svld1_f32(pg, x + i), a));
     }
   }
+  // One row per predicated vector loop and a reduction each (ranks are short: one or two vectors).
+  static void dots(const float* rows, int64_t ld, const float* v, int64_t k, float* out, int64_t n) {
+    const int64_t vl = svcntw();
+    for (int64_t c = 0; c < n; ++c) {
+      const float* r = rows + c * ld;
+      svfloat32_t a = svdup_f32(0.f);
+      for (int64_t i = 0; i < k; i += vl) {
+        const svbool_t pg = svwhilelt_b32(i, k);
+        a = svmla_f32_m(pg, a, svld1_f32(pg, r + i), svld1_f32(pg, v + i));
+      }
+      out[c] = svaddv_f32(svptrue_b32(), a);
+    }
+  }
   static void load(int dtype, const void* src, float* dst, int64_t n) {
     if (dtype == AS_F32) {
       std::memcpy(dst, src, n * 4);

@@ -27,7 +27,7 @@ CPUS=${ARMSERVE_ARM_CPUS:-"neoverse-n1 max,sve128=on max,sve256=on max,sve512=on
 E2E_CPUS=${ARMSERVE_ARM_E2E_CPUS:-$CPUS}
 SMALL=${ARMSERVE_ARM_SMALL:-0}
 # Kernel test files run at every CPU: tests parametrized by an `isa` fixture (ids `[neon-...]`).
-KERNEL_TESTS=${ARMSERVE_ARM_KERNEL_TESTS:-"tests/test_kernels.py tests/test_quantized.py tests/test_kv_cache_int8.py tests/test_step_graph.py tests/test_dense_gemm.py tests/test_moe.py"}
+KERNEL_TESTS=${ARMSERVE_ARM_KERNEL_TESTS:-"tests/test_kernels.py tests/test_quantized.py tests/test_kv_cache_int8.py tests/test_step_graph.py tests/test_dense_gemm.py tests/test_moe.py tests/test_lora_kernels.py"}
 LOGS=$CACHE/logs
 NICE="nice -n 10"  # two cores shared with other people
 export DEBIAN_FRONTEND=noninteractive

@@ -6,6 +6,7 @@
     elementwise.py  norms, rotary, gated activations, bias, cast, embedding rows, argmax
     attention.py    the paged KV cache layout, cache writes and paged attention (float and int8)
     gemm.py         dense GEMM on prepacked weights, skinny decode matmul, quantized GEMMs, fused MoE
+    lora.py         batched LoRA (punica's shrink / expand, per-token adapter slot) and its reference
     reference.py    the PyTorch reference of each kernel (the fallback, and what tests compare against)
 
 An op that can fall back decides for itself (`use_kernel`), so a layer makes one call; the tests
@@ -30,3 +31,4 @@ from armserve.kernels.library import (  # noqa: F401
     load_error, native_bf16, openmp_library, openmp_runtimes, qgemm_isa, select_isa, set_amx, set_bf16_dot,
     supported_isas, thread_cores,
 )
+from armserve.kernels.lora import lora_expand_, lora_expand_ref, lora_shrink, lora_shrink_ref  # noqa: F401

@@ -39,7 +39,7 @@ GEMV_MAX_TOKENS = 4
 
 # The ops `use_kernel` knows; without the library (ARMSERVE_ISA=torch, none built) it says no to each.
 KERNEL_OPS = ("rms_norm", "rms_norm_heads", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack",
-              "qgemm_dense", "dense_pack", "dense", "gemv", "small", "argmax", "moe")
+              "qgemm_dense", "dense_pack", "dense", "gemv", "small", "argmax", "moe", "lora")
 
 
 def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None, fmt: str | None = None) -> bool:
@@ -77,6 +77,8 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
         return dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
     if op == "moe":
         return x.dim() == 2 and dtype in DTYPE_CODES and (fmt != "bf16" or dtype == torch.bfloat16)
+    if op == "lora":  # x of shrink or y of expand: rows any stride apart, columns contiguous
+        return x.dim() == 2 and dtype in DTYPE_CODES and (x.stride(1) == 1 or x.shape[1] <= 1)
     raise ValueError(f"unknown kernel op {op!r}; one of {', '.join(KERNEL_OPS)}")
 
 
