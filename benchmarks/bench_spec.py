@@ -200,8 +200,8 @@ def versus_llama_server(gguf: str, max_tokens: int, rounds: int) -> list[tuple]:
         llm = LLM(gguf, max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False, speculative_config=spec)
         batch1(llm, "Say hello.", 8)
         port = peers.free_port()
-        server = peers.Server(peers.ServerSpec(f"llama-server {mode}", llama_server_cmd(exe, gguf, port, mode, 4),
-                                               {}, "", gguf, None), port, os.path.join("/tmp", f"llama-spec-{port}.log"))
+        spec_ = peers.ServerSpec(f"llama-server {mode}", llama_server_cmd(exe, gguf, port, mode, 4), {}, "", gguf, None)
+        server = peers.Server(spec_, port, os.path.join("/tmp", f"llama-spec-{port}.log"))
         try:
             for kind, prompt in PROMPTS.items():
                 for streams in (1, 4):
@@ -226,6 +226,8 @@ def main() -> int:
     p.add_argument("--skip-qwen", action="store_true")
     p.add_argument("--skip-self-draft", action="store_true")
     p.add_argument("--skip-llama-server", action="store_true")
+    p.add_argument("--skip-batch1", action="store_true", help="no batch-1 prompts")
+    p.add_argument("--skip-concurrent", action="store_true", help="no 8 / 32 concurrent runs")
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args()
 
@@ -240,7 +242,7 @@ def main() -> int:
         if qwen:
             models.append(("Qwen2.5-Coder-0.5B-Instruct Q4_K_M", qwen))
     rows, conc_rows = [], []
-    for name, path in models:
+    for name, path in models if not args.skip_batch1 else []:
         kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False)
         engines = {"off": LLM(path, **kw), **{m: LLM(path, speculative_config=c, **kw) for m, c in METHODS.items()}}
         for llm in engines.values():  # warm-up: step graphs, first-touch memory
@@ -258,20 +260,21 @@ def main() -> int:
                 print(f"{name} / {kind} / {m}: off {tok_s['off']:.1f} tok/s, on {tok_s[m]:.1f} tok/s "
                       f"({tok_s[m] / tok_s['off']:.2f}x), same tokens: {same}", flush=True)
         del engines
-        if name.startswith("SmolLM2"):
-            for conc in (8, 32):
-                kw_c = dict(kw, max_num_seqs=conc)
-                engines = {"off": LLM(path, **kw_c),
-                           **{m: LLM(path, speculative_config=c, **kw_c) for m, c in METHODS.items()}}
-                for llm in engines.values():
-                    concurrent(llm, conc, 4, seed=99)
-                _, tok_s = alternate(engines, lambda llm, r: concurrent(llm, 2 * conc if not args.smoke else conc,
-                                                                        8 if args.smoke else 64, seed=r), rounds)
-                for m in METHODS:
-                    conc_rows.append((name, conc, m, tok_s["off"], tok_s[m], acceptance(engines[m])))
-                    print(f"{name} / {conc} concurrent / {m}: off {tok_s['off']:.1f}, on {tok_s[m]:.1f} "
-                          f"({tok_s[m] / tok_s['off']:.2f}x)", flush=True)
-                del engines
+    for name, path in models[:1] if not args.skip_concurrent else []:  # (SmolLM2 only)
+        kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False)
+        for conc in (8, 32):
+            kw_c = dict(kw, max_num_seqs=conc)
+            engines = {"off": LLM(path, **kw_c),
+                       **{m: LLM(path, speculative_config=c, **kw_c) for m, c in METHODS.items()}}
+            for llm in engines.values():
+                concurrent(llm, conc, 4, seed=99)
+            _, tok_s = alternate(engines, lambda llm, r: concurrent(llm, 2 * conc if not args.smoke else conc,
+                                                                    8 if args.smoke else 64, seed=r), rounds)
+            for m in METHODS:
+                conc_rows.append((name, conc, m, tok_s["off"], tok_s[m], acceptance(engines[m])))
+                print(f"{name} / {conc} concurrent / {m}: off {tok_s['off']:.1f}, on {tok_s[m]:.1f} "
+                      f"({tok_s[m] / tok_s['off']:.2f}x)", flush=True)
+            del engines
     self_rows = []
     if not args.skip_self_draft:
         path = pm.smollm2_gguf()
