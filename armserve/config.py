@@ -151,14 +151,16 @@ SPEC_METHODS_BUILT = ("ngram", "suffix", "draft_model")
 # (quantized self-drafting: `model` = the target's own checkpoint).
 SPEC_DRAFT_QUANTIZATIONS = ("w4a8",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
-# Suffix decoding (engine/suffix_decode.py), vLLM's keys and defaults: the trees' depth (a match
+# Suffix decoding (engine/suffix_decode.py), vLLM's keys and defaults but one: the trees' depth (a match
 # plus its draft), the finished requests' outputs kept for other requests (0: none), draft length
 # per matched token, and the least estimated probability of a drafted token. vLLM lets suffix
 # decoding draft up to the tree depth by default; here num_speculative_tokens keeps the common
 # default, as a CPU verifying step costs more with every row (SmolLM2 agent loop, 1 thread: 4
 # drafted 1.24x faster than plain decoding, 8 only 1.12x, from lower acceptance).
 DEFAULT_SUFFIX_MAX_TREE_DEPTH = 24
-DEFAULT_SUFFIX_MAX_CACHED_REQUESTS = 10000
+# (vLLM: 10000. A cached output token costs about 160 bytes in the global tree here, so 1000
+# answers of 500 tokens hold ~80 MB.)
+DEFAULT_SUFFIX_MAX_CACHED_REQUESTS = 1000
 DEFAULT_SUFFIX_MAX_SPEC_FACTOR = 1.0
 DEFAULT_SUFFIX_MIN_TOKEN_PROB = 0.1
 # n-gram lookup: the longest suffix of the sequence (prompt_lookup_max tokens, down to
