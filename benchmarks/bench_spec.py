@@ -1,19 +1,27 @@
-"""Speculative decoding (n-gram): decode tok/s with it on vs off.
+"""Speculative decoding (n-gram, suffix, draft models): decode tok/s with it on vs off.
 
     python benchmarks/bench_spec.py                 # the full run (minutes), written to docs/benchmarks.md
     python benchmarks/bench_spec.py --smoke --no-doc  # a few tokens of each, printed only
 
-One process, 1 thread (OMP_NUM_THREADS=1), the offline `LLM`, greedy, two engines per model (with
-and without `speculative_config={"method": "ngram", ...}`), both kept loaded, runs alternating.
+One process, 1 thread (OMP_NUM_THREADS=1), the offline `LLM`, greedy, three engines per model
+(without speculation, `speculative_config` method "ngram" and method "suffix"), all kept loaded,
+runs alternating.
 
 - batch 1: a code-editing prompt (rename a variable in a function and give the whole function
   back) and a summarise-the-document prompt (a report to summarise, quoting its findings), as
   chat messages, on the bundled SmolLM2 GGUF and Qwen2.5-Coder-0.5B-Instruct GGUF (both kept
   quantized). tok/s = (output tokens - 1) / (last token time - first token time): decode only.
+- agent loop: the same task asked again with another name each time, one request after another
+  (what an agent's repeated tool calls look like): its answers repeat earlier answers, not its
+  prompt. Suffix decoding's cache of earlier outputs drafts them; mean over all but the first.
 - quantized self-drafting: SmolLM2 dequantized (`quantization="none"`, the default dtype) as the
   target, its w4a8 int4 copy (made at load) drafting, on an open chat prompt, batch 1.
 - 8 and 32 concurrent: random 128-token prompts, 64 output tokens each (`ignore_eos`), twice the
   concurrency in prompts, max_num_seqs = the concurrency; tok/s = output tokens / wall time.
+- llama-server, when built (benchmarks/peers.py builds it; this script does not): the same SmolLM2
+  GGUF and prompts, 1 thread, without drafting, with its lookup decoding (`--spec-type
+  ngram-simple`) and with the GGUF drafting for itself (`--model-draft`), at 1 and 4 concurrent
+  streams, against armserve's ngram and draft_model on the same file (`--skip-llama-server`).
 The section "spec_decode" of docs/benchmarks.md gets the table.
 """
 
@@ -32,6 +40,8 @@ sys.path.insert(0, HERE)
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+SUFFIX = {"method": "suffix"}
+METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
 
 CODE = '''def summarize_orders(orders, tax_rate):
     """Totals per customer, with tax, for the orders that were paid."""
@@ -64,6 +74,10 @@ DOCUMENT = (
 
 SELF_DRAFT_K = 3
 CHAT = "Tell me about the history of the bicycle, from the first designs to today."
+
+AGENT_TASK = ("Write a Python function named `{}` that returns True when a string is a palindrome, "
+              "ignoring case, spaces and punctuation. Include a docstring.")
+AGENT_NAMES = ["is_palindrome", "check_palindrome", "palindrome_ok", "looks_symmetric", "reads_same", "mirror_text"]
 
 PROMPTS = {
     "code editing": "Rename the variable `totals` to `per_customer` in this function and give back the "
@@ -107,14 +121,101 @@ def acceptance(llm) -> str:
     return f"{100 * st.acceptance_rate:.0f}%" if st is not None and st.num_draft_tokens else "-"
 
 
-def alternate(engines: dict, run, rounds: int) -> tuple[dict, float, float]:
-    """`run(llm)` `rounds` times per engine, off and on alternating (so drifting load hits both):
-    the results per mode and the mean tok/s off and on."""
-    res: dict[str, list] = {"off": [], "on": []}
+def alternate(engines: dict, run, rounds: int, skip: int = 0) -> tuple[dict, dict]:
+    """`run(llm, r)` `rounds` times per engine, the engines alternating (so drifting load hits
+    all): the results per mode and each mode's mean tok/s (over the rounds after `skip`)."""
+    res: dict[str, list] = {m: [] for m in engines}
     for r in range(rounds):
         for mode, llm in engines.items():
             res[mode].append(run(llm, r))
-    return res, *(sum(x["tok_s"] for x in res[m]) / rounds for m in ("off", "on"))
+    return res, {m: sum(x["tok_s"] for x in v[skip:]) / (rounds - skip) for m, v in res.items()}
+
+
+def llama_server_exe() -> str | None:
+    """llama-server if benchmarks/peers.py has built it (building it takes ~10 min: not here)."""
+    import peers
+
+    exe = os.path.join(peers.PEERS_DIR, "llama.cpp", "build", "bin", "llama-server")
+    return exe if os.path.isfile(exe) else None
+
+
+def llama_server_cmd(exe: str, gguf: str, port: int, mode: str, slots: int) -> list[str]:
+    cmd = [exe, "-m", gguf, "-t", "1", "-tb", "1", "-np", str(slots), "-c", str(slots * 2048), "--host",
+           "127.0.0.1", "--port", str(port), "--no-repack"]
+    if mode == "lookup":
+        return cmd + ["--spec-type", "ngram-simple", "--spec-draft-n-max", "4"]
+    if mode == "draft":
+        return cmd + ["--model-draft", gguf, "-td", "1", "--spec-draft-n-max", "4"]
+    return cmd
+
+
+def llama_server_run(url: str, prompt: str, streams: int, max_tokens: int) -> dict:
+    """`streams` copies of the chat prompt at once; batch 1: llama-server's own decode tok/s,
+    else output tokens over wall time."""
+    import concurrent.futures
+
+    import httpx
+
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+
+    def one(_):
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=1800)
+        r.raise_for_status()
+        return r.json()
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(streams) as ex:
+        outs = list(ex.map(one, range(streams)))
+    took = time.perf_counter() - t
+    if streams == 1:
+        return {"tok_s": outs[0].get("timings", {}).get("predicted_per_second", 0.0)}
+    return {"tok_s": sum(o["usage"]["completion_tokens"] for o in outs) / took}
+
+
+def armserve_streams(llm, prompt: str, streams: int, max_tokens: int) -> dict:
+    from armserve import SamplingParams
+
+    if streams == 1:
+        return batch1(llm, prompt, max_tokens)
+    t = time.perf_counter()
+    outs = llm.chat([[{"role": "user", "content": prompt}]] * streams,
+                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    return {"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)}
+
+
+def versus_llama_server(gguf: str, max_tokens: int, rounds: int) -> list[tuple]:
+    """(prompt, streams, drafting, armserve tok/s, llama-server tok/s) rows; [] without llama-server."""
+    import peers
+    from armserve import LLM
+
+    exe = llama_server_exe()
+    if exe is None:
+        print("llama-server not built (benchmarks/peers.py install_llama_server()); its comparison would run:\n  "
+              + " ".join(llama_server_cmd("llama-server", gguf, 8080, "draft", 4)), flush=True)
+        return []
+    modes = {"none": None, "lookup": NGRAM,
+             "draft": {"method": "draft_model", "model": gguf, "num_speculative_tokens": 4}}
+    rows = []
+    for mode, spec in modes.items():
+        llm = LLM(gguf, max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False, speculative_config=spec)
+        batch1(llm, "Say hello.", 8)
+        port = peers.free_port()
+        spec_ = peers.ServerSpec(f"llama-server {mode}", llama_server_cmd(exe, gguf, port, mode, 4), {}, "", gguf, None)
+        server = peers.Server(spec_, port, os.path.join("/tmp", f"llama-spec-{port}.log"))
+        try:
+            for kind, prompt in PROMPTS.items():
+                for streams in (1, 4):
+                    ours = theirs = 0.0
+                    for _ in range(rounds):
+                        ours += armserve_streams(llm, prompt, streams, max_tokens)["tok_s"] / rounds
+                        theirs += llama_server_run(server.url, prompt, streams, max_tokens)["tok_s"] / rounds
+                    rows.append((kind, streams, mode, ours, theirs))
+                    print(f"vs llama-server / {kind} / {streams} streams / {mode}: armserve {ours:.1f}, "
+                          f"llama-server {theirs:.1f} tok/s ({ours / max(theirs, 1e-9):.2f}x)", flush=True)
+        finally:
+            server.stop()
+        del llm
+    return rows
 
 
 def main() -> int:
@@ -124,6 +225,9 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="a few tokens of each: checks the script runs")
     p.add_argument("--skip-qwen", action="store_true")
     p.add_argument("--skip-self-draft", action="store_true")
+    p.add_argument("--skip-llama-server", action="store_true")
+    p.add_argument("--skip-batch1", action="store_true", help="no batch-1 prompts")
+    p.add_argument("--skip-concurrent", action="store_true", help="no 8 / 32 concurrent runs")
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = p.parse_args()
 
@@ -138,29 +242,39 @@ def main() -> int:
         if qwen:
             models.append(("Qwen2.5-Coder-0.5B-Instruct Q4_K_M", qwen))
     rows, conc_rows = [], []
-    for name, path in models:
+    for name, path in models if not args.skip_batch1 else []:
         kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False)
-        engines = {"off": LLM(path, **kw), "on": LLM(path, speculative_config=NGRAM, **kw)}
+        engines = {"off": LLM(path, **kw), **{m: LLM(path, speculative_config=c, **kw) for m, c in METHODS.items()}}
         for llm in engines.values():  # warm-up: step graphs, first-touch memory
             batch1(llm, "Say hello.", 8)
-        for kind, prompt in PROMPTS.items():
-            res, off, on = alternate(engines, lambda llm, _: batch1(llm, prompt, max_tokens), rounds)
-            same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res["on"]))
-            rows.append((name, kind, off, on, res["on"][0]["tokens"], same, acceptance(engines["on"])))
-            print(f"{name} / {kind}: off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x), same tokens: {same}",
-                  flush=True)
+        agent = len(AGENT_NAMES) if not args.smoke else 2
+        work = [(kind, lambda llm, _, prompt=prompt: batch1(llm, prompt, max_tokens), rounds, 0)
+                for kind, prompt in PROMPTS.items()]
+        work.append(("agent loop", lambda llm, r: batch1(llm, AGENT_TASK.format(AGENT_NAMES[r]), max_tokens), agent, 1))
+        for kind, run, n, skip in work:
+            res, tok_s = alternate(engines, run, n, skip)
+            for m in METHODS:
+                same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res[m]))
+                rows.append((name, kind, m, tok_s["off"], tok_s[m], res[m][-1]["tokens"], same,
+                             acceptance(engines[m])))
+                print(f"{name} / {kind} / {m}: off {tok_s['off']:.1f} tok/s, on {tok_s[m]:.1f} tok/s "
+                      f"({tok_s[m] / tok_s['off']:.2f}x), same tokens: {same}", flush=True)
         del engines
-        if name.startswith("SmolLM2"):
-            for conc in (8, 32):
-                kw_c = dict(kw, max_num_seqs=conc)
-                engines = {"off": LLM(path, **kw_c), "on": LLM(path, speculative_config=NGRAM, **kw_c)}
-                for llm in engines.values():
-                    concurrent(llm, conc, 4, seed=99)
-                _, off, on = alternate(engines, lambda llm, r: concurrent(llm, 2 * conc if not args.smoke else conc,
-                                                                          8 if args.smoke else 64, seed=r), rounds)
-                conc_rows.append((name, conc, off, on, acceptance(engines["on"])))
-                print(f"{name} / {conc} concurrent: off {off:.1f}, on {on:.1f} ({on / off:.2f}x)", flush=True)
-                del engines
+    for name, path in models[:1] if not args.skip_concurrent else []:  # (SmolLM2 only)
+        kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False)
+        for conc in (8, 32):
+            kw_c = dict(kw, max_num_seqs=conc)
+            engines = {"off": LLM(path, **kw_c),
+                       **{m: LLM(path, speculative_config=c, **kw_c) for m, c in METHODS.items()}}
+            for llm in engines.values():
+                concurrent(llm, conc, 4, seed=99)
+            _, tok_s = alternate(engines, lambda llm, r: concurrent(llm, 2 * conc if not args.smoke else conc,
+                                                                    8 if args.smoke else 64, seed=r), rounds)
+            for m in METHODS:
+                conc_rows.append((name, conc, m, tok_s["off"], tok_s[m], acceptance(engines[m])))
+                print(f"{name} / {conc} concurrent / {m}: off {tok_s['off']:.1f}, on {tok_s[m]:.1f} "
+                      f"({tok_s[m] / tok_s['off']:.2f}x)", flush=True)
+            del engines
     self_rows = []
     if not args.skip_self_draft:
         path = pm.smollm2_gguf()
@@ -169,30 +283,46 @@ def main() -> int:
         engines = {"off": LLM(path, **kw), "on": LLM(path, speculative_config=draft, **kw)}
         for llm in engines.values():
             batch1(llm, "Say hello.", 8)
-        res, off, on = alternate(engines, lambda llm, _: batch1(llm, CHAT, max_tokens), rounds)
+        res, tok_s = alternate(engines, lambda llm, _: batch1(llm, CHAT, max_tokens), rounds)
+        off, on = tok_s["off"], tok_s["on"]
         same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res["on"]))
         self_rows.append(("SmolLM2-135M-Instruct, dequantized", "open chat", off, on, res["on"][0]["tokens"], same,
                           acceptance(engines["on"])))
         print(f"self-drafting / open chat: off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x), same: {same}",
               flush=True)
         del engines
+    vs_llama = [] if args.skip_llama_server else versus_llama_server(pm.smollm2_gguf(), max_tokens, rounds)
     if args.no_doc:
         return 0
-    t1 = "\n".join(f"| {n} | {k} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc} | {tok} | {'yes' if s else 'no'} |"
-                   for n, k, off, on, tok, s, acc in rows)
+    t1 = "\n".join(f"| {n} | {k} | {m} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc} | {tok} | "
+                   f"{'yes' if s else 'no'} |" for n, k, m, off, on, tok, s, acc in rows)
     t3 = "\n".join(f"| {n} | {k} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc} | {tok} | {'yes' if s else 'no'} |"
                    for n, k, off, on, tok, s, acc in self_rows)
-    t2 = "\n".join(f"| {n} | {c} | {off:.0f} | {on:.0f} | {on / off:.2f}x | {acc} |" for n, c, off, on, acc in conc_rows)
-    body = f"""## Speculative decoding: n-gram drafts on vs off (issue 31)
+    t2 = "\n".join(f"| {n} | {c} | {m} | {off:.0f} | {on:.0f} | {on / off:.2f}x | {acc} |"
+                   for n, c, m, off, on, acc in conc_rows)
+    t4 = "\n".join(f"| {k} | {s} | {m} | {a:.1f} | {b:.1f} | {a / max(b, 1e-9):.2f}x |" for k, s, m, a, b in vs_llama)
+    t4 = f"""
+Against llama-server on the same GGUF (SmolLM2 Q4_1), 1 thread each, 4 parallel slots; drafting `none`,
+`lookup` (armserve ngram, llama-server `--spec-type ngram-simple`) and `draft` (the GGUF drafting for itself:
+armserve draft_model, llama-server `--model-draft`), 4 tokens per draft; batch 1: decode tok/s, 4 streams:
+output tok/s over wall time:
+
+| prompt | streams | drafting | armserve tok/s | llama-server tok/s | armserve / llama-server |
+|---|---|---|---|---|---|
+{t4}
+""" if vs_llama else ""
+    body = f"""## Speculative decoding: n-gram and suffix drafts on vs off (issue 31)
 
 Machine: {machine_description()}. armserve rev `{git_revision()}`, 1 thread, offline `LLM`, greedy,
-`speculative_config={NGRAM}`; GGUF weights kept quantized. Load average at the end: {load_average():.2f}.
+`speculative_config` {NGRAM} (ngram) or {SUFFIX} (suffix, vLLM's defaults); GGUF weights kept quantized.
+Load average at the end: {load_average():.2f}.
 
 Batch 1 (decode tok/s: output tokens after the first over the time between first and last token; {rounds} runs
-each, alternating; `same tokens`: the outputs with and without speculation are identical):
+each, alternating; agent loop: {len(AGENT_NAMES) - 1} requests after a first one, each the same task with
+another function name; `same tokens`: the outputs with and without speculation are identical):
 
-| model | prompt | off tok/s | on tok/s | on / off | draft acceptance | output tokens | same tokens |
-|---|---|---|---|---|---|---|---|
+| model | prompt | method | off tok/s | on tok/s | on / off | draft acceptance | output tokens | same tokens |
+|---|---|---|---|---|---|---|---|---|
 {t1}
 
 Quantized self-drafting (batch 1, decode tok/s; target SmolLM2 dequantized to the default dtype, draft its w4a8
@@ -205,10 +335,10 @@ int4 copy made at load, `num_speculative_tokens` {SELF_DRAFT_K}):
 Concurrent random 128-token prompts, 64 output tokens each (`ignore_eos`), twice the concurrency in prompts
 (output tok/s over the whole run):
 
-| model | concurrent | off tok/s | on tok/s | on / off | draft acceptance |
-|---|---|---|---|---|---|
+| model | concurrent | method | off tok/s | on tok/s | on / off | draft acceptance |
+|---|---|---|---|---|---|---|
 {t2}
-
+{t4}
 Reproduce: `python benchmarks/bench_spec.py`"""
     update_section("spec_decode", body)
     return 0

@@ -14,6 +14,8 @@ import torch
 from armserve import LLM, SamplingParams, kernels
 from armserve.kernels.reference import rms_norm_ref
 
+from test_spec_decode import markov_llama  # noqa: F401 (a fixture: a tiny Llama whose text repeats)
+
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -323,3 +325,34 @@ def test_enforce_eager_cli_flag():
     assert engine_kwargs(args)["enforce_eager"] is True
     assert engine_kwargs(build_parser().parse_args(["generate", "--model", "m"]))["enforce_eager"] is False
 
+
+
+@pytest.fixture(scope="module")
+def w4a8_markov(markov_llama, tmp_path_factory) -> str:
+    return w4a8_copy(markov_llama, str(tmp_path_factory.mktemp("w4a8m") / "w4a8"))
+
+
+@pytest.mark.parametrize("case", ["bf16", "w4a8"])
+def test_verify_steps_replay_and_equal_eager(markov_llama, w4a8_markov, case):
+    # speculative decoding's verifying steps (1 + k rows per sequence, padded to the step's longest
+    # run of drafts; beyond 8 sequences padded with dummy sequences too) replay a graph per shape,
+    # beside plain decodes of seeded requests (which never speculate): exactly the eager steps
+    from test_spec_decode import _chain_prompts
+
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    kw = dict(dtype="bfloat16", kv_cache_space=0.02, speculative_config=spec)
+    model = markov_llama if case == "bf16" else w4a8_markov
+    runs = []
+    for llm in (LLM(model, enforce_eager=True, **kw), LLM(model, **kw)):
+        chains = _chain_prompts(llm)  # (texts that repeat the model's own, so drafts get accepted)
+        got = []
+        for batch in (chains[:1], chains * 3):
+            params = [PARAMS[i % 2].clone(max_tokens=16) for i in range(len(batch))]
+            for o in llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False):
+                c = o.outputs[0]
+                got.append((c.token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs or []]))
+        runs.append(got)
+    assert runs[1] == runs[0]
+    graphs = llm.llm_engine.runner.graphs
+    assert llm.llm_engine.backend.scheduler.spec_stats.num_accepted_tokens > 10 and graphs.verify_replays > 5
+    assert any(b == 16 for b, _ in graphs.verify_graphs) and all(g.replayable for g in graphs.verify_graphs.values())

@@ -26,7 +26,7 @@ from armserve import kernels
 from armserve.config import ConfigError, SpeculativeConfig
 from armserve.engine.request import Request
 from armserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from armserve.engine.spec_decode import SpecState, request_state
+from armserve.engine.spec_decode import SpecState, draft_limit, request_state
 from armserve.layers.attention import set_attention_metadata
 
 
@@ -56,14 +56,7 @@ class DraftModelProposer:
 
     def draft_length(self, req: Request, limit: int) -> int:
         """How many tokens to draft for `req` this step (its adaptive k, capped by `limit`)."""
-        st = self.state(req)
-        if st is None or limit <= 0:
-            return 0
-        if st.k == 0:
-            if self.step < st.resume_step:
-                return 0
-            st.k = 1
-        return min(limit, st.k)
+        return draft_limit(self.state(req), self.step, limit)
 
     @torch.inference_mode()
     def propose_batch(self, items: list[tuple[Request, int, list[int]]]) -> list[list[int]]:

@@ -336,6 +336,23 @@ class ModelRunner:
             blocks.append(s.block_ids)
         return self.graphs.run(ids, positions, blocks)
 
+    def _verify_graph_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor, int] | None:
+        """(logits, rows per sequence q) of a step of decodes and draft verifications from a step
+        graph (sequence i's row j: logits row i * q + j); None when it must run eagerly."""
+        if not (self.use_kernels and self.graphs.enabled) or self.tp_workers is not None:
+            return None
+        tokens, starts, blocks = [], [], []
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            if start + 1 != req.num_tokens or not s.samples or (
+                    req.params.prompt_logprobs is not None and start < req.num_prompt_tokens):
+                return None
+            tokens.append([req.all_token_ids[start], *s.spec_token_ids])
+            starts.append(start)
+            blocks.append(s.block_ids)
+        return self.graphs.run_verify(tokens, starts, blocks)
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and sample its requests."""
         if self.tp_workers is None:
@@ -362,8 +379,9 @@ class ModelRunner:
             bitmask_job = self.structured.fill_bitmask_async(
                 [sched[plain_idx[j]].request.grammar for j in grammar_rows])
         graph_logits = self._graph_logits(out)
+        verify = self._verify_graph_logits(out) if spec_idx else None
         row_end: list[int] | None = None  # (a graph step has no prompt logprobs)
-        if graph_logits is None:
+        if graph_logits is None and verify is None:
             input_ids, positions, md, row_end, order = self._prepare(out)
             if self.tp_workers is not None:
                 # the rows compute_logits will see, in the order it will see them (below)
@@ -384,11 +402,18 @@ class ModelRunner:
         if spec_idx:
             # One logits row per query token of a request with drafts (row j predicts the token
             # after draft j-1), after the plain requests' rows, all in one compute_logits call.
-            rows = [row_end[i] for i in plain_idx]
-            for i in spec_idx:
-                k = len(sched[i].spec_token_ids)
-                rows.extend(range(row_end[i] - k, row_end[i] + 1))
-            all_logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long)))
+            if verify is not None:  # (a copy: the graph's logits buffer is rewritten by its next replay)
+                graph_rows, q = verify
+                rows = [i * q for i in plain_idx]
+                for i in spec_idx:
+                    rows.extend(range(i * q, i * q + len(sched[i].spec_token_ids) + 1))
+                all_logits = graph_rows.index_select(0, torch.tensor(rows, dtype=torch.long))
+            else:
+                rows = [row_end[i] for i in plain_idx]  # type: ignore[index]
+                for i in spec_idx:
+                    k = len(sched[i].spec_token_ids)
+                    rows.extend(range(row_end[i] - k, row_end[i] + 1))  # type: ignore[index]
+                all_logits = self.model.compute_logits(hidden.index_select(0, torch.tensor(rows, dtype=torch.long)))
             spec_reqs = [sched[i].request for i in spec_idx]
             verified = rejection_sample(all_logits[len(plain_idx):], spec_reqs,
                                         [sched[i].spec_token_ids for i in spec_idx], self.vocab_size)

@@ -58,7 +58,7 @@ class Scheduler:
         max_num_seqs: int,
         max_model_len: int,
         chunked_prefill: bool = True,
-        proposer: NgramProposer | None = None,  # or engine/draft_proposer.py's DraftModelProposer
+        proposer: NgramProposer | None = None,  # or a DraftModelProposer, SuffixProposer
     ) -> None:
         self.kv = kv
         self.chunked_prefill = chunked_prefill
@@ -92,6 +92,8 @@ class Scheduler:
                 pass
         req.status = status
         self.kv.free(request_id)
+        if req.spec and hasattr(self.proposer, "finish"):
+            self.proposer.finish(req)  # (suffix decoding keeps the request's output for others)
         return req
 
     @property

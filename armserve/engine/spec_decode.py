@@ -23,7 +23,7 @@ from armserve.engine.request import Request
 class SpecState:
     """One request's n-gram index (or draft-model progress) and its adaptive draft length."""
 
-    __slots__ = ("maps", "indexed", "k", "resume_step", "backoff", "draft_computed", "epoch")
+    __slots__ = ("maps", "indexed", "k", "resume_step", "backoff", "draft_computed", "epoch", "suffix")
 
     def __init__(self, nmin: int, nmax: int, k: int) -> None:
         self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(nmax, nmin - 1, -1)}
@@ -35,6 +35,7 @@ class SpecState:
         # request's preemption count when they were computed
         self.draft_computed = 0
         self.epoch = 0
+        self.suffix = None  # suffix decoding's per-request trees (engine/suffix_decode.py)
 
     def update(self, num_drafted: int, num_accepted: int, max_k: int, step: int) -> None:
         """Adapt to one verification: a fully accepted run earns a token more, a run with nothing
@@ -69,6 +70,18 @@ def request_state(req: Request, nmin: int, nmax: int, k: int) -> SpecState | Non
     return st or None
 
 
+def draft_limit(st: SpecState | None, step: int, limit: int) -> int:
+    """How many tokens a request may draft this step: its adaptive k capped by `limit`, 0 while
+    it is backed off (a back-off that ran out tries one token again)."""
+    if st is None or limit <= 0:
+        return 0
+    if st.k == 0:
+        if step < st.resume_step:
+            return 0
+        st.k = 1
+    return min(limit, st.k)
+
+
 class NgramProposer:
     """Prompt-lookup drafts (`speculative_config` method "ngram")."""
 
@@ -86,12 +99,9 @@ class NgramProposer:
         """Up to min(limit, the request's k) tokens that followed the latest earlier occurrence of
         the sequence's longest matching suffix; [] when nothing matches."""
         st = self.state(req)
-        if st is None or limit <= 0:
+        k = draft_limit(st, self.step, limit)
+        if k == 0:
             return []
-        if st.k == 0:
-            if self.step < st.resume_step:
-                return []
-            st.k = 1
         toks = req.all_token_ids
         end = len(toks)
         # Index the n-grams that end at positions [indexed, end): the one ending at `end` is the
@@ -100,7 +110,6 @@ class NgramProposer:
             for p in range(max(st.indexed, n), end):
                 table[tuple(toks[p - n:p])] = p
         st.indexed = end
-        k = min(limit, st.k)
         for n, table in st.maps.items():
             if n > end:
                 continue

@@ -8,6 +8,11 @@ execute as usual and are recorded, with every tensor they touch kept alive. Late
 size write their token ids, positions, cache slots, context lengths and block tables into the
 graph's input buffers and replay the calls with one C call (csrc/graph.cpp).
 
+A speculative-decoding step that verifies drafts (engine/spec_decode.py) has 1 + k query rows per
+sequence; it is replayed the same way from a graph per (sequences, rows per sequence), each
+sequence's rows padded to the step's longest run of drafts: a padding row comes after the real
+ones (so causal attention keeps it out of theirs) and writes its key and value to the spare block.
+
 A step that runs any PyTorch op that computes (rather than allocates or makes a view) cannot be
 replayed; capture notices (kernels/capture.py's dispatch guard) and steps of that batch size stay
 eager. `enforce_eager=True` (vLLM's flag) turns graphs off.
@@ -40,16 +45,18 @@ def graph_batch(n: int) -> int:
 
 
 class StepGraph:
-    """One batch size's decode step: input buffers, the recorded calls and the logits they fill."""
+    """One batch size's decode step (or verifying step of `q` rows per sequence): input buffers,
+    the recorded calls and the logits they fill."""
 
-    def __init__(self, batch: int, max_blocks: int, block_size: int) -> None:
+    def __init__(self, batch: int, max_blocks: int, block_size: int, q: int = 1) -> None:
         self.batch = batch
+        self.q = q
         self.block_size = block_size
-        self.ids = torch.zeros(batch, dtype=torch.long)
-        self.positions = torch.zeros(batch, dtype=torch.long)
-        self.slots = torch.zeros(batch, dtype=torch.long)
-        self.q_start = torch.arange(batch, dtype=torch.int32)
-        self.q_len = torch.ones(batch, dtype=torch.int32)
+        self.ids = torch.zeros(batch * q, dtype=torch.long)
+        self.positions = torch.zeros(batch * q, dtype=torch.long)
+        self.slots = torch.zeros(batch * q, dtype=torch.long)
+        self.q_start = torch.arange(0, batch * q, q, dtype=torch.int32)
+        self.q_len = torch.full((batch,), q, dtype=torch.int32)
         self.context_len = torch.zeros(batch, dtype=torch.int32)
         self.block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32)
         self.attn_batch = kernels.make_attn_batch(self.q_start, self.q_len, self.context_len, self.block_tables,
@@ -78,8 +85,30 @@ class StepGraph:
             n = p // bs + 1  # blocks holding positions 0..p
             self._block_tables[r, :n] = b[:n]
 
+    def set_verify_inputs(self, tokens: list[list[int]], starts: list[int], block_ids: list[list[int]],
+                          pad_block: int) -> None:
+        """A verifying step's inputs: per sequence its last known token and drafts (at most q), the
+        first one's position and its blocks. Rows past a sequence's tokens (and whole sequences
+        past the step's, a bucket's padding) are padding: token 0, writing to `pad_block`."""
+        bs, q = self.block_size, self.q
+        pad = self.batch - len(tokens)
+        tokens, starts, block_ids = tokens + [[]] * pad, starts + [0] * pad, block_ids + [[pad_block]] * pad
+        ids, pos, slots = [], [], []
+        for t, p0, b in zip(tokens, starts, block_ids):
+            ids += t + [0] * (q - len(t))
+            # (a padding row's rotary position only shapes its own query and key: p0 keeps it
+            # within the rotary table near max_model_len)
+            pos += [*range(p0, p0 + len(t)), *[p0] * (q - len(t))]
+            slots += [b[p // bs] * bs + p % bs for p in range(p0, p0 + len(t))]
+            slots += [pad_block * bs + p % bs for p in range(p0 + len(t), p0 + q)]
+        self._ids[:], self._positions[:], self._slots[:] = ids, pos, slots
+        self._context_len[:] = [p0 + q for p0 in starts]
+        for r, (b, p0) in enumerate(zip(block_ids, starts)):
+            n = (p0 + q - 1) // bs + 1
+            self._block_tables[r, :n] = (b + [pad_block] * n)[:n]
+
     def capture(self, model) -> torch.Tensor:
-        """Run the step eagerly while recording it; returns its float32 logits [batch, vocab]."""
+        """Run the step eagerly while recording it; returns its float32 logits [rows, vocab]."""
         md = AttentionMetadata(slot_mapping=self.slots, num_decodes=self.batch)
         md.kernel_batch = self.attn_batch
         set_attention_metadata(md)
@@ -88,7 +117,7 @@ class StepGraph:
                 logits = model.compute_logits(model(self.ids, self.positions))
         finally:
             set_attention_metadata(None)
-        if logits.dtype != torch.float32 or tuple(logits.shape) != (self.batch, model.config.vocab_size):
+        if logits.dtype != torch.float32 or tuple(logits.shape) != (self.batch * self.q, model.config.vocab_size):
             rec.errors.append(f"logits are {logits.dtype} {tuple(logits.shape)}")
         self.recording, self.logits = rec, logits
         return logits
@@ -114,7 +143,9 @@ class StepGraphs:
         self.block_size = block_size
         self.enabled = enabled  # the runner's: kernels on and not enforce_eager
         self.graphs: dict[int, StepGraph] = {}
+        self.verify_graphs: dict[tuple[int, int], StepGraph] = {}  # (batch, rows per sequence)
         self.replays = 0  # decode steps served by a replay (tests, stats)
+        self.verify_replays = 0
 
     def run(self, ids: list[int], positions: list[int], block_ids: list[list[int]]) -> torch.Tensor | None:
         """Logits of a decode step, from a graph (replayed, or captured now); None when this step
@@ -132,21 +163,53 @@ class StepGraphs:
             self.graphs[b] = g
             g.set_inputs(ids, positions, block_ids, self.pad_block)
             logits = g.capture(self.model)
-            if not g.replayable:
-                # e.g. a float16 model's matmuls beyond the skinny kernel's token limit go to
-                # PyTorch (bfloat16 ones run the dense GEMM at any size): that batch size stays eager
-                logger.info("decode steps of %d sequences run eagerly: the step cannot be replayed (%s)", b,
-                            ", ".join(sorted(set(g.recording.errors))[:5]))
-                g.recording.keep.clear()
-                g.logits = None
-                if b != n:
-                    # computed on padded rows: PyTorch's GEMMs may round a row differently with
-                    # more rows beside it, so run the step as an eager one would (it rewrites the
-                    # same cache slots)
-                    return None
+            if not self._check(g) and b != n:
+                # computed on padded rows: PyTorch's GEMMs may round a row differently with
+                # more rows beside it, so run the step as an eager one would (it rewrites the
+                # same cache slots)
+                return None
             return logits[:n]  # computed eagerly while recording
         if not g.replayable:
             return None
         g.set_inputs(ids, positions, block_ids, self.pad_block)
         self.replays += 1
         return g.replay()[:n]
+
+    def run_verify(self, tokens: list[list[int]], starts: list[int],
+                   block_ids: list[list[int]]) -> tuple[torch.Tensor, int] | None:
+        """Logits of a verifying step (per sequence: its last known token and its drafts, the
+        first one's position, its blocks) from a graph, and the graph's rows per sequence q (the
+        logits of sequence i's row j are row i * q + j); None when the step must run eagerly."""
+        q = max(map(len, tokens))
+        b = graph_batch(len(tokens))
+        if (not self.enabled or self.pad_block is None or b * q > MAX_GRAPH_BATCH
+                or (max(starts) + q - 1) // self.block_size >= self.max_blocks):
+            return None  # (the last: padding rows past the block tables' width, at max_model_len)
+        g = self.verify_graphs.get((b, q))
+        if g is not None and g.generation != library.kernel_generation:
+            self.verify_graphs.clear()
+            g = None
+        if g is None:
+            g = self.verify_graphs[(b, q)] = StepGraph(b, self.max_blocks, self.block_size, q)
+            g.set_verify_inputs(tokens, starts, block_ids, self.pad_block)
+            logits = g.capture(self.model)
+            # (not replayable: something fell back to PyTorch, which may round the real rows
+            # differently beside padding ones; the eager step rewrites the same slots)
+            return (logits, q) if self._check(g) else None
+        if not g.replayable:
+            return None
+        g.set_verify_inputs(tokens, starts, block_ids, self.pad_block)
+        self.verify_replays += 1
+        return g.replay(), q
+
+    def _check(self, g: StepGraph) -> bool:
+        """Whether the just recorded `g` can be replayed; if not, it keeps nothing."""
+        if not g.replayable:
+            # e.g. a float16 model's matmuls beyond the skinny kernel's token limit go to
+            # PyTorch (bfloat16 ones run the dense GEMM at any size): that shape stays eager
+            logger.info("steps of %d sequences x %d rows run eagerly: the step cannot be replayed (%s)", g.batch,
+                        g.q, ", ".join(sorted(set(g.recording.errors))[:5]))  # type: ignore[union-attr]
+            g.recording.keep.clear()  # type: ignore[union-attr]
+            g.logits = None
+            return False
+        return True

@@ -23,6 +23,7 @@ from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.draft_proposer import DraftModelProposer, load_draft_model
 from armserve.engine.spec_decode import NgramProposer
+from armserve.engine.suffix_decode import SuffixProposer
 from armserve.engine.stats import SchedulerStats
 from armserve.engine.structured_output import StructuredOutputManager
 from armserve.layers.linear import ParallelContext
@@ -98,6 +99,8 @@ class TorchBackend:
             proposer = DraftModelProposer(spec, ModelRunner(  # type: ignore[arg-type]
                 draft, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype, self.max_model_len,
                 config.enforce_eager))
+        elif spec is not None and spec.method == "suffix":  # type: ignore[union-attr]
+            proposer = SuffixProposer(spec)  # type: ignore[arg-type]
         elif spec is not None:
             proposer = NgramProposer(spec)  # type: ignore[arg-type]
         self.scheduler = Scheduler(
