@@ -259,6 +259,7 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         deadline: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Process the request (`input_processor`) and submit it; returns its stream once the engine
         has accepted it.
@@ -271,7 +272,8 @@ class AsyncLLM:
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
-        request = self.input_processor.process(request_id or uuid.uuid4().hex, prompt, params, arrival_time)
+        request = self.input_processor.process(request_id or uuid.uuid4().hex, prompt, params, arrival_time,
+                                               lora_request)
         return await self.add_processed_request(request, deadline)
 
     async def add_processed_request(self, request: EngineCoreRequest, deadline: float | None = None) -> RequestStream:
@@ -313,9 +315,11 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         request_id: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit a request and yield its delta outputs; closing the generator early aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
+        """Submit a request and yield its delta outputs; closing the generator early aborts it.
+        `lora_request`: the adapter (lora.LoRARequest; the engine started with enable_lora) or None."""
+        stream = await self.add_request(request_id, prompt, params, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out

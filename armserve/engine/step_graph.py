@@ -8,6 +8,10 @@ execute as usual and are recorded, with every tensor they touch kept alive. Late
 size write their token ids, positions, cache slots, context lengths and block tables into the
 graph's input buffers and replay the calls with one C call (csrc/graph.cpp).
 
+A step in which some sequence runs a LoRA adapter has graphs of its own (`lora_graphs`): their
+recording includes the adapters' shrink/expand calls, whose per-token slots are one more input
+buffer, and the slots' weights are rewritten in place when an adapter moves in (layers/lora.py).
+
 A step that runs any PyTorch op that computes (rather than allocates or makes a view) cannot be
 replayed; capture notices (kernels/capture.py's dispatch guard) and steps of that batch size stay
 eager. `enforce_eager=True` (vLLM's flag) turns graphs off.
@@ -22,6 +26,7 @@ import torch
 from armserve import kernels
 from armserve.kernels import capture, library
 from armserve.layers.attention import AttentionMetadata, set_attention_metadata
+from armserve.layers.lora import set_lora_indices
 
 logger = logging.getLogger("armserve")
 
@@ -42,8 +47,10 @@ def graph_batch(n: int) -> int:
 class StepGraph:
     """One batch size's decode step: input buffers, the recorded calls and the logits they fill."""
 
-    def __init__(self, batch: int, max_blocks: int, block_size: int) -> None:
+    def __init__(self, batch: int, max_blocks: int, block_size: int, lora: bool = False) -> None:
         self.batch = batch
+        # LoRA: each row's adapter slot (-1: the base model), an input like the token ids
+        self.lora_slots = torch.full((batch,), -1, dtype=torch.long) if lora else None
         self.block_size = block_size
         self.ids = torch.zeros(batch, dtype=torch.long)
         self.positions = torch.zeros(batch, dtype=torch.long)
@@ -61,7 +68,7 @@ class StepGraph:
         self.generation = library.kernel_generation
 
     def set_inputs(self, ids: list[int], positions: list[int], block_ids: list[list[int]],
-                   pad_block: int | None = None) -> None:
+                   pad_block: int | None = None, lora_slots: list[int] | None = None) -> None:
         """This step's tokens (one per sequence), their positions and each sequence's blocks; rows
         past them (a bucket's padding) get token 0 at position 0 in `pad_block`."""
         bs = self.block_size
@@ -71,6 +78,8 @@ class StepGraph:
         # Through numpy views of the buffers: a few microseconds, where a torch.tensor per field
         # cost more than the rest of the step's Python.
         self._ids[:] = ids
+        if self.lora_slots is not None:
+            self.lora_slots.numpy()[:] = lora_slots + [-1] * pad  # type: ignore[operator]
         self._positions[:] = positions
         self._slots[:] = [b[p // bs] * bs + p % bs for b, p in zip(block_ids, positions)]
         self._context_len[:] = [p + 1 for p in positions]
@@ -83,11 +92,13 @@ class StepGraph:
         md = AttentionMetadata(slot_mapping=self.slots, num_decodes=self.batch)
         md.kernel_batch = self.attn_batch
         set_attention_metadata(md)
+        set_lora_indices(self.lora_slots)
         try:
             with capture.recording() as rec:
                 logits = model.compute_logits(model(self.ids, self.positions))
         finally:
             set_attention_metadata(None)
+            set_lora_indices(None)
         if logits.dtype != torch.float32 or tuple(logits.shape) != (self.batch, model.config.vocab_size):
             rec.errors.append(f"logits are {logits.dtype} {tuple(logits.shape)}")
         self.recording, self.logits = rec, logits
@@ -114,23 +125,27 @@ class StepGraphs:
         self.block_size = block_size
         self.enabled = enabled  # the runner's: kernels on and not enforce_eager
         self.graphs: dict[int, StepGraph] = {}
+        self.lora_graphs: dict[int, StepGraph] = {}  # steps in which some sequence runs an adapter
         self.replays = 0  # decode steps served by a replay (tests, stats)
 
-    def run(self, ids: list[int], positions: list[int], block_ids: list[list[int]]) -> torch.Tensor | None:
+    def run(self, ids: list[int], positions: list[int], block_ids: list[list[int]],
+            lora_slots: list[int] | None = None) -> torch.Tensor | None:
         """Logits of a decode step, from a graph (replayed, or captured now); None when this step
-        must run eagerly (graphs off, batch too large, or the model not capturable)."""
+        must run eagerly (graphs off, batch too large, or the model not capturable). `lora_slots`:
+        each sequence's adapter slot (-1: none), None when no sequence has an adapter."""
         n = len(ids)
         b = graph_batch(n) if self.pad_block is not None else n
         if not self.enabled or b > MAX_GRAPH_BATCH:
             return None
-        g = self.graphs.get(b)
+        graphs = self.graphs if lora_slots is None else self.lora_graphs
+        g = graphs.get(b)
         if g is not None and g.generation != library.kernel_generation:
-            self.graphs.clear()  # the kernel variant changed since capture: record again
+            graphs.clear()  # the kernel variant changed since capture: record again
             g = None
         if g is None:
-            g = StepGraph(b, self.max_blocks, self.block_size)
-            self.graphs[b] = g
-            g.set_inputs(ids, positions, block_ids, self.pad_block)
+            g = StepGraph(b, self.max_blocks, self.block_size, lora=lora_slots is not None)
+            graphs[b] = g
+            g.set_inputs(ids, positions, block_ids, self.pad_block, lora_slots)
             logits = g.capture(self.model)
             if not g.replayable:
                 # e.g. a float16 model's matmuls beyond the skinny kernel's token limit go to
@@ -147,6 +162,6 @@ class StepGraphs:
             return logits[:n]  # computed eagerly while recording
         if not g.replayable:
             return None
-        g.set_inputs(ids, positions, block_ids, self.pad_block)
+        g.set_inputs(ids, positions, block_ids, self.pad_block, lora_slots)
         self.replays += 1
         return g.replay()[:n]
