@@ -44,6 +44,9 @@ def _add_serving_commands(sub) -> None:
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $ARMSERVE_API_KEY)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model (default: the MODEL argument)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='LoRA adapters served by name (the request\'s "model"): name=path or vLLM\'s JSON '
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora')
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="put <think>...</think> text in reasoning_content")
     s.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -111,3 +111,162 @@ def test_mixed_batch_matches_peft(bases, family):
     assert len({tuple(o.outputs[0].token_ids) for o in outs[::len(PROMPTS)]}) > 1
     merged = peft_greedy(base, adapters[0], PROMPTS[:1], n, merged=True)[0][0]
     assert list(outs[len(PROMPTS)].outputs[0].token_ids) == merged
+
+
+def first_token_logprobs(llm: LLM, prompt: str, lora=None) -> dict[int, float]:
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    out = llm.generate([prompt], sp, use_tqdm=False, lora_request=lora)[0].outputs[0]
+    return {t: lp.logprob for t, lp in out.logprobs[0].items()}
+
+
+def peft_first_logprobs(base: str, adapter: str, prompt: str) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        return torch.log_softmax(model(tok(prompt, return_tensors="pt").input_ids).logits[0, -1].float(), -1)
+
+
+def test_bf16_close_to_peft(bases):
+    """bf16 base and adapter (the deltas rounded to bf16 once) within tolerance of PEFT in float32."""
+    base = bases["llama"]
+    adapter = adapters_of(base, "llama")[0]
+    llm = LLM(base, dtype="bfloat16", enable_lora=True, max_lora_rank=16, kv_cache_space=0.02)
+    ref = peft_first_logprobs(base, adapter, PROMPTS[0])
+    got = first_token_logprobs(llm, PROMPTS[0], LoRARequest("a", 1, adapter))
+    assert int(ref.argmax()) in got
+    assert max(abs(lp - float(ref[t])) for t, lp in got.items()) < 0.1
+
+
+def dequantized_folder(qfolder: str, out: str) -> str:
+    """An HF folder of the w4a8 checkpoint's dequantized weights (PEFT's base for the comparison)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from armserve.model_loader.safetensors import iter_weights
+
+    if os.path.isfile(os.path.join(out, "config.json")):
+        return out
+    cfg = AutoConfig.from_pretrained(qfolder)
+    del cfg.quantization_config
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    state = {n: t.float() for n, t in iter_weights(qfolder, quantized_config=True, dequantize=True)}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("rotary" in m or m == "lm_head.weight" for m in missing), (missing, unexpected)
+    tmp = out + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for f in os.listdir(qfolder):
+        if f.startswith(("tokenizer", "special_tokens", "chat_template")):
+            shutil.copy(os.path.join(qfolder, f), tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def test_w4a8_base_keeps_quantized(bases):
+    """A w4a8 base stays quantized (QuantizedLinear under the adapter), the adapter in float; the
+    logprobs are within the int8-activation tolerance of PEFT on the dequantized base."""
+    from armserve.quantization import QuantizedLinear
+    from armserve.quantization.quantize import quantize_model
+
+    base = bases["llama"]
+    q = os.path.join(CACHE, "lora-w4a8-" + os.path.basename(base))
+    if not os.path.isfile(os.path.join(q, "config.json")):
+        shutil.rmtree(q, ignore_errors=True)
+        quantize_model(base, q, lm_head="keep", dtype="float32", progress=False)
+    deq = dequantized_folder(q, q + "-dequantized")
+    adapter = adapters_of(base, "llama")[0]
+    llm = LLM(q, dtype="float32", enable_lora=True, kv_cache_space=0.02)
+    layer = llm.llm_engine.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer, QuantizedLinear) and layer.lora is not None
+    ref = peft_first_logprobs(deq, adapter, PROMPTS[1])
+    got = first_token_logprobs(llm, PROMPTS[1], LoRARequest("a", 1, adapter))
+    assert int(ref.argmax()) in got
+    assert max(abs(lp - float(ref[t])) for t, lp in got.items()) < 0.15
+    base_only = first_token_logprobs(llm, PROMPTS[1])
+    assert base_only != got  # the adapter is applied over the quantized base
+
+
+def test_prefix_cache_isolation_and_lru(bases):
+    """Two adapters never share KV blocks (the same long prompt on each, then on the first again:
+    hits only within one adapter); the CPU LRU drops the oldest adapter past max_cpu_loras and
+    reads it again when asked; max_loras=1 runs requests on two adapters one after the other."""
+    base = bases["llama"]
+    a1, a2, a3 = adapters_of(base, "llama")
+    llm = LLM(base, dtype="float32", enable_lora=True, max_loras=1, max_cpu_loras=2, kv_cache_space=0.02,
+              block_size=16)
+    eng = llm.llm_engine
+    prompt = "one two three four five six seven eight nine ten " * 6
+    sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    r1, r2, r3 = LoRARequest("a1", 1, a1), LoRARequest("a2", 2, a2), LoRARequest("a3", 3, a3)
+    alone = [llm.generate([prompt], sp, use_tqdm=False, lora_request=r1)[0].outputs[0].token_ids]
+    hits0 = eng.kv.prefix_hits
+    alone.append(llm.generate([prompt], sp, use_tqdm=False, lora_request=r2)[0].outputs[0].token_ids)
+    assert eng.kv.prefix_hits == hits0  # a2 finds none of a1's blocks
+    out = llm.generate([prompt], sp, use_tqdm=False, lora_request=r1)[0]
+    assert eng.kv.prefix_hits > hits0 and out.outputs[0].token_ids == alone[0]  # a hit within a1
+    hits1 = eng.kv.prefix_hits
+    llm.generate([prompt], sp, use_tqdm=False)  # the base: a miss
+    assert eng.kv.prefix_hits == hits1
+    # both adapters in one call with max_loras=1: they take turns, each output as when run alone
+    outs = llm.generate([prompt, prompt], sp, use_tqdm=False, lora_request=[r2, r1])
+    assert [o.outputs[0].token_ids for o in outs] == [alone[1], alone[0]]
+    assert list(eng.backend.lora.cpu) == [2, 1]
+    llm.generate(["hi"], sp, use_tqdm=False, lora_request=r3)
+    assert list(eng.backend.lora.cpu) == [1, 3]  # a2, least recently used, dropped
+    assert llm.generate([prompt], sp, use_tqdm=False, lora_request=r2)[0].outputs[0].token_ids == alone[1]
+    eng.kv.check_invariants()
+
+
+def test_bad_adapters_are_named(bases, tmp_path):
+    base = bases["llama"]
+    good = adapters_of(base, "llama")[0]
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_space=0.02)
+    sp = SamplingParams(max_tokens=2)
+
+    def refused(path: str, match: str, lora_id: int = 1) -> None:
+        with pytest.raises(LoRAError, match=match):
+            llm.generate(["hi"], sp, use_tqdm=False, lora_request=LoRARequest("bad", lora_id, path))
+
+    refused(str(tmp_path / "nope"), "no such folder")
+    (tmp_path / "empty").mkdir()
+    refused(str(tmp_path / "empty"), "adapter_config.json is missing")
+    weightless = tmp_path / "weightless"
+    shutil.copytree(good, weightless)
+    os.remove(weightless / "adapter_model.safetensors")
+    refused(str(weightless), "adapter_model.safetensors is missing")
+    refused(adapters_of(base, "llama")[2], "rank 16, above max_lora_rank 8")
+    wrong = tmp_path / "wrong"
+    shutil.copytree(good, wrong)
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(str(wrong / "adapter_model.safetensors"))
+    key = next(k for k in t if "q_proj.lora_A" in k)
+    t[key] = torch.zeros(t[key].shape[0], 32)
+    save_file(t, str(wrong / "adapter_model.safetensors"))
+    refused(str(wrong), r"needs \[r, 64\]")
+    for field, value, match in [("use_dora", True, "DoRA"), ("bias", "all", "biases"),
+                                ("target_modules", ["q_proj", "embed_tokens"], "embed_tokens"),
+                                ("modules_to_save", ["lm_head"], "modules_to_save")]:
+        d = tmp_path / field
+        shutil.copytree(good, d)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        cfg[field] = value
+        (d / "adapter_config.json").write_text(json.dumps(cfg))
+        refused(str(d), match)
+    # the engine serves on, and an id may not name two adapters
+    assert llm.generate(["hi"], sp, use_tqdm=False, lora_request=LoRARequest("good", 1, good))[0].outputs[0].token_ids
+    refused(str(tmp_path / "empty"), "already names adapter 'good'", lora_id=1)
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        LLM(base, dtype="float32", kv_cache_space=0.02).generate(["hi"], sp, use_tqdm=False,
+                                                                   lora_request=LoRARequest("good", 1, good))
+    from armserve.config import ConfigError
+
+    for kw, match in [(dict(backend="openvino"), "openvino"), (dict(speculative_config={"method": "ngram"}),
+                                                                "speculative"),
+                      (dict(tensor_parallel_size=2), "tensor_parallel_size"), (dict(max_cpu_loras=0), "max_cpu_loras")]:
+        with pytest.raises(ConfigError, match=match):
+            LLM(base, enable_lora=True, **kw)

@@ -100,6 +100,21 @@ class LLMEngine:
         self.backend.add_request(request)  # ValueError naming what the backend cannot carry
         self.output_processor.add_request(request, output_kind)
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Read an adapter (lora.LoRARequest) into the LoRA cache now, checking it against the
+        model; a LoRAError (ValueError) names what is wrong with its folder."""
+        self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (cache and slot); False if it was not loaded."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def _lora_manager(self) -> Any:
+        manager = getattr(self.backend, "lora", None)
+        if manager is None:
+            raise RequestError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
+        return manager
+
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Stop requests now and free their cache; returns each one's last output (its unfinished
         completions ended "abort"). Unknown ids are ignored."""
