@@ -4,6 +4,7 @@ close; bf16; a w4a8-quantized base; prefix-cache isolation; the LRU; bad folders
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -43,30 +44,47 @@ def make_adapter(base: str, out: str, seed: int, r: int = 8, targets=ALL_TARGETS
     return out
 
 
-def peft_greedy(base: str, adapter: str | None, prompts: list[str], n: int, merged: bool = False):
-    """PEFT's (or the base's) greedy tokens and the logprobs of each chosen token."""
+@functools.lru_cache(maxsize=8)
+def peft_model(base: str, adapter: str | None, merged: bool = False):
+    """transformers' float32 base with PEFT's adapter (unmerged LoRA layers, or merged into the weights)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter).eval()
         if merged:
             model = model.merge_and_unload()
-    out = []
+    return model
+
+
+@functools.lru_cache(maxsize=4)
+def hf_tokenizer(base: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(base)
+
+
+def peft_logprobs(base: str, adapter: str | None, prompt: str, tokens: list[int], merged: bool = False
+                  ) -> torch.Tensor:
+    """PEFT's log-probabilities [len(tokens), vocab] of the position before each of `tokens` after
+    `prompt`, in one forward: `tokens` are PEFT's greedy ones exactly when each is its row's argmax."""
+    ids = hf_tokenizer(base)(prompt, return_tensors="pt").input_ids
+    ids = torch.cat([ids, torch.tensor([tokens[:-1]])], dim=1)
     with torch.no_grad():
-        for p in prompts:
-            ids = tok(p, return_tensors="pt").input_ids
-            toks, lps = [], []
-            for _ in range(n):
-                logits = model(ids).logits[0, -1].float()
-                t = int(logits.argmax())
-                toks.append(t)
-                lps.append(float(torch.log_softmax(logits, -1)[t]))
-                ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
-            out.append((toks, lps))
-    return out
+        logits = peft_model(base, adapter, merged)(ids).logits[0, -len(tokens):].float()
+    return torch.log_softmax(logits, -1)
+
+
+def assert_peft_greedy(base: str, adapter: str | None, prompt: str, tokens: list[int], logprobs=None,
+                       merged: bool = False) -> None:
+    """`tokens` are PEFT's greedy continuation of `prompt` (a near-tie may go either way) and
+    `logprobs` (ours, of each token) are within 2e-3 of PEFT's."""
+    ref = peft_logprobs(base, adapter, prompt, tokens, merged)
+    for i, t in enumerate(tokens):
+        assert float(ref[i].max() - ref[i, t]) < 1e-4, (adapter, prompt, i, int(ref[i].argmax()), t)
+    if logprobs is not None:
+        assert logprobs == pytest.approx([float(ref[i, t]) for i, t in enumerate(tokens)], abs=2e-3)
 
 
 @pytest.fixture(scope="module")
@@ -93,24 +111,16 @@ def test_mixed_batch_matches_peft(bases, family):
     n = 6
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, kv_cache_space=0.02)
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=0)
-    prompts, loras, refs = [], [], []
-    for i, adapter in enumerate([None] + adapters):
-        req = None if adapter is None else LoRARequest(f"a{i}", i, adapter)
-        ref = peft_greedy(base, adapter, PROMPTS, n)
-        for p, r in zip(PROMPTS, ref):
-            prompts.append(p)
-            loras.append(req)
-            refs.append(r)
-    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=loras)
-    for out, (toks, lps), lora in zip(outs, refs, loras):
+    loras = [None if a is None else LoRARequest(f"a{i}", i, a) for i, a in enumerate([None] + adapters)
+             for _ in PROMPTS]
+    outs = llm.generate(PROMPTS * (len(adapters) + 1), sp, use_tqdm=False, lora_request=loras)
+    for out, lora in zip(outs, loras):
         got = out.outputs[0]
-        assert list(got.token_ids) == toks, (lora, out.prompt)
-        ours = [next(iter(d.values())).logprob for d in got.logprobs]
-        assert ours == pytest.approx(lps, abs=2e-3)
+        assert_peft_greedy(base, lora and lora.lora_path, out.prompt, list(got.token_ids),
+                           [next(iter(d.values())).logprob for d in got.logprobs])
     # the adapters change the output at all (else this test could not fail)
     assert len({tuple(o.outputs[0].token_ids) for o in outs[::len(PROMPTS)]}) > 1
-    merged = peft_greedy(base, adapters[0], PROMPTS[:1], n, merged=True)[0][0]
-    assert list(outs[len(PROMPTS)].outputs[0].token_ids) == merged
+    assert_peft_greedy(base, adapters[0], PROMPTS[0], list(outs[len(PROMPTS)].outputs[0].token_ids), merged=True)
 
 
 def first_token_logprobs(llm: LLM, prompt: str, lora=None) -> dict[int, float]:
@@ -120,13 +130,9 @@ def first_token_logprobs(llm: LLM, prompt: str, lora=None) -> dict[int, float]:
 
 
 def peft_first_logprobs(base: str, adapter: str, prompt: str) -> torch.Tensor:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(base)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    ids = hf_tokenizer(base)(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
-        return torch.log_softmax(model(tok(prompt, return_tensors="pt").input_ids).logits[0, -1].float(), -1)
+        return torch.log_softmax(peft_model(base, adapter)(ids).logits[0, -1].float(), -1)
 
 
 def test_bf16_close_to_peft(bases):
@@ -270,3 +276,70 @@ def test_bad_adapters_are_named(bases, tmp_path):
                       (dict(tensor_parallel_size=2), "tensor_parallel_size"), (dict(max_cpu_loras=0), "max_cpu_loras")]:
         with pytest.raises(ConfigError, match=match):
             LLM(base, enable_lora=True, **kw)
+
+
+# ---- the server ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_server(bases, tmp_path_factory):
+    """Two adapters by name (both --lora-modules forms), runtime updates allowed, an API key."""
+    from server_process import API_KEY, ServerProcess
+
+    a1, a2, _ = adapters_of(bases["llama"], "llama")
+    srv = ServerProcess(bases["llama"], [
+        "--dtype", "float32", "--kv-cache-space", "0.02", "--served-model-name", "base", "--enable-lora",
+        "--max-loras", "2", "--lora-modules", f"a1={a1}", json.dumps({"name": "a2", "path": a2})],
+        str(tmp_path_factory.mktemp("lora") / "server.log"),
+        env={"ARMSERVE_API_KEY": API_KEY, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
+    yield srv
+    srv.stop()
+
+
+def test_server_adapters_by_model_name(bases, lora_server):
+    import openai
+
+    from server_process import API_KEY
+
+    base = bases["llama"]
+    a1, a2, a3 = adapters_of(base, "llama")
+    client = openai.OpenAI(base_url=lora_server.base_url, api_key=API_KEY)
+    for model, adapter in [("a1", a1), ("a2", a2), ("base", None)]:
+        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.model == model
+        assert_peft_greedy(base, adapter, PROMPTS[0], r.choices[0].token_ids)
+    chat = client.chat.completions.create(model="a2", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.model == "a2" and chat.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="a9", prompt="hi", max_tokens=2)
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["a1"].parent == "base" and cards["a1"].root == a1 and cards["base"].parent is None
+
+    # runtime load / unload: the API key is required, a bad folder is a 400 naming it
+    import httpx
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    url = lora_server.url
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": a3}).status_code == 401
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent/x"},
+                   headers=auth, timeout=60)
+    assert r.status_code == 400 and "/nonexistent/x" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": a3}, headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": a3},
+                      headers=auth).status_code == 400  # already loaded
+    r = client.completions.create(model="a3", prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert_peft_greedy(base, a3, PROMPTS[0], r.choices[0].token_ids)
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=auth).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="a3", prompt="hi", max_tokens=2)
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "a3"}, headers=auth).status_code == 404
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x"}, headers=auth).status_code == 400
+
+
+def test_runtime_updates_off_without_env(server):
+    """Without VLLM_ALLOW_RUNTIME_LORA_UPDATING the routes do not exist (vLLM's 404)."""
+    import httpx
+
+    r = httpx.post(f"{server.url}/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"})
+    assert r.status_code == 404
