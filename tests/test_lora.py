@@ -215,8 +215,12 @@ def test_prefix_cache_isolation_and_lru(bases):
     out = llm.generate([prompt], sp, use_tqdm=False, lora_request=r1)[0]
     assert eng.kv.prefix_hits > hits0 and out.outputs[0].token_ids == alone[0]  # a hit within a1
     hits1 = eng.kv.prefix_hits
+    graphs = eng.runner.graphs
+    replays = graphs.replays
     llm.generate([prompt], sp, use_tqdm=False)  # the base: a miss
     assert eng.kv.prefix_hits == hits1
+    # steps without an adapter keep their step graphs (LoRA steps record graphs of their own)
+    assert not graphs.enabled or (graphs.replays > replays and graphs.lora_graphs)
     # both adapters in one call with max_loras=1: they take turns, each output as when run alone
     outs = llm.generate([prompt, prompt], sp, use_tqdm=False, lora_request=[r2, r1])
     assert [o.outputs[0].token_ids for o in outs] == [alone[1], alone[0]]
