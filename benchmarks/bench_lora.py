@@ -60,7 +60,7 @@ def random_adapter(hf: str, out: str, seed: int, r: int = 16) -> str:
     return pm._save_atomically(out, model.save_pretrained)
 
 
-def trained_adapter(hf: str, out: str, steps: int = 40) -> str:
+def trained_adapter(hf: str, out: str, steps: int = 16) -> str:
     """A rank-8 adapter trained with PEFT (AdamW, a few seconds to a minute) to continue every prompt
     with " banana banana banana ...": the output changes visibly."""
     import torch
