@@ -46,7 +46,8 @@ class LoRAManager:
                     continue  # not a projection this engine can adapt (an MoE block's experts) / a TP part
                 slices, col = [], 0
                 for shard, full, _, n in split.rows:
-                    module = name if shard == "all" else _FUSED[name][shard]
+                    # (a family whose checkpoint stores the layer fused, Phi-3's qkv_proj: not a PEFT target)
+                    module = name if shard == "all" else _FUSED.get(name, {}).get(shard, f"{name}#{shard}")
                     slices.append((module, col, n))
                     self.shapes[(i, module)] = (split.in_features, n)
                     col += n
