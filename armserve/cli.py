@@ -44,6 +44,9 @@ def _add_serving_commands(sub) -> None:
     s.add_argument("--api-key", default=None, help="require this bearer key on /v1 (default: $ARMSERVE_API_KEY)")
     s.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use for the model (default: the MODEL argument)")
+    s.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help='LoRA adapters served by name (the request\'s "model"): name=path or vLLM\'s JSON '
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora')
     s.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="put <think>...</think> text in reasoning_content")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -147,8 +150,11 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     model = args.model or bundled_model_path()
     import os
 
+    from armserve.entrypoints.serving_models import parse_lora_modules
+
     server = dict(api_key=args.api_key or os.environ.get("ARMSERVE_API_KEY") or None, reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                  enable_auto_tool_choice=args.enable_auto_tool_choice, access_log=not args.disable_access_log)
+                  enable_auto_tool_choice=args.enable_auto_tool_choice, access_log=not args.disable_access_log,
+                  lora_modules=parse_lora_modules(args.lora_modules))
     run_on_cluster(args.ray_address, model, replicas, args.host, args.port,
                    served_model_name=(args.served_model_name or [None])[0],
                    num_cpus_per_replica=args.num_cpus_per_replica, **server, **engine_kwargs(args))

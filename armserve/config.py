@@ -180,6 +180,13 @@ SPEC_BACKOFF_STEPS = 8
 SPEC_MAX_BACKOFF_STEPS = 256
 
 
+# LoRA adapters (armserve/lora/, docs/lora.md), vLLM's defaults: adapters one step may mix
+# (`max_loras`, each a slot of stacked weights in every targeted layer), the largest rank a slot
+# holds, and adapters kept read on the CPU (None: max_loras).
+DEFAULT_MAX_LORAS = 1
+DEFAULT_MAX_LORA_RANK = 16
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     """`speculative_config` (vLLM's keys): `method` ("ngram", "suffix", "draft_model"),
@@ -353,6 +360,12 @@ class EngineConfig:
     generation_config: str = DEFAULT_GENERATION_CONFIG
     # Speculative decoding (SpeculativeConfig: a dict, a JSON string or the object); None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # LoRA adapters (docs/lora.md): off unless enable_lora; the limits are DEFAULT_MAX_LORAS and
+    # DEFAULT_MAX_LORA_RANK; max_cpu_loras None: max_loras.
+    enable_lora: bool = False
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -364,6 +377,7 @@ class EngineConfig:
                 and self.tensor_parallel_size > 1):
             raise ConfigError("speculative_config: method 'draft_model' with tensor_parallel_size > 1 is not "
                               "supported yet")
+        self._check_lora()
         if self.kv_cache_space is None:
             # (vLLM's CPU name, for setups written for it; armserve's own wins)
             var = next((v for v in ("ARMSERVE_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE") if os.environ.get(v)), None)
@@ -415,6 +429,27 @@ class EngineConfig:
                 "(or 'int8'/'int4' with backend='openvino')"
             )
         resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if not self.enable_lora:
+            return
+        if self.backend != "torch":
+            raise ConfigError(f"enable_lora is not supported by the {self.backend} backend (use backend 'torch')")
+        if self.speculative_config is not None:
+            raise ConfigError("enable_lora with speculative_config is not supported yet (drafts would run without "
+                              "the adapter)")
+        if self.tensor_parallel_size > 1:
+            raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        if self.runner == "pooling":
+            raise ConfigError("enable_lora applies to text generation, not to a pooling model")
 
     def resolve_dtypes(self, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
         """(the model's dtype, the KV cache's) for a checkpoint stored in `checkpoint_dtype`: the one

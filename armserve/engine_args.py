@@ -55,6 +55,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=None,
                    help="none: dequantize a quantized checkpoint; int8/int4: weight compression when the "
                         "openvino backend exports the model (default: as the checkpoint is)")
+    p.add_argument("--enable-lora", action="store_true", default=UNSET,
+                   help="serve LoRA adapters (PEFT folders) over the base model, mixed in one batch (docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=UNSET,
+                   help="adapters one step may mix (requests on more wait; default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=UNSET, help="the largest adapter rank accepted (default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=UNSET,
+                   help="adapters kept read in memory, least recently used dropped first (default: --max-loras)")
     p.add_argument("--speculative-config", default=UNSET, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys as a JSON object, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/speculative_decoding.md)')
@@ -63,7 +70,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
                 "enable_prefix_caching", "kv_cache_space", "kv_cache_dtype", "seed", "enforce_eager", "chat_template",
                 "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout", "runner", "tokenizer",
-                "max_logprobs", "generation_config", "speculative_config")
+                "max_logprobs", "generation_config", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
+                "max_cpu_loras")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

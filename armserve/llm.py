@@ -11,6 +11,7 @@ from armserve.prompts import encode_pair, render_chat, score_pairs
 from armserve.config import TASK_RUNNERS, EngineConfig, check_engine_args
 from armserve.engine.input_processor import PromptType
 from armserve.engine.llm_engine import LLMEngine
+from armserve.lora.request import LoRARequest
 from armserve.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -32,6 +33,8 @@ class LLM:
     (`dtype`, `max_model_len`, `max_num_batched_tokens`, `max_num_seqs`, `block_size`,
     `enable_prefix_caching`, `seed`) plus `kv_cache_space` in GiB. `backend="openvino"` serves
     it through OpenVINO GenAI instead of armserve's own engine (engine/openvino_backend.py).
+    `enable_lora=True` (with `max_loras`, `max_lora_rank`, `max_cpu_loras`) serves PEFT LoRA
+    adapters: `generate(..., lora_request=LoRARequest(name, id, path))` (docs/lora.md).
     `runner` ("auto", "generate", "pooling"; vLLM's older `task="embed"` too) says what the model
     is for: "auto" pools with an embedding model (BertModel, ...; then use `embed`).
     """
@@ -60,11 +63,13 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate completions for one or many prompts; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or `{"prompt_token_ids": [...]}`.
-        `sampling_params` is one `SamplingParams` for all prompts or one per prompt.
+        `sampling_params` is one `SamplingParams` for all prompts or one per prompt;
+        `lora_request` (with `enable_lora=True`) one adapter for all or one per prompt (None: the base).
         """
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -79,11 +84,17 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling params for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts; pass one or one per prompt")
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(engine.add_request(None, prompt, params))
+            for prompt, params, lora in zip(prompts, params_list, loras):
+                ids.append(engine.add_request(None, prompt, params, lora_request=lora))
         except Exception:
             engine.abort_request(ids)  # leave the engine as it was
             raise
@@ -174,6 +185,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
 
@@ -185,7 +197,7 @@ class LLM:
         prompts = [
             {"prompt_token_ids": self.encode_chat(c, add_generation_prompt, chat_template, tools)} for c in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def encode_chat(
         self, messages: ChatMessages, add_generation_prompt: bool = True, chat_template: str | None = None,

@@ -36,7 +36,8 @@ DEFAULT_MAX_ONGOING_REQUESTS = 256
 # With num_replicas="auto": a replica per 32 requests in flight, between 1 and 8 replicas.
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 32}
 
-_SERVER_ARGS = ("api_key", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice", "access_log")
+_SERVER_ARGS = ("api_key", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice", "access_log",
+                "lora_modules")
 
 
 @serve.ingress()
@@ -80,7 +81,8 @@ def serve_app(model: str, num_replicas: int | str = 1, *, num_cpus_per_replica: 
     in Serve's terms, default `DEFAULT_AUTOSCALING`), each an actor reserving `num_cpus_per_replica`
     CPUs (Ray sets its OMP_NUM_THREADS to match, and armserve runs that many threads). Engine
     arguments are `LLM`'s (`dtype`, `max_model_len`, `kv_cache_space`, ...); `api_key`,
-    `reasoning_parser`, `tool_call_parser` and `enable_auto_tool_choice` go to the server.
+    `reasoning_parser`, `tool_call_parser`, `enable_auto_tool_choice` and `lora_modules` ((name, path,
+    base model name) of each LoRA adapter, with `enable_lora=True`) go to the server.
 
         serve.run(armserve.ray.serve_app("Qwen/Qwen2.5-0.5B-Instruct", num_replicas=2), route_prefix="/")
     """

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncGenerator, Callable, Sequence
 
 from armserve.config import DEFAULT_STATS_INTERVAL, WAITING_REQUESTS_PER_SEQ, EngineConfig
-from armserve.engine.core import AbortCommand, AddCommand
+from armserve.engine.core import AbortCommand, AddCommand, LoRACommand
 from armserve.engine.core_client import ProcessCore, ThreadCore, engine_process_default
 from armserve.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
@@ -186,6 +186,7 @@ class AsyncLLM:
         self._restarting: set[int] = set()
         self._stopping = False
         self._live: dict[str, _Live] = {}
+        self._lora_calls: dict[str, asyncio.Future] = {}  # LoRACommand token -> its caller's future
         # Admission bookkeeping (event loop and reader threads): requests with no output yet.
         self._admit_lock = threading.Lock()
         self._num_waiting = 0
@@ -259,6 +260,7 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         deadline: float | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Process the request (`input_processor`) and submit it; returns its stream once the engine
         has accepted it.
@@ -271,7 +273,8 @@ class AsyncLLM:
         """
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
-        request = self.input_processor.process(request_id or uuid.uuid4().hex, prompt, params, arrival_time)
+        request = self.input_processor.process(request_id or uuid.uuid4().hex, prompt, params, arrival_time,
+                                               lora_request)
         return await self.add_processed_request(request, deadline)
 
     async def add_processed_request(self, request: EngineCoreRequest, deadline: float | None = None) -> RequestStream:
@@ -313,14 +316,39 @@ class AsyncLLM:
         prompt: PromptType,
         params: SamplingParams,
         request_id: str | None = None,
+        lora_request: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit a request and yield its delta outputs; closing the generator early aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
+        """Submit a request and yield its delta outputs; closing the generator early aborts it.
+        `lora_request`: the adapter (lora.LoRARequest; the engine started with enable_lora) or None."""
+        stream = await self.add_request(request_id, prompt, params, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
         finally:
             stream.close()
+
+    async def add_lora(self, lora_request: Any) -> None:
+        """Read an adapter (lora.LoRARequest) in every engine now, checked against the model: a
+        LoRAError (ValueError) names a bad folder. Requests load their adapter anyway; this checks
+        it up front (the server's /v1/load_lora_adapter, --lora-modules)."""
+        await self._lora_command(lora_request=lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter in every engine (its cache entry and slot)."""
+        await self._lora_command(remove=lora_int_id)
+
+    async def _lora_command(self, **kw: Any) -> None:
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
+        loop = asyncio.get_running_loop()
+        futures = []
+        for i, core in enumerate(self._cores):
+            token = f"{uuid.uuid4().hex}:{i}"
+            self._lora_calls[token] = fut = loop.create_future()
+            futures.append(fut)
+            core.send(LoRACommand(token, **kw))
+        for fut in futures:
+            await fut
 
     async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
                      request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
@@ -456,6 +484,14 @@ class AsyncLLM:
                 _answer(live, error)
             if error is not None:
                 self._forget(rid)
+        elif kind == "lora":
+            _, token, error = msg
+            fut = self._lora_calls.pop(token, None)
+            if fut is not None:
+                try:
+                    fut.get_loop().call_soon_threadsafe(_resolve, fut, error)
+                except RuntimeError:
+                    pass  # that event loop is closed
         elif kind == "stats":
             self._record(engine, msg[1], msg[2])
         elif kind == "ready":

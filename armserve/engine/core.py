@@ -18,6 +18,7 @@ Messages, core -> frontend (tuples; the first item names the kind):
                                                 the engine's input processor without its tokenizer
     ("failed", exception)                       loading failed (process mode; the process exits)
     ("accepted", request_id, exception | None)  an add was queued, or refused (ValueError naming why)
+    ("lora", token, exception | None)           a LoRACommand was applied, or refused (LoRAError)
     ("outputs", [RequestOutput], SchedulerStats, IterationStats)   one step's deltas; `prompt` and
                                                 `prompt_token_ids` are left out (the frontend has them)
     ("stats", SchedulerStats, IterationStats)   an idle tick, once per stats interval
@@ -55,6 +56,16 @@ class AddCommand:
 @dataclass(slots=True)
 class AbortCommand:
     request_ids: list[str]
+
+
+@dataclass(slots=True)
+class LoRACommand:
+    """Read an adapter into the engine's LoRA cache (`lora_request`: a lora.LoRARequest, checked
+    against the model) or forget one (`remove`: its lora_int_id); answered ("lora", token, error)."""
+
+    token: str
+    lora_request: Any = None
+    remove: int | None = None
 
 
 class StopCommand:
@@ -144,6 +155,16 @@ class EngineCore:
                 return False
             if isinstance(cmd, AddCommand):
                 self._add(cmd)
+            elif isinstance(cmd, LoRACommand):
+                try:
+                    if cmd.remove is not None:
+                        self.engine.remove_lora(cmd.remove)
+                    else:
+                        self.engine.add_lora(cmd.lora_request)
+                except Exception as e:  # a bad adapter folder: named, the engine untouched
+                    self.emit(("lora", cmd.token, portable_error(e)))
+                else:
+                    self.emit(("lora", cmd.token, None))
             elif isinstance(cmd, _CompileDone):
                 if self._compiling.pop(cmd.command.request.request_id, None) is None:
                     continue  # aborted: answered when the abort cancelled the compile

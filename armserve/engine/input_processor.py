@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from armserve.layers.pooler import PoolerConfig
+from armserve.lora.request import LoRARequest
 from armserve.pooling_params import PoolingParams
 from armserve.prompts import prompt_to_ids
 from armserve.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class EngineCoreRequest:
     seq_params: list[SamplingParams]
     # A pooling request (the pooling runner's engine: one vector, no tokens generated).
     pooling: PoolingParams | None = None
+    # The LoRA adapter to run with (armserve.lora.LoRARequest); None: the base model.
+    lora_request: Any = None
 
     @property
     def n(self) -> int:
@@ -112,9 +115,9 @@ class InputProcessor:
     pooler: PoolerConfig | None = None
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                arrival_time: float | None = None) -> EngineCoreRequest:
+                arrival_time: float | None = None, lora_request: Any = None) -> EngineCoreRequest:
         """The engine request of `prompt`; `RequestError` / `PromptError` (ValueErrors) naming the
-        problem. `params` None: the defaults."""
+        problem. `params` None: the defaults. `lora_request`: the adapter (lora.LoRARequest) or None."""
         if self.pooler is not None:
             raise RunnerError("this model is an embedding model (runner pooling): it returns vectors or scores "
                               "(LLM.embed / LLM.score, /v1/embeddings, /score, /rerank) and cannot generate text")
@@ -134,8 +137,11 @@ class InputProcessor:
                           for i in range(params.n)]
         for p in seq_params:
             p.update_from_generation_config(self.eos_token_ids)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise RequestError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
         return EngineCoreRequest(request_id, text, ids, params, max_tokens,
-                                 time.time() if arrival_time is None else arrival_time, seq_params)
+                                 time.time() if arrival_time is None else arrival_time, seq_params,
+                                 lora_request=lora_request)
 
     def process_pooling(self, request_id: str, prompt: PromptType, params: PoolingParams | None = None,
                         arrival_time: float | None = None, tokenizer: Any = None) -> EngineCoreRequest:

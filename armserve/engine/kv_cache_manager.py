@@ -82,7 +82,7 @@ class KVCacheManager:
         hashes = req.block_hashes
         toks = req.all_token_ids
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else req.cache_salt  # (an adapter's blocks never match the base's)
             hashes.append(hash_block(parent, tuple(toks[i * bs:(i + 1) * bs])))
 
     def get_computed_blocks(self, req: Request) -> list[int]:

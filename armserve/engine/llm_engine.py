@@ -29,6 +29,8 @@ def create_backend(config: EngineConfig) -> EngineBackend:
 
     config.runner = resolve_runner(config)
     if config.runner == "pooling":
+        if config.enable_lora:
+            raise ConfigError("enable_lora applies to text generation, not to a pooling model")
         if config.speculative_config is not None:
             raise ConfigError("speculative_config applies to text generation, not to a pooling model")
         return PoolingBackend(config)
@@ -68,15 +70,16 @@ class LLMEngine:
         return getattr(self.backend, name)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, output_kind: str = "final") -> str:
+                    arrival_time: float | None = None, output_kind: str = "final", lora_request: Any = None) -> str:
         """Process and queue a request; raises `RequestError`/`ValueError` naming the problem,
         leaving the engine untouched. `output_kind`: "final" (one output at the end),
-        "cumulative" or "delta" (every step). Returns the request id (None: the next number)."""
+        "cumulative" or "delta" (every step); `lora_request`: a lora.LoRARequest (None: the base
+        model). Returns the request id (None: the next number)."""
         if output_kind not in OUTPUT_KINDS:
             raise RequestError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time),
-                                   output_kind)
+        self.add_processed_request(self.input_processor.process(request_id, prompt, params, arrival_time,
+                                                                lora_request), output_kind)
         return request_id
 
     def add_pooling_request(self, request_id: str | None, prompt: PromptType, params: PoolingParams | None = None,
@@ -91,8 +94,26 @@ class LLMEngine:
         """Queue a request the input processor made (the engine core's requests come so)."""
         if request.request_id in self.output_processor.requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
+        if request.lora_request is not None and not self.config.enable_lora:
+            raise RequestError(f"the request asks for LoRA adapter {request.lora_request.lora_name!r}, but LoRA is "
+                               "not enabled: start the engine with enable_lora=True (--enable-lora)")
         self.backend.add_request(request)  # ValueError naming what the backend cannot carry
         self.output_processor.add_request(request, output_kind)
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Read an adapter (lora.LoRARequest) into the LoRA cache now, checking it against the
+        model; a LoRAError (ValueError) names what is wrong with its folder."""
+        self._lora_manager().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (cache and slot); False if it was not loaded."""
+        return self._lora_manager().remove(lora_int_id)
+
+    def _lora_manager(self) -> Any:
+        manager = getattr(self.backend, "lora", None)
+        if manager is None:
+            raise RequestError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
+        return manager
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Stop requests now and free their cache; returns each one's last output (its unfinished

@@ -24,6 +24,7 @@ from armserve.engine.rejection_sampler import rejection_sample
 from armserve.engine.scheduler import SchedulerOutput
 from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs, graph_batch
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
+from armserve.layers.lora import set_lora_indices
 
 
 KV_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head) of an int8 cache
@@ -166,8 +167,9 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,
                  cache_dtype: torch.dtype | None = None, max_model_len: int | None = None,
-                 enforce_eager: bool = False, tp_workers=None) -> None:
+                 enforce_eager: bool = False, tp_workers=None, lora=None) -> None:
         self.model = model
+        self.lora = lora  # lora/manager.py's LoRAManager when the engine serves adapters
         # Tensor parallel rank 0: each step's inputs go to the other ranks (distributed.TPWorkers),
         # which run the same forward. NOTE: no step graphs under tensor parallelism: a replay would
         # need the all-reduce as a recordable kernel and every rank replaying in step (what eager
@@ -234,6 +236,17 @@ class ModelRunner:
             attn.kv_scale = None if self.kv_scales is None else self.kv_scales[i]
 
     # ---- input preparation ------------------------------------------------------------------
+
+    def _lora_slots(self, out: SchedulerOutput) -> list[int] | None:
+        """Each scheduled request's adapter slot (-1: the base), its adapter loaded into the slot;
+        None when no request of the step has one (the layers then skip LoRA altogether)."""
+        if self.lora is None:
+            return None
+        reqs = [s.request.lora_request for s in out.scheduled]
+        if all(r is None for r in reqs):
+            return None
+        slots = self.lora.slots_for(reqs)
+        return [-1 if r is None else slots[r.lora_int_id] for r in reqs]
 
     def _prepare(self, out: SchedulerOutput):
         """Order rows decodes-first and build ids, positions and attention metadata."""
@@ -320,7 +333,7 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------
 
-    def _graph_logits(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def _graph_logits(self, out: SchedulerOutput, lora_slots: list[int] | None) -> torch.Tensor | None:
         """Logits of a step of decodes only (one token per request, each sampled, no prompt
         logprobs) from a step graph; None when the step must run eagerly."""
         if not (self.use_kernels and self.graphs.enabled) or graph_batch(len(out.scheduled)) > MAX_GRAPH_BATCH:
@@ -334,7 +347,7 @@ class ModelRunner:
             ids.append(req.all_token_ids[req.num_computed_tokens])
             positions.append(req.num_computed_tokens)
             blocks.append(s.block_ids)
-        return self.graphs.run(ids, positions, blocks)
+        return self.graphs.run(ids, positions, blocks, lora_slots)
 
     def _verify_graph_logits(self, out: SchedulerOutput) -> tuple[torch.Tensor, int] | None:
         """(logits, rows per sequence q) of a step of decodes and draft verifications from a step
@@ -378,11 +391,16 @@ class ModelRunner:
             assert self.structured is not None, "a constrained request reached a runner without a manager"
             bitmask_job = self.structured.fill_bitmask_async(
                 [sched[plain_idx[j]].request.grammar for j in grammar_rows])
-        graph_logits = self._graph_logits(out)
+        lora_slots = self._lora_slots(out)
+        graph_logits = self._graph_logits(out, lora_slots)
         verify = self._verify_graph_logits(out) if spec_idx else None
         row_end: list[int] | None = None  # (a graph step has no prompt logprobs)
         if graph_logits is None and verify is None:
             input_ids, positions, md, row_end, order = self._prepare(out)
+            lora_indices = None
+            if lora_slots is not None:  # one slot per token row, rows in `order`
+                lora_indices = torch.tensor([lora_slots[i] for i in order for _ in range(sched[i].num_new_tokens)],
+                                            dtype=torch.long)
             if self.tp_workers is not None:
                 # the rows compute_logits will see, in the order it will see them (below)
                 logit_rows = [[row_end[i] for i in plain_idx] + [
@@ -391,10 +409,12 @@ class ModelRunner:
                     for lo, hi in slices]
                 self.tp_workers.send_step(tp_step_inputs(input_ids, positions, md, logit_rows))
             set_attention_metadata(md)
+            set_lora_indices(lora_indices)
             try:
                 hidden = self.model(input_ids, positions)
             finally:
                 set_attention_metadata(None)
+                set_lora_indices(None)
 
         sampled: list[int | None] = [None] * len(sched)
         logprobs: list[tuple[list[int], list[float], int] | None] = [None] * len(sched)

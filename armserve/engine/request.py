@@ -39,7 +39,7 @@ class Request:
         "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "params",
         "max_tokens", "status", "num_computed_tokens", "num_cached_tokens", "stop_reason",
         "arrival_time", "generator", "block_hashes", "num_preemptions", "prompt_logprobs_done",
-        "grammar", "spec",
+        "grammar", "spec", "lora_request", "cache_salt",
     )
 
     def __init__(
@@ -49,6 +49,7 @@ class Request:
         params: SamplingParams,
         max_tokens: int,
         arrival_time: float | None = None,
+        lora_request=None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -76,6 +77,10 @@ class Request:
         # Speculative decoding (engine/spec_decode.py): its SpecState, False where it may not
         # speculate, None until the proposer first sees it.
         self.spec = None
+        # The LoRA adapter it runs with (lora.LoRARequest), None: the base model. Its KV differs from
+        # the base's for the same tokens, so its prefix-cache hashes start from `cache_salt`.
+        self.lora_request = lora_request
+        self.cache_salt = None if lora_request is None else ("lora", lora_request.lora_int_id, lora_request.lora_path)
 
     @property
     def num_tokens(self) -> int:

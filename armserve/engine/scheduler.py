@@ -59,10 +59,12 @@ class Scheduler:
         max_model_len: int,
         chunked_prefill: bool = True,
         proposer: NgramProposer | None = None,  # or a DraftModelProposer, SuffixProposer
+        max_loras: int | None = None,  # LoRA: adapters the running requests may use at once (None: no LoRA)
     ) -> None:
         self.kv = kv
         self.chunked_prefill = chunked_prefill
         self.proposer = proposer
+        self.max_loras = max_loras
         self.spec_stats = SpecDecodingStats.empty(proposer.k) if proposer is not None else None
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -170,8 +172,18 @@ class Scheduler:
 
         # NOTE: after a preemption memory is tight: admitting new work would only thrash.
         if not out.preempted:
+            # LoRA (vLLM's rule): a request whose adapter would make the running set exceed max_loras
+            # waits, and those behind it may go first.
+            adapters = None if self.max_loras is None else {
+                r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+            skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                lora = req.lora_request
+                if adapters is not None and lora is not None and lora.lora_int_id not in adapters:
+                    if len(adapters) >= self.max_loras:  # type: ignore[operator]
+                        skipped.append(self.waiting.popleft())
+                        continue
                 hit_blocks = kv.get_computed_blocks(req)
                 num_hit = len(hit_blocks) * kv.block_size
                 if not self.chunked_prefill and req.num_tokens - num_hit > budget:
@@ -185,8 +197,11 @@ class Scheduler:
                 req.num_computed_tokens = num_hit
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
+                if adapters is not None and lora is not None:
+                    adapters.add(lora.lora_int_id)
                 out.scheduled.append(ScheduledRequest(req, n, kv.get_block_ids(req.request_id)))
                 budget -= n
+            self.waiting.extendleft(reversed(skipped))
 
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out

@@ -13,6 +13,10 @@ sequence; it is replayed the same way from a graph per (sequences, rows per sequ
 sequence's rows padded to the step's longest run of drafts: a padding row comes after the real
 ones (so causal attention keeps it out of theirs) and writes its key and value to the spare block.
 
+A step in which some sequence runs a LoRA adapter has graphs of its own (`lora_graphs`): their
+recording includes the adapters' shrink/expand calls, whose per-token slots are one more input
+buffer, and the slots' weights are rewritten in place when an adapter moves in (layers/lora.py).
+
 A step that runs any PyTorch op that computes (rather than allocates or makes a view) cannot be
 replayed; capture notices (kernels/capture.py's dispatch guard) and steps of that batch size stay
 eager. `enforce_eager=True` (vLLM's flag) turns graphs off.
@@ -27,6 +31,7 @@ import torch
 from armserve import kernels
 from armserve.kernels import capture, library
 from armserve.layers.attention import AttentionMetadata, set_attention_metadata
+from armserve.layers.lora import set_lora_indices
 
 logger = logging.getLogger("armserve")
 
@@ -48,9 +53,11 @@ class StepGraph:
     """One batch size's decode step (or verifying step of `q` rows per sequence): input buffers,
     the recorded calls and the logits they fill."""
 
-    def __init__(self, batch: int, max_blocks: int, block_size: int, q: int = 1) -> None:
+    def __init__(self, batch: int, max_blocks: int, block_size: int, q: int = 1, lora: bool = False) -> None:
         self.batch = batch
         self.q = q
+        # LoRA: each row's adapter slot (-1: the base model), an input like the token ids
+        self.lora_slots = torch.full((batch,), -1, dtype=torch.long) if lora else None
         self.block_size = block_size
         self.ids = torch.zeros(batch * q, dtype=torch.long)
         self.positions = torch.zeros(batch * q, dtype=torch.long)
@@ -68,7 +75,7 @@ class StepGraph:
         self.generation = library.kernel_generation
 
     def set_inputs(self, ids: list[int], positions: list[int], block_ids: list[list[int]],
-                   pad_block: int | None = None) -> None:
+                   pad_block: int | None = None, lora_slots: list[int] | None = None) -> None:
         """This step's tokens (one per sequence), their positions and each sequence's blocks; rows
         past them (a bucket's padding) get token 0 at position 0 in `pad_block`."""
         bs = self.block_size
@@ -78,6 +85,8 @@ class StepGraph:
         # Through numpy views of the buffers: a few microseconds, where a torch.tensor per field
         # cost more than the rest of the step's Python.
         self._ids[:] = ids
+        if self.lora_slots is not None:
+            self.lora_slots.numpy()[:] = lora_slots + [-1] * pad  # type: ignore[operator]
         self._positions[:] = positions
         self._slots[:] = [b[p // bs] * bs + p % bs for b, p in zip(block_ids, positions)]
         self._context_len[:] = [p + 1 for p in positions]
@@ -112,11 +121,13 @@ class StepGraph:
         md = AttentionMetadata(slot_mapping=self.slots, num_decodes=self.batch)
         md.kernel_batch = self.attn_batch
         set_attention_metadata(md)
+        set_lora_indices(self.lora_slots)
         try:
             with capture.recording() as rec:
                 logits = model.compute_logits(model(self.ids, self.positions))
         finally:
             set_attention_metadata(None)
+            set_lora_indices(None)
         if logits.dtype != torch.float32 or tuple(logits.shape) != (self.batch * self.q, model.config.vocab_size):
             rec.errors.append(f"logits are {logits.dtype} {tuple(logits.shape)}")
         self.recording, self.logits = rec, logits
@@ -144,24 +155,28 @@ class StepGraphs:
         self.enabled = enabled  # the runner's: kernels on and not enforce_eager
         self.graphs: dict[int, StepGraph] = {}
         self.verify_graphs: dict[tuple[int, int], StepGraph] = {}  # (batch, rows per sequence)
+        self.lora_graphs: dict[int, StepGraph] = {}  # steps in which some sequence runs an adapter
         self.replays = 0  # decode steps served by a replay (tests, stats)
         self.verify_replays = 0
 
-    def run(self, ids: list[int], positions: list[int], block_ids: list[list[int]]) -> torch.Tensor | None:
+    def run(self, ids: list[int], positions: list[int], block_ids: list[list[int]],
+            lora_slots: list[int] | None = None) -> torch.Tensor | None:
         """Logits of a decode step, from a graph (replayed, or captured now); None when this step
-        must run eagerly (graphs off, batch too large, or the model not capturable)."""
+        must run eagerly (graphs off, batch too large, or the model not capturable). `lora_slots`:
+        each sequence's adapter slot (-1: none), None when no sequence has an adapter."""
         n = len(ids)
         b = graph_batch(n) if self.pad_block is not None else n
         if not self.enabled or b > MAX_GRAPH_BATCH:
             return None
-        g = self.graphs.get(b)
+        graphs = self.graphs if lora_slots is None else self.lora_graphs
+        g = graphs.get(b)
         if g is not None and g.generation != library.kernel_generation:
-            self.graphs.clear()  # the kernel variant changed since capture: record again
+            graphs.clear()  # the kernel variant changed since capture: record again
             g = None
         if g is None:
-            g = StepGraph(b, self.max_blocks, self.block_size)
-            self.graphs[b] = g
-            g.set_inputs(ids, positions, block_ids, self.pad_block)
+            g = StepGraph(b, self.max_blocks, self.block_size, lora=lora_slots is not None)
+            graphs[b] = g
+            g.set_inputs(ids, positions, block_ids, self.pad_block, lora_slots)
             logits = g.capture(self.model)
             if not self._check(g) and b != n:
                 # computed on padded rows: PyTorch's GEMMs may round a row differently with
@@ -171,7 +186,7 @@ class StepGraphs:
             return logits[:n]  # computed eagerly while recording
         if not g.replayable:
             return None
-        g.set_inputs(ids, positions, block_ids, self.pad_block)
+        g.set_inputs(ids, positions, block_ids, self.pad_block, lora_slots)
         self.replays += 1
         return g.replay()[:n]
 

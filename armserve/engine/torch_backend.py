@@ -105,8 +105,15 @@ class TorchBackend:
             proposer = NgramProposer(spec)  # type: ignore[arg-type]
         self.scheduler = Scheduler(
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,  # type: ignore[arg-type]
-            proposer=proposer,
+            proposer=proposer, max_loras=config.max_loras if config.enable_lora else None,
         )
+        # LoRA: slots of stacked adapter weights in every targeted layer (lora/manager.py)
+        self.lora = None
+        if config.enable_lora:
+            from armserve.lora.manager import LoRAManager
+
+            self.lora = LoRAManager(self.model, self.dtype, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras)  # type: ignore[arg-type]
         if self.tp_workers is not None:
             try:
                 self.tp_workers.start(parallel.group, num_blocks)
@@ -116,7 +123,7 @@ class TorchBackend:
         if self.tp_workers is not None:
             weakref.finalize(self, self.tp_workers.close)  # LLM objects come and go (tests, notebooks)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype,
-                                  self.max_model_len, config.enforce_eager, tp_workers=self.tp_workers)
+                                  self.max_model_len, config.enforce_eager, tp_workers=self.tp_workers, lora=self.lora)
         self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
         self.vocab_size = hf.vocab_size
         self.num_kv_blocks, self.kv_block_size = num_blocks, config.block_size
@@ -155,13 +162,17 @@ class TorchBackend:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue the request's n sequences (a ValueError naming a bad structured-output spec)."""
         compiled = None
+        if request.lora_request is not None:
+            if self.lora is None:
+                raise ValueError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
+            self.lora.add(request.lora_request)  # LoRAError (ValueError) naming a bad adapter folder
         if request.params.structured_outputs is not None:
             compiled = self.structured.compile(request.params.structured_outputs)  # ValueError naming the problem
         rid, n = request.request_id, request.n
         seqs = []
         for i, params in enumerate(request.seq_params):
             req = Request(rid if n == 1 else f"{i}_{rid}", request.prompt_token_ids, params, request.max_tokens,
-                          request.arrival_time)
+                          request.arrival_time, request.lora_request)
             if compiled is not None:
                 req.grammar = self.structured.new_matcher(compiled)
             seqs.append(req)

@@ -9,6 +9,7 @@ Routes: /v1/chat/completions, /v1/completions, /v1/responses (and GET / DELETE /
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -17,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import armserve
@@ -45,6 +46,7 @@ from armserve.entrypoints.serving_completion import OpenAIServingCompletion
 from armserve.entrypoints.serving_embedding import OpenAIServingEmbedding
 from armserve.entrypoints.serving_score import OpenAIServingScore
 from armserve.entrypoints.serving_messages import AnthropicServingMessages
+from armserve.entrypoints.serving_models import runtime_lora_updating
 from armserve.entrypoints.serving_responses import OpenAIServingResponses
 from armserve.sampling_params import SamplingParams
 
@@ -98,6 +100,13 @@ def _value_error_param(message: str) -> str | None:
     return word if word in SamplingParams.__dataclass_fields__ else None  # type: ignore[attr-defined]
 
 
+async def _json_body(raw: Request) -> Any:
+    try:
+        return json.loads(await raw.body())
+    except ValueError:
+        raise APIError("the body is not valid JSON", 400) from None
+
+
 def build_app(
     engine: AsyncLLM,
     served_model_names: list[str],
@@ -116,6 +125,7 @@ def build_app(
     root_path: str = "",
     log_requests: bool = False,
     responses_store: str | None = None,
+    lora_modules: list[tuple[str, str, str | None]] | None = None,
 ) -> FastAPI:
     """The FastAPI app over a running `AsyncLLM`; the engine is shut down with the app.
 
@@ -123,10 +133,12 @@ def build_app(
     auth headers sent by a browser on the user's behalf), and a wildcard origin is never echoed
     back together with `access-control-allow-credentials`. `root_path`: the path prefix of a proxy in
     front (vLLM's --root-path); `log_requests`: one log line per engine request (--enable-log-requests).
-    Stored Responses live in memory, or in the SQLite file `responses_store`."""
+    Stored Responses live in memory, or in the SQLite file `responses_store`. `lora_modules`: the
+    (name, path, base model name) of each LoRA adapter served by name (entrypoints/serving_models.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        await serving.models.check_adapters()  # a bad --lora-modules folder fails the start, named
         yield
         engine.shutdown()
         store.close()
@@ -134,7 +146,7 @@ def build_app(
     app = FastAPI(title="armserve", version=armserve.__version__, lifespan=lifespan,
                   docs_url="/docs", redoc_url=None, root_path=root_path)
     serving = OpenAIServing(engine, served_model_names, reasoning_parser, tool_call_parser, enable_auto_tool_choice,
-                            request_timeout, log_requests)
+                            request_timeout, log_requests, lora_modules)
     app.state.serving = serving
     chat_serving = OpenAIServingChat(serving)
     completion_serving = OpenAIServingCompletion(serving)
@@ -203,19 +215,24 @@ def build_app(
     async def version() -> dict[str, str]:
         return {"version": armserve.__version__}
 
-    def model_card(name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": started, "owned_by": "armserve",
-                "root": engine.config.model, "parent": None, "max_model_len": engine.max_model_len}
-
     started = int(time.time())
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(n) for n in served_model_names]}
+        return {"object": "list", "data": serving.models.cards(started)}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
-        return model_card(serving.model_name(model))
+        return serving.models.card(model, started)
+
+    if runtime_lora_updating():  # vLLM's: the routes exist only with VLLM_ALLOW_RUNTIME_LORA_UPDATING
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(raw: Request) -> Response:
+            return PlainTextResponse(await serving.models.load(await _json_body(raw)))
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(raw: Request) -> Response:
+            return PlainTextResponse(await serving.models.unload(await _json_body(raw)))
 
     # NOTE: the routes parse their bodies themselves (serving.parse: large ones off the event
     # loop); _with_body_schemas puts each body's schema in /openapi.json all the same.

@@ -27,7 +27,8 @@ access_logger = logging.getLogger("armserve.access")
 _PROTECTED_PREFIXES = ("/v1/", "/v2/", "/tokenize", "/detokenize", "/pooling", "/score", "/rerank")
 _KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
                 "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
-                "/v1/models", "/health", "/version", "/tokenize", "/detokenize", "/metrics", "/ping", "/load"}
+                "/v1/models", "/health", "/version", "/tokenize", "/detokenize", "/metrics", "/ping", "/load",
+                "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
 
 
 def route_path(scope) -> str:

@@ -138,6 +138,7 @@ def run_server(args: argparse.Namespace) -> int:
     from armserve.engine_args import engine_kwargs
     from armserve.config import EngineConfig
     from armserve.entrypoints.reasoning import ReasoningParser
+    from armserve.entrypoints.serving_models import parse_lora_modules
     from armserve.entrypoints.response_store import ResponseStore
     from armserve.entrypoints.tool_parsers import get_tool_parser
     from armserve.model_loader import bundled_model_path
@@ -150,6 +151,9 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
     if args.responses_store:
         ResponseStore(args.responses_store).close()  # an unusable file: fail before loading anything
+    lora_modules = parse_lora_modules(getattr(args, "lora_modules", None))  # a bad value: fail before loading
+    if lora_modules and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules needs --enable-lora")
     api_key = args.api_key or os.environ.get("ARMSERVE_API_KEY") or None
     sock = _bind(args.host, args.port)
     model = args.model or bundled_model_path()
@@ -186,7 +190,7 @@ def run_server(args: argparse.Namespace) -> int:
                         limits=limits, request_timeout=args.request_timeout, allow_credentials=args.allow_credentials,
                         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                         root_path=root_path, log_requests=args.log_requests,
-                        responses_store=args.responses_store)
+                        responses_store=args.responses_store, lora_modules=lora_modules)
         # NOTE: uvicorn's own graceful timeout only bounds the connections still open after the drain
         # (ArmServer.drain) has ended every request.
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.uvicorn_log_level,

@@ -24,6 +24,7 @@ from armserve.engine.async_llm import AsyncLLM, RequestStream
 from armserve.engine.exceptions import EngineDeadError
 from armserve import model_loader
 from armserve.engine.input_processor import ContextLengthError, EngineCoreRequest, LogprobsLimitError, PromptTokensError
+from armserve.entrypoints.serving_models import ServingModels
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, ChatMessage
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.entrypoints.tool_parsers import ToolCall, ToolCallStream, get_tool_parser
@@ -116,10 +117,13 @@ class OpenAIServing:
 
     def __init__(self, engine: AsyncLLM, served_model_names: list[str], reasoning_parser: str | None = None,
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
-                 request_timeout: float | None = None, log_requests: bool = False) -> None:
+                 request_timeout: float | None = None, log_requests: bool = False,
+                 lora_modules: list[tuple[str, str, str | None]] | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_names = served_model_names
+        # the base's names and the LoRA adapters' (--lora-modules, /v1/load_lora_adapter)
+        self.models = ServingModels(engine, served_model_names, lora_modules)
         self.reasoning_parser = reasoning_parser
         if reasoning_parser is not None:
             ReasoningParser(reasoning_parser)  # fail at startup on an unknown name
@@ -232,8 +236,10 @@ class OpenAIServing:
             field = logprobs_param if e.field == "logprobs" else e.field
             raise APIError(e.message(field, e.asked, e.limit), 400, field) from None
 
-    async def submit(self, request: EngineCoreRequest) -> RequestStream:
-        """`engine.add_processed_request` with the server's deadline."""
+    async def submit(self, request: EngineCoreRequest, model: str | None = None) -> RequestStream:
+        """`engine.add_processed_request` with the server's deadline; `model`: the request's, which
+        may name a LoRA adapter to run with."""
+        request.lora_request = self.models.lora_request(model)
         if self.log_requests:
             shown = repr(request.params)
             if len(shown) > LOGGED_PARAMS_CHARS:
@@ -273,16 +279,8 @@ class OpenAIServing:
             raise APIError(f"{what} {bad[0]} is out of range for the vocabulary size {vocab}", 400, param)
 
     def model_name(self, requested: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if requested is None or requested == "":
-            return self.served_model_names[0]
-        if requested not in self.served_model_names:
-            raise APIError(
-                f"The model '{requested}' does not exist; this server serves "
-                f"{', '.join(repr(n) for n in self.served_model_names)}.",
-                404, "model", "model_not_found",
-            )
-        return requested
+        """The name to answer with (the base's or an adapter's); 404 for a model this server does not serve."""
+        return self.models.model_name(requested)
 
     def render_chat(
         self,
@@ -329,7 +327,7 @@ class OpenAIServing:
         request = await self.prepare(raw, lambda tok: self.process(rid, self.render_chat(
             body.messages, body.add_generation_prompt, body.continue_final_message, body.chat_template,
             body.chat_template_kwargs, tools, tok), params, prompt_param, max_param, logprobs_param=logprobs_param))
-        stream = await self.submit(request)
+        stream = await self.submit(request, body.model)
         return params, stream, len(request.prompt_token_ids), (mode, body.forced_function)
 
     def tool_mode(self, tool_choice: str | dict[str, Any], has_tools: bool, param: str = "tool_choice") -> str:

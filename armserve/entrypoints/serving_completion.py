@@ -80,7 +80,7 @@ class OpenAIServingCompletion:
         streams: list[RequestStream] = []
         try:
             for request in requests:
-                streams.append(await self.serving.submit(request))
+                streams.append(await self.serving.submit(request, body.model))
         except BaseException:
             for s in streams:  # one bad prompt in a batch: leave nothing running
                 s.close()

@@ -148,6 +148,7 @@ class Linear(nn.Module):
         self.weight = _param(self.out_features, self.in_features)
         self.bias = _param(self.out_features) if bias else None
         self.packed: torch.Tensor | None = None
+        self.lora = None  # LoRAWeights (layers/lora.py) when the engine serves adapters
 
     def weight_loader(self, name: str, tensor: torch.Tensor, shard: Any = "all") -> None:
         """Copy this rank's part of checkpoint tensor `tensor` (`shard` of a fused layer) into
@@ -184,6 +185,8 @@ class Linear(nn.Module):
                 out = F.linear(x, self.weight, self.bias)
             if out_dtype is not None:
                 out = out.to(out_dtype)
+        if self.lora is not None:
+            self.lora.apply_(x, out)
         # a row-parallel layer's output is this rank's partial sum until the ranks add theirs
         return out if self.split.reduce is None else self.split.reduce.all_reduce(out)
 

@@ -68,6 +68,7 @@ class QuantizedLinear(nn.Module):
         self._pending: dict[object, QuantizedTensor] = {}
         self.parts: list[_Part] = []
         self._dequantized: torch.Tensor | None = None
+        self.lora = None  # LoRAWeights (layers/lora.py): the adapters' deltas, in float, over the quantized base
 
     def weight_loader(self, name: str, tensor: torch.Tensor | QuantizedTensor, shard: object = "all") -> None:
         """This rank's part of a checkpoint tensor, as Linear.weight_loader; a float weight (a fused
@@ -139,6 +140,8 @@ class QuantizedLinear(nn.Module):
             out = self._forward_ref(x2)
         if self.bias is not None:
             kernels.add_bias(out, self.bias)  # the kernel on a decode step's rows: it stays kernel calls only
+        if self.lora is not None:
+            self.lora.apply_(x2, out)
         if self.split.reduce is not None:  # row-parallel: add the ranks' partial sums
             self.split.reduce.all_reduce(out)
         return out.view(*shape[:-1], self.out_features)

@@ -1,0 +1,12 @@
+"""LoRA adapters over one base model (PEFT folders), many in one batch.
+
+    request.py   LoRARequest: which adapter a request runs with (vLLM's fields)
+    adapter.py   a PEFT adapter folder read and checked against the base model
+    manager.py   adapters cached on the CPU (LRU) and the slots one batch draws from
+
+The layers' side (stacked per-slot weights, the step's per-token slot) is layers/lora.py; the
+grouped shrink/expand ops are kernels/lora.py.
+"""
+
+from armserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter  # noqa: F401
+from armserve.lora.request import LoRARequest  # noqa: F401
