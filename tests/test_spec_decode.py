@@ -214,13 +214,20 @@ def test_logprobs_of_a_verified_run(engines):
     assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-2
 
 
+def _tight_space(llm: LLM) -> float:
+    """A KV space of 26 blocks of 16 tokens of the tiny Llamas, whatever KV dtype dtype="auto" picks
+    on this CPU (float32 where bfloat16 is not native: twice a bfloat16 block's bytes)."""
+    return 0.0001 * llm.llm_engine.backend.kv_cache_dtype.itemsize / 2
+
+
 def test_preemption_and_prefix_caching_with_speculation(markov_llama, engines):
     off, _ = engines
     prompts = _chain_prompts(off) * 3
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = [c.token_ids for c in _run(off, prompts, params)]
     # a cache too small for all nine sequences at once: some are preempted and recomputed
-    tight = LLM(markov_llama, kv_cache_space=0.0001, max_model_len=256, block_size=16, speculative_config=NGRAM)
+    tight = LLM(markov_llama, kv_cache_space=_tight_space(off), max_model_len=256, block_size=16,
+                speculative_config=NGRAM)
     backend = tight.llm_engine.backend
     assert [c.token_ids for c in _run(tight, prompts, params)] == want
     assert backend.scheduler.num_preemptions > 0 and backend.scheduler.spec_stats.num_accepted_tokens > 0
@@ -296,7 +303,7 @@ def test_draft_model_drafting_for_itself_is_always_accepted(tiny_llama, engines)
     hits, preemption)."""
     off, _ = engines
     prompts = [[1, 2, 3, 4], list(range(100, 140)), list(range(100, 140)), [7] * 30]
-    kw = dict(kv_cache_space=0.0001, max_model_len=256, block_size=16)  # tight: preemptions
+    kw = dict(kv_cache_space=_tight_space(off), max_model_len=256, block_size=16)  # tight: preemptions
     plain = LLM(tiny_llama, **kw)
     spec = LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama,
                                                "num_speculative_tokens": 3}, **kw)
