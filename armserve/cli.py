@@ -214,12 +214,13 @@ def _kv_cache_info(args: argparse.Namespace) -> dict:
     per token (MLA models cache one latent row per layer) and the tokens that fit."""
     from armserve import model_loader
     from armserve.config import EngineConfig
+    from armserve.dtypes import resolve_dtypes
     from armserve.engine.model_runner import kv_cache_bytes_per_token, kv_cache_num_blocks, kv_cache_rows
 
     cfg = EngineConfig(model=args.model, **{f: getattr(args, f) for f in ("dtype", "kv_cache_space", "kv_cache_dtype",
                                                                          "block_size") if hasattr(args, f)})
     hf = model_loader.load_config(model_loader.resolve_model_path(args.model))
-    _, cache_dtype = cfg.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+    _, cache_dtype = resolve_dtypes(cfg, model_loader.checkpoint_dtype(hf))
     rows, width = kv_cache_rows(hf)
     blocks = kv_cache_num_blocks(hf, cfg.kv_cache_space, cfg.block_size, cache_dtype)
     return {"model": args.model, "dtype": str(cache_dtype).replace("torch.", ""), "rows_per_token_per_layer": rows,

@@ -14,8 +14,10 @@ for up to the interpreter's switch interval (5 ms), and at 8-64 streams the serv
 busy most of the time.
 
 Messages, core -> frontend (tuples; the first item names the kind):
-    ("ready", {"kv_cache_tokens": int, "input": InputProcessor})   model loaded and warmed up; "input":
-                                                the engine's input processor without its tokenizer
+    ("ready", {"kv_cache_tokens": int, "input": InputProcessor, "tokenizer": tokenizer | None})   model
+                                                loaded and warmed up; "input": the engine's input processor
+                                                without its tokenizer; "tokenizer": the engine's, when asked
+                                                (`send_tokenizer`: the server's front end tokenizes with it)
     ("failed", exception)                       loading failed (process mode; the process exits)
     ("accepted", request_id, exception | None)  an add was queued, or refused (ValueError naming why)
     ("outputs", [RequestOutput], SchedulerStats, IterationStats)   one step's deltas; `prompt` and
@@ -37,29 +39,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
-from armserve.engine.input_processor import EngineCoreRequest
+from armserve.engine.commands import AbortCommand, AddCommand, StopCommand
 from armserve.engine.llm_engine import LLMEngine
 from armserve.engine.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("armserve")
-
-# ---- commands sent to the core ---------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class AddCommand:
-    request: EngineCoreRequest  # made by the frontend's input processor
-    compiled: bool = False  # the structured-output grammar is in the core's cache
-
-
-@dataclass(slots=True)
-class AbortCommand:
-    request_ids: list[str]
-
-
-class StopCommand:
-    pass
-
 
 @dataclass(slots=True)
 class _CompileDone:
@@ -96,9 +80,10 @@ class EngineCore:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def run(self, warm_up: bool = True) -> None:
-        """Warm up, report ready, then step while there is work and apply commands between steps,
-        until a `StopCommand`. Ends with a ("dead", why) message either way."""
+    def run(self, warm_up: bool = True, send_tokenizer: bool = False) -> None:
+        """Warm up, report ready (with the tokenizer if `send_tokenizer`), then step while there is
+        work and apply commands between steps, until a `StopCommand`. Ends with a ("dead", why)
+        message either way."""
         engine = self.engine
         why = "the engine was shut down"
         try:
@@ -107,9 +92,12 @@ class EngineCore:
             if warm_up:
                 engine.warm_up()
             snap = self.snapshot()
-            # (the frontend has a tokenizer of its own)
+            # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB): the very one
+            # the core detokenizes with, parsed once (a GGUF header takes seconds), and loaded there
+            # without transformers' Auto classes, which import torch.
             self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size,
-                                 "input": replace(engine.input_processor, tokenizer=None)}))
+                                 "input": replace(engine.input_processor, tokenizer=None),
+                                 "tokenizer": engine.tokenizer if send_tokenizer else None}))
             while True:
                 if not self._drain(block=not engine.has_unfinished_requests()):
                     break
@@ -199,6 +187,8 @@ class EngineCore:
             # The frontend holds the prompt: a 4k-token prompt is not re-sent with every token.
             out.prompt = None
             out.prompt_token_ids = None  # type: ignore[assignment]
+            if out.pooled is not None:  # a numpy vector: unpickling it needs no torch in the front end
+                out.pooled = out.pooled.float().numpy()
         stats = self.engine.output_processor.take_stats()
         stats.step = True
         self.emit(("outputs", outputs, self.snapshot(), stats))
@@ -212,7 +202,7 @@ class EngineCore:
 
 
 def core_process_main(config: EngineConfig, commands, messages, log_level: int, stats_interval: float,
-                      warm_up: bool, env: dict[str, str]) -> None:
+                      warm_up: bool, env: dict[str, str], send_tokenizer: bool = False) -> None:
     """Entry point of the engine-core process (spawned): load, then loop until told to stop or
     until the frontend goes away (its end of the command pipe closes)."""
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
@@ -247,7 +237,7 @@ def core_process_main(config: EngineConfig, commands, messages, log_level: int, 
                 return
 
     threading.Thread(target=read_commands, name="armserve-core-commands", daemon=True).start()
-    core.run(warm_up)
+    core.run(warm_up, send_tokenizer)
     # NOTE: no interpreter teardown: with the kernels' worker threads and the OpenMP runtime
     # still up it can hang at exit, and there is nothing left to clean up.
     for stream in (sys.stdout, sys.stderr):

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from armserve.config import ConfigError, EngineConfig
+from armserve.dtypes import resolve_dtypes
 from armserve.engine.backend import BackendOutput, SequenceOutput, run_dummy_request
 from armserve.engine.input_processor import EngineCoreRequest
 from armserve.engine.kv_cache_manager import KVCacheManager
@@ -68,7 +69,7 @@ class TorchBackend:
             self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
             if config.chat_template:
                 self.tokenizer.chat_template = config.chat_template
-            self.dtype, self.kv_cache_dtype = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+            self.dtype, self.kv_cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf))
             self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, parallel)
         except BaseException:
             if self.tp_workers is not None:
