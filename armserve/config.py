@@ -18,7 +18,14 @@ DTYPE_NAMES = {
     "fp16": "float16",
 }
 
-DEFAULT_KV_CACHE_SPACE_GIB = 4.0
+# KV cache space when none is given (no kv_cache_space, $ARMSERVE_KVCACHE_SPACE or
+# $VLLM_CPU_KVCACHE_SPACE): vLLM's CPU rule, this fraction of a NUMA node's memory (within the
+# cgroup limit) per engine process, shared when more engine processes (data-parallel engines x
+# tensor-parallel ranks) than nodes run; never more than max_num_seqs sequences of max_model_len
+# can use, and never more than this fraction of what the memory available at start leaves after
+# weights and runtime (engine/memory_plan.py). A space given explicitly that does not fit the
+# available memory is an error instead.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
 
 # Seconds between the engine's stats lines while it is busy (ARMSERVE_LOG_STATS_INTERVAL overrides it).
 DEFAULT_STATS_INTERVAL = 5.0
@@ -232,7 +239,8 @@ class EngineConfig:
     """Everything the engine needs besides the model weights.
 
     `max_model_len` of None takes the model's own context length. `kv_cache_space` is in GiB
-    (default from `ARMSERVE_KVCACHE_SPACE`, else 4). `kv_cache_dtype` is `auto` (the model dtype)
+    (default from `ARMSERVE_KVCACHE_SPACE`, else DEFAULT_KV_CACHE_MEMORY_FRACTION of the node's
+    memory, as vLLM's CPU backend; the engine fills it in). `kv_cache_dtype` is `auto` (the model dtype)
     or `int8` (per-token-per-head scaled; nearly twice the tokens of a bfloat16 cache).
     """
 
@@ -305,9 +313,8 @@ class EngineConfig:
                     self.kv_cache_space = float(env)
                 except ValueError:
                     raise ConfigError(f"{var} must be a number of GiB, got {env!r}")
-            else:
-                self.kv_cache_space = DEFAULT_KV_CACHE_SPACE_GIB
-        if not self.kv_cache_space > 0:
+        # (None: the engine sizes it by DEFAULT_KV_CACHE_MEMORY_FRACTION once it knows the model)
+        if self.kv_cache_space is not None and not self.kv_cache_space > 0:
             raise ConfigError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
         # multiples of 16: the attention kernel's key tile (layers/attention.py)
         if self.block_size not in (16, 32, 64, 128):

@@ -37,6 +37,7 @@ from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, P
 from armserve.pooling_params import PoolingParams
 from armserve.engine.stat_loggers import LoggingStatLogger, StatLogger, combine_stats
 from armserve.engine.stats import IterationStats, SchedulerStats
+from armserve.memory import release_free_heap
 from armserve.model_source import resolve_model_path
 from armserve.outputs import CompletionOutput, RequestOutput
 from armserve.sampling_params import SamplingParams
@@ -221,8 +222,11 @@ class AsyncLLM:
                 c.start()
             if self.engine_process:
                 self.tokenizer = self._tokenizer
+                release_free_heap()  # what unpickling it left behind
                 if config.chat_template:
                     self.tokenizer.chat_template = config.chat_template
+                # (the space the engines chose when none was given: config.py's default rule)
+                config.kv_cache_space = self._ready_info.get("kv_cache_space", config.kv_cache_space)
         except BaseException:
             self.shutdown()
             raise

@@ -14,7 +14,7 @@ for up to the interpreter's switch interval (5 ms), and at 8-64 streams the serv
 busy most of the time.
 
 Messages, core -> frontend (tuples; the first item names the kind):
-    ("ready", {"kv_cache_tokens": int, "input": InputProcessor, "tokenizer": tokenizer | None})   model
+    ("ready", {"kv_cache_tokens": int, "kv_cache_space": GiB, "input": InputProcessor, "tokenizer": ...})   model
                                                 loaded and warmed up; "input": the engine's input processor
                                                 without its tokenizer; "tokenizer": the engine's, when asked
                                                 (`send_tokenizer`: the server's front end tokenizes with it)
@@ -97,6 +97,7 @@ class EngineCore:
             # without transformers' Auto classes, which import torch.
             self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size,
                                  "input": replace(engine.input_processor, tokenizer=None),
+                                 "kv_cache_space": engine.config.kv_cache_space,
                                  "tokenizer": engine.tokenizer if send_tokenizer else None}))
             while True:
                 if not self._drain(block=not engine.has_unfinished_requests()):

@@ -301,6 +301,10 @@ class OpenVINOBackend:
             self.tokenizer.chat_template = config.chat_template
 
         dtype, kv_dtype = resolve_dtypes(config)
+        if config.kv_cache_space is None:  # (sized as the torch backend sizes it, from the checkpoint)
+            from armserve.engine.memory_plan import plan_memory
+
+            plan_memory(config, src, hf, dtype, kv_dtype)
         precision, kv_precision = (_PRECISIONS[t] for t in (dtype, kv_dtype))
         threads, cores = thread_settings()
         if cores is not None:
