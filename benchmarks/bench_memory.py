@@ -173,7 +173,7 @@ def case_bf16(args, logdir: str) -> list[dict]:
 
 def section(case: str, rows: list[dict], what: str, load: tuple[float, float]) -> str:
     ours = next((r for r in rows if r["label"] == "armserve"), None)
-    lines = [f"### Memory: {what}", "",
+    lines = [f"## Memory: {what} (issue 35)", "",
              f"Machine: {machine_description()}. Load average {load[0]:.2f} before / {load[1]:.2f} after. "
              f"armserve rev `{git_revision()}`. PSS: the whole process tree after one chat request of 16 tokens; "
              "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request.", "",

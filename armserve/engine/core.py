@@ -51,10 +51,20 @@ class _CompileDone:
     error: BaseException | None
 
 
-def portable_error(e: BaseException) -> BaseException:
-    """`e` if it survives pickling (to cross to the frontend process), else an equivalent
-    ValueError / RuntimeError with the same message."""
+# Modules whose exceptions reach the front end as they are: unpickling one there imports its module,
+# and these import no torch or model code (a server's front end has none; tests/test_frontend_memory.py).
+_FRONTEND_ERROR_MODULES = ("builtins", "armserve.engine.exceptions", "armserve.engine.input_processor",
+                           "armserve.config", "armserve.model_source", "armserve.sampling_params",
+                           "armserve.pooling_params", "armserve.prompts")
+
+
+def portable_error(e: BaseException, frontend: bool = False) -> BaseException:
+    """`e` if it survives pickling (to cross to the frontend process) and, with `frontend`, its class
+    lives in a module the front end has (_FRONTEND_ERROR_MODULES); else an equivalent ValueError /
+    RuntimeError with the same message."""
     try:
+        if frontend and type(e).__module__ not in _FRONTEND_ERROR_MODULES:
+            raise TypeError
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:
@@ -137,7 +147,7 @@ class EngineCore:
                 if self._compiling.pop(cmd.command.request.request_id, None) is None:
                     continue  # aborted: answered when the abort cancelled the compile
                 if cmd.error is not None:
-                    self.emit(("accepted", cmd.command.request.request_id, portable_error(cmd.error)))
+                    self.emit(("accepted", cmd.command.request.request_id, portable_error(cmd.error, frontend=True)))
                 else:
                     self._add(cmd.command)
             else:
@@ -158,7 +168,7 @@ class EngineCore:
                 handle = self.engine.structured.compile_async(so, lambda _, err, cmd=cmd: self.inbox.put(
                     _CompileDone(cmd, err)))
             except Exception as e:  # an invalid inline grammar, xgrammar missing
-                self.emit(("accepted", rid, portable_error(e)))
+                self.emit(("accepted", rid, portable_error(e, frontend=True)))
                 return
             if handle is not None:
                 self._compiling[rid] = handle
@@ -166,7 +176,7 @@ class EngineCore:
         try:
             self.engine.add_processed_request(request, output_kind="delta")
         except Exception as e:  # errors name the problem (what the backend cannot carry); the engine is untouched
-            self.emit(("accepted", rid, portable_error(e)))
+            self.emit(("accepted", rid, portable_error(e, frontend=True)))
             return
         self.emit(("accepted", rid, None))
 
