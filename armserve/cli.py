@@ -211,26 +211,38 @@ def cmd_info(args: argparse.Namespace) -> int:
     if kv:
         print(f"KV cache       {kv['model']}: {kv['dtype']}, {kv['rows_per_token_per_layer']} x {kv['values_per_row']} "
               f"values per token per layer ({kv['bytes_per_token']} bytes per token): {kv['tokens']} tokens fit in "
-              f"{kv['space_gib']:g} GiB")
+              f"{kv['space_gib']:.3g} GiB")
+        print(f"memory plan    {kv['model']} as a server with max_model_len {kv['max_model_len']}:")
+        for line in kv["memory_plan_lines"]:
+            print(f"  {line}")
     return 0
 
 
 def _kv_cache_info(args: argparse.Namespace) -> dict:
-    """The KV cache a model would get, from its config alone (no weights are read): values and bytes
-    per token (MLA models cache one latent row per layer) and the tokens that fit."""
+    """The KV cache and memory plan a model would get as a server runs it, from its config and
+    tensor metadata alone (no weights are read): values and bytes per token (MLA models cache one
+    latent row per layer), the tokens that fit, weights by kind, runtime and total
+    (engine/memory_plan.py)."""
     from armserve import model_loader
     from armserve.config import EngineConfig
+    from armserve.dtypes import resolve_dtypes
+    from armserve.engine.memory_plan import plan_memory
     from armserve.engine.model_runner import kv_cache_bytes_per_token, kv_cache_num_blocks, kv_cache_rows
 
-    cfg = EngineConfig(model=args.model, **{f: getattr(args, f) for f in ("dtype", "kv_cache_space", "kv_cache_dtype",
-                                                                         "block_size") if hasattr(args, f)})
-    hf = model_loader.load_config(model_loader.resolve_model_path(args.model))
-    _, cache_dtype = cfg.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+    fields = ("dtype", "kv_cache_space", "kv_cache_dtype", "block_size", "max_model_len", "max_num_seqs",
+              "quantization", "tensor_parallel_size", "data_parallel_size")
+    cfg = EngineConfig(model=args.model, **{f: getattr(args, f) for f in fields if hasattr(args, f)}).for_serving()
+    src = model_loader.resolve_model_path(args.model)
+    hf = model_loader.load_config(src)
+    cfg.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
+    dtype, cache_dtype = resolve_dtypes(cfg, model_loader.checkpoint_dtype(hf))
+    plan = plan_memory(cfg, src, hf, dtype, cache_dtype)
     rows, width = kv_cache_rows(hf)
     blocks = kv_cache_num_blocks(hf, cfg.kv_cache_space, cfg.block_size, cache_dtype)
     return {"model": args.model, "dtype": str(cache_dtype).replace("torch.", ""), "rows_per_token_per_layer": rows,
             "values_per_row": width, "bytes_per_token": kv_cache_bytes_per_token(hf, cache_dtype),
-            "space_gib": cfg.kv_cache_space, "tokens": blocks * cfg.block_size}
+            "space_gib": cfg.kv_cache_space, "tokens": blocks * cfg.block_size, "max_model_len": cfg.max_model_len,
+            "memory_plan": plan.as_dict(), "memory_plan_lines": plan.lines()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,11 +273,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="CPU features, kernel variants, threads and NUMA layout")
     i.add_argument("--json", action="store_true")
-    i.add_argument("--model", default=None, help="also show this model's KV cache: bytes per token, tokens that fit")
+    i.add_argument("--model", default=None, help="also show this model's KV cache (bytes per token, tokens that "
+                   "fit) and memory plan (weights by kind, KV cache, runtime, total), from its metadata alone")
     i.add_argument("--dtype", default=UNSET)
     i.add_argument("--kv-cache-dtype", default=UNSET)
-    i.add_argument("--kv-cache-space", type=float, default=None, help="GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
+    i.add_argument("--kv-cache-space", type=float, default=None, help="GiB (default: $ARMSERVE_KVCACHE_SPACE, else half the NUMA node's memory, vLLM's CPU rule)")
     i.add_argument("--block-size", type=int, default=UNSET)
+    i.add_argument("--max-model-len", type=int, default=None, help="context length planned for (default: the model's)")
+    i.add_argument("--max-num-seqs", type=int, default=UNSET)
+    i.add_argument("--quantization", default=None, help="none: plan dequantized weights")
+    i.add_argument("--tensor-parallel-size", type=int, default=UNSET)
+    i.add_argument("--data-parallel-size", type=int, default=UNSET)
     i.set_defaults(func=cmd_info)
 
     # ---- bench: latency / throughput / serve / plot (code in armserve.benchmarks) ----

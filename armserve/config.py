@@ -5,20 +5,27 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 
-import torch
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
+# The dtype names a user may give, by their canonical name; torch's dtypes for them live in
+# armserve/dtypes.py, so that the server's front end validates a configuration without torch.
+DTYPE_NAMES = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 
-DEFAULT_KV_CACHE_SPACE_GIB = 4.0
+# KV cache space when none is given (no kv_cache_space, $ARMSERVE_KVCACHE_SPACE or
+# $VLLM_CPU_KVCACHE_SPACE): vLLM's CPU rule, this fraction of a NUMA node's memory (within the
+# cgroup limit) per engine process, shared when more engine processes (data-parallel engines x
+# tensor-parallel ranks) than nodes run; never more than max_num_seqs sequences of max_model_len
+# can use, and never more than this fraction of what the memory available at start leaves after
+# weights and runtime (engine/memory_plan.py). A space given explicitly that does not fit the
+# available memory is an error instead.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
 
 # Seconds between the engine's stats lines while it is busy (ARMSERVE_LOG_STATS_INTERVAL overrides it).
 DEFAULT_STATS_INTERVAL = 5.0
@@ -49,40 +56,17 @@ class ConfigError(ValueError):
     """An engine argument is invalid; the message names it."""
 
 
-def cpu_has_native_bf16() -> bool:
-    """True when this CPU computes bfloat16 natively (AVX512-BF16/AMX on x86, BF16 on ARM) and the
-    kernel variant in use does too: a forced variant (`ARMSERVE_ISA=avx2`) stands for its CPUs."""
-    from armserve import kernels
-
-    native = kernels.native_bf16()
-    if native is not None:
-        return native
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((low for low in map(str.lower, f) if low.startswith(("flags", "features"))), "")
-    except OSError:
-        flags = ""
-    if {"avx512_bf16", "amx_bf16", "bf16"} & set(flags.replace(":", " ").split()):  # bf16: aarch64's "Features"
-        return True
-    return torch.backends.cpu.get_cpu_capability().upper() in {"AVX512_BF16", "AMX"}
-
-
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None = None) -> torch.dtype:
-    """Map a user dtype to a torch dtype. `auto` is bfloat16 on CPUs with native BF16, else float32."""
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ConfigError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
-        return dtype
-    key = str(dtype).lower()
+def dtype_name(dtype) -> str:
+    """The canonical name of a user dtype ("auto", "float32", "bfloat16", "float16"); `dtype` may be a
+    name or a torch.dtype (its str is "torch.NAME"). ConfigError if unknown."""
+    key = str(dtype).lower() if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     if key == "auto":
-        # NOTE: a float16 checkpoint also runs as bfloat16/float32 here: CPUs have no fast fp16 GEMM
-        # in PyTorch, and bfloat16 keeps fp16's range problems away.
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
-    if key not in _DTYPES:
-        raise ConfigError(
-            f"unknown dtype {dtype!r}; expected one of auto, float32, bfloat16, float16"
-        )
-    return _DTYPES[key]
+        return "auto"
+    if key not in DTYPE_NAMES:
+        if not isinstance(dtype, str):
+            raise ConfigError(f"dtype {dtype} is not supported; use float32, bfloat16 or float16")
+        raise ConfigError(f"unknown dtype {dtype!r}; expected one of auto, float32, bfloat16, float16")
+    return DTYPE_NAMES[key]
 
 
 # KV cache element types. "auto" stores K/V in the model dtype; "int8" stores symmetric int8 with
@@ -92,19 +76,17 @@ KV_CACHE_DTYPES = ("auto", "int8")
 _FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype the KV cache is stored in: the model dtype for `auto`, torch.int8 for `int8`."""
+def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
+    """"auto" or "int8" (KV_CACHE_DTYPES); ConfigError naming the alternatives otherwise."""
     key = str(kv_cache_dtype).lower()
     if key in _FP8_KV_CACHE_DTYPES:
         raise ConfigError(
             f"kv_cache_dtype {kv_cache_dtype!r} is not supported yet; use 'int8' for an 8-bit KV cache "
             "(or 'auto' for the model dtype)"
         )
-    if key == "auto":
-        return model_dtype
-    if key == "int8":
-        return torch.int8
-    raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if key not in KV_CACHE_DTYPES:
+        raise ConfigError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}")
+    return key
 
 
 # The default per-step token budget (`max_num_batched_tokens`) depends on the use, as in vLLM.
@@ -307,7 +289,8 @@ class EngineConfig:
     """Everything the engine needs besides the model weights.
 
     `max_model_len` of None takes the model's own context length. `kv_cache_space` is in GiB
-    (default from `ARMSERVE_KVCACHE_SPACE`, else 4). `kv_cache_dtype` is `auto` (the model dtype)
+    (default from `ARMSERVE_KVCACHE_SPACE`, else DEFAULT_KV_CACHE_MEMORY_FRACTION of the node's
+    memory, as vLLM's CPU backend; the engine fills it in). `kv_cache_dtype` is `auto` (the model dtype)
     or `int8` (per-token-per-head scaled; nearly twice the tokens of a bfloat16 cache).
     """
 
@@ -387,9 +370,8 @@ class EngineConfig:
                     self.kv_cache_space = float(env)
                 except ValueError:
                     raise ConfigError(f"{var} must be a number of GiB, got {env!r}")
-            else:
-                self.kv_cache_space = DEFAULT_KV_CACHE_SPACE_GIB
-        if not self.kv_cache_space > 0:
+        # (None: the engine sizes it by DEFAULT_KV_CACHE_MEMORY_FRACTION once it knows the model)
+        if self.kv_cache_space is not None and not self.kv_cache_space > 0:
             raise ConfigError(f"kv_cache_space must be > 0 GiB, got {self.kv_cache_space}")
         # multiples of 16: the attention kernel's key tile (layers/attention.py)
         if self.block_size not in (16, 32, 64, 128):
@@ -415,7 +397,7 @@ class EngineConfig:
         if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
             raise ConfigError(f"generation_config must be 'auto', 'vllm' or a folder holding generation_config.json, "
                               f"got {self.generation_config!r}")
-        resolve_dtype(self.dtype)  # fail early on an unknown dtype
+        dtype_name(self.dtype)  # fail early on an unknown dtype
         if self.backend not in BACKENDS:
             raise ConfigError(f"unknown backend {self.backend!r}; expected {' or '.join(BACKENDS)}")
         if self.quantization in OPENVINO_QUANTIZATIONS and self.backend != "openvino":
@@ -428,7 +410,7 @@ class EngineConfig:
                 f"unknown quantization {self.quantization!r}; use None/'auto' (keep the checkpoint's) or 'none' "
                 "(or 'int8'/'int4' with backend='openvino')"
             )
-        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.float32)
+        kv_cache_dtype_name(self.kv_cache_dtype)
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
@@ -450,12 +432,6 @@ class EngineConfig:
             raise ConfigError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         if self.runner == "pooling":
             raise ConfigError("enable_lora applies to text generation, not to a pooling model")
-
-    def resolve_dtypes(self, checkpoint_dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
-        """(the model's dtype, the KV cache's) for a checkpoint stored in `checkpoint_dtype`: the one
-        place `dtype` and `kv_cache_dtype` become torch dtypes (`resolve_dtype`, `resolve_kv_cache_dtype`)."""
-        dtype = resolve_dtype(self.dtype, checkpoint_dtype)
-        return dtype, resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
 
     def for_serving(self) -> "EngineConfig":
         """This configuration as a server runs it (`AsyncLLM`: `armserve serve`, Ray Serve): the

@@ -267,7 +267,7 @@ def describe() -> dict:
     import torch
 
     from armserve import kernels
-    from armserve.config import cpu_has_native_bf16, resolve_dtype
+    from armserve.dtypes import cpu_has_native_bf16, resolve_dtype
 
     variant = kernels.isa()
     # The skinny (decode) matmul's bf16 rows go to the CPU's bf16 dot instruction where the

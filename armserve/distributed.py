@@ -187,6 +187,7 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
     try:
         from armserve import model_loader
         from armserve.cpu import init_threads, parse_cpu_list
+        from armserve.dtypes import resolve_dtypes
         from armserve.engine.model_runner import ModelRunner
         from armserve.layers.linear import ParallelContext
 
@@ -199,7 +200,7 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
         # (every rank reads the whole checkpoint and keeps its part of each tensor as it loads)
         src = model_loader.resolve_model_path(config.model)
         hf = model_loader.load_config(src)
-        dtype, cache_dtype = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+        dtype, cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf))
         model = model_loader.load_model(src, hf, dtype, config.quantization, ParallelContext(rank, world, group))
         num_blocks = conn.recv()
         runner = ModelRunner(model, num_blocks, config.block_size, dtype, cache_dtype, config.max_model_len,

@@ -20,7 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=UNSET)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     p.add_argument("--kv-cache-space", type=float, default=None,
-                   help="KV cache size in GiB (default: $ARMSERVE_KVCACHE_SPACE or 4)")
+                   help="KV cache size in GiB (default: $ARMSERVE_KVCACHE_SPACE, else half the NUMA node's memory "
+                        "as vLLM's CPU backend, within what the machine has available)")
     p.add_argument("--kv-cache-dtype", default=UNSET,
                    help="auto (the model dtype) or int8 (8-bit cache with per-token-per-head scales)")
     p.add_argument("--seed", type=int, default=UNSET)

@@ -59,7 +59,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
-    pooled: Any = None  # a pooling request's vector (float32 tensor); `outputs` then holds no tokens
+    # a pooling request's float32 vector (a tensor from LLM, a numpy array from AsyncLLM, whose
+    # front end has no torch); `outputs` then holds no tokens
+    pooled: Any = None
 
 
 @dataclass(slots=True)

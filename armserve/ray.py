@@ -51,7 +51,7 @@ class ArmserveDeployment:
         from armserve.entrypoints.api_server import build_app
         from armserve.entrypoints.server_process import default_served_name
         from armserve.entrypoints.metrics import PrometheusMetrics
-        from armserve.model_loader import resolve_model_path
+        from armserve.model_source import resolve_model_path
 
         path = resolve_model_path(model).path  # a wrong path fails before the engine starts
         name = served_model_name or default_served_name(model, path)

@@ -38,8 +38,9 @@ class ServerProcess:
         full_env.update({"OMP_NUM_THREADS": "1", "ARMSERVE_LOG_STATS_INTERVAL": "0.2"})
         full_env.pop("ARMSERVE_API_KEY", None)
         full_env.update(env or {})
-        # NOTE: one thread per server: the machine has 2 shared cores (see conftest).
-        code = "import sys, torch; torch.set_num_threads(1); from armserve.cli import main; sys.exit(main())"
+        # NOTE: one thread per server (OMP_NUM_THREADS above): the machine has 2 shared cores (see
+        # conftest). The server's front end imports no torch (test_frontend_memory.py checks it).
+        code = "import sys; from armserve.cli import main; sys.exit(main())"
         cmd = [sys.executable, "-c", code, "serve", model, "--host", "127.0.0.1", "--port", str(self.port), *args]
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)

@@ -103,7 +103,7 @@ def weight_bytes_per_token(path: str, dtype: str | None = None) -> int:
     `path` is an HF folder (safetensors) or a GGUF file. `dtype` is the dtype the engine computes in;
     None counts the bytes as stored (right for llama.cpp, which runs a GGUF as it is).
     """
-    from armserve.config import resolve_dtype
+    from armserve.dtypes import resolve_dtype
 
     itemsize = resolve_dtype(dtype).itemsize if dtype is not None else None
     path = os.path.expanduser(path)

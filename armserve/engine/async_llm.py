@@ -30,13 +30,15 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncGenerator, Callable, Sequence
 
 from armserve.config import DEFAULT_STATS_INTERVAL, WAITING_REQUESTS_PER_SEQ, EngineConfig
-from armserve.engine.core import AbortCommand, AddCommand, LoRACommand
+from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand
 from armserve.engine.core_client import ProcessCore, ThreadCore, engine_process_default
 from armserve.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
 from armserve.pooling_params import PoolingParams
 from armserve.engine.stat_loggers import LoggingStatLogger, StatLogger, combine_stats
 from armserve.engine.stats import IterationStats, SchedulerStats
+from armserve.memory import release_free_heap
+from armserve.model_source import resolve_model_path
 from armserve.outputs import CompletionOutput, RequestOutput
 from armserve.sampling_params import SamplingParams
 
@@ -161,8 +163,6 @@ class AsyncLLM:
         engine_process: bool | None = None,
         restart_on_failure: bool = False,
     ) -> None:
-        from armserve import model_loader
-
         config = config.for_serving()
         self.config = config
         if stats_interval is None:
@@ -197,6 +197,7 @@ class AsyncLLM:
         self._snapshots: list[SchedulerStats] = [SchedulerStats() for _ in range(dp)]
         self._dead: BaseException | None = None
         self._ready_info: dict[str, Any] = {}
+        self._tokenizer: Any = None  # the first core's (its "ready" message)
         self._cores: list[ThreadCore | ProcessCore] = []
         # CPUs on no engine's cores, for the front end to pin itself to (cpu.serving_layout); None:
         # none to spare, or the engine runs in this process.
@@ -205,15 +206,14 @@ class AsyncLLM:
             if self.engine_process:
                 from armserve.cpu import serving_layout
 
-                src = model_loader.resolve_model_path(config.model)  # a wrong path fails before any spawn
+                resolve_model_path(config.model)  # a wrong path fails before any spawn
                 envs, self.frontend_cpus = serving_layout(dp, config.tensor_parallel_size or 1)
                 self._envs = envs
                 for i, env in enumerate(envs):
-                    self._cores.append(ProcessCore(config, self._handler(i), stats_interval, warm_up, env, i))
-                # The tokenizer loads here while the cores load the model.
-                self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
-                if config.chat_template:
-                    self.tokenizer.chat_template = config.chat_template
+                    # (the first core sends its tokenizer with its "ready": the front end never
+                    # imports torch or the model code, engine/core.py says why)
+                    self._cores.append(ProcessCore(config, self._handler(i), stats_interval, warm_up, env, i,
+                                                   send_tokenizer=i == 0))
             else:
                 core = ThreadCore(config, self._handler(0), stats_interval, warm_up)
                 self._cores.append(core)
@@ -221,6 +221,13 @@ class AsyncLLM:
                 self._snapshots[0] = core.core.snapshot()
             for c in self._cores:
                 c.start()
+            if self.engine_process:
+                self.tokenizer = self._tokenizer
+                release_free_heap()  # what unpickling it left behind
+                if config.chat_template:
+                    self.tokenizer.chat_template = config.chat_template
+                # (the space the engines chose when none was given: config.py's default rule)
+                config.kv_cache_space = self._ready_info.get("kv_cache_space", config.kv_cache_space)
         except BaseException:
             self.shutdown()
             raise
@@ -496,6 +503,8 @@ class AsyncLLM:
             self._record(engine, msg[1], msg[2])
         elif kind == "ready":
             self._ready_info = msg[1]
+            if msg[1].get("tokenizer") is not None:
+                self._tokenizer = msg[1]["tokenizer"]
             self._kv_tokens[engine] = msg[1].get("kv_cache_tokens", 0)
         elif kind == "dead":
             why = msg[1] if len(self._cores) == 1 else f"engine {engine}: {msg[1]}"

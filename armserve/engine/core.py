@@ -14,8 +14,10 @@ for up to the interpreter's switch interval (5 ms), and at 8-64 streams the serv
 busy most of the time.
 
 Messages, core -> frontend (tuples; the first item names the kind):
-    ("ready", {"kv_cache_tokens": int, "input": InputProcessor})   model loaded and warmed up; "input":
-                                                the engine's input processor without its tokenizer
+    ("ready", {"kv_cache_tokens": int, "kv_cache_space": GiB, "input": InputProcessor, "tokenizer": ...})   model
+                                                loaded and warmed up; "input": the engine's input processor
+                                                without its tokenizer; "tokenizer": the engine's, when asked
+                                                (`send_tokenizer`: the server's front end tokenizes with it)
     ("failed", exception)                       loading failed (process mode; the process exits)
     ("accepted", request_id, exception | None)  an add was queued, or refused (ValueError naming why)
     ("lora", token, exception | None)           a LoRACommand was applied, or refused (LoRAError)
@@ -38,39 +40,11 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
-from armserve.engine.input_processor import EngineCoreRequest
+from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand, StopCommand
 from armserve.engine.llm_engine import LLMEngine
 from armserve.engine.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("armserve")
-
-# ---- commands sent to the core ---------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class AddCommand:
-    request: EngineCoreRequest  # made by the frontend's input processor
-    compiled: bool = False  # the structured-output grammar is in the core's cache
-
-
-@dataclass(slots=True)
-class AbortCommand:
-    request_ids: list[str]
-
-
-@dataclass(slots=True)
-class LoRACommand:
-    """Read an adapter into the engine's LoRA cache (`lora_request`: a lora.LoRARequest, checked
-    against the model) or forget one (`remove`: its lora_int_id); answered ("lora", token, error)."""
-
-    token: str
-    lora_request: Any = None
-    remove: int | None = None
-
-
-class StopCommand:
-    pass
-
 
 @dataclass(slots=True)
 class _CompileDone:
@@ -78,10 +52,20 @@ class _CompileDone:
     error: BaseException | None
 
 
-def portable_error(e: BaseException) -> BaseException:
-    """`e` if it survives pickling (to cross to the frontend process), else an equivalent
-    ValueError / RuntimeError with the same message."""
+# Modules whose exceptions reach the front end as they are: unpickling one there imports its module,
+# and these import no torch or model code (a server's front end has none; tests/test_frontend_memory.py).
+_FRONTEND_ERROR_MODULES = ("builtins", "armserve.engine.exceptions", "armserve.engine.input_processor",
+                           "armserve.config", "armserve.model_source", "armserve.sampling_params",
+                           "armserve.pooling_params", "armserve.prompts")
+
+
+def portable_error(e: BaseException, frontend: bool = False) -> BaseException:
+    """`e` if it survives pickling (to cross to the frontend process) and, with `frontend`, its class
+    lives in a module the front end has (_FRONTEND_ERROR_MODULES); else an equivalent ValueError /
+    RuntimeError with the same message."""
     try:
+        if frontend and type(e).__module__ not in _FRONTEND_ERROR_MODULES:
+            raise TypeError
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:
@@ -107,9 +91,10 @@ class EngineCore:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def run(self, warm_up: bool = True) -> None:
-        """Warm up, report ready, then step while there is work and apply commands between steps,
-        until a `StopCommand`. Ends with a ("dead", why) message either way."""
+    def run(self, warm_up: bool = True, send_tokenizer: bool = False) -> None:
+        """Warm up, report ready (with the tokenizer if `send_tokenizer`), then step while there is
+        work and apply commands between steps, until a `StopCommand`. Ends with a ("dead", why)
+        message either way."""
         engine = self.engine
         why = "the engine was shut down"
         try:
@@ -118,9 +103,13 @@ class EngineCore:
             if warm_up:
                 engine.warm_up()
             snap = self.snapshot()
-            # (the frontend has a tokenizer of its own)
+            # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB): the very one
+            # the core detokenizes with, parsed once (a GGUF header takes seconds), and loaded there
+            # without transformers' Auto classes, which import torch.
             self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size,
-                                 "input": replace(engine.input_processor, tokenizer=None)}))
+                                 "input": replace(engine.input_processor, tokenizer=None),
+                                 "kv_cache_space": engine.config.kv_cache_space,
+                                 "tokenizer": engine.tokenizer if send_tokenizer else None}))
             while True:
                 if not self._drain(block=not engine.has_unfinished_requests()):
                     break
@@ -169,7 +158,7 @@ class EngineCore:
                 if self._compiling.pop(cmd.command.request.request_id, None) is None:
                     continue  # aborted: answered when the abort cancelled the compile
                 if cmd.error is not None:
-                    self.emit(("accepted", cmd.command.request.request_id, portable_error(cmd.error)))
+                    self.emit(("accepted", cmd.command.request.request_id, portable_error(cmd.error, frontend=True)))
                 else:
                     self._add(cmd.command)
             else:
@@ -190,7 +179,7 @@ class EngineCore:
                 handle = self.engine.structured.compile_async(so, lambda _, err, cmd=cmd: self.inbox.put(
                     _CompileDone(cmd, err)))
             except Exception as e:  # an invalid inline grammar, xgrammar missing
-                self.emit(("accepted", rid, portable_error(e)))
+                self.emit(("accepted", rid, portable_error(e, frontend=True)))
                 return
             if handle is not None:
                 self._compiling[rid] = handle
@@ -198,7 +187,7 @@ class EngineCore:
         try:
             self.engine.add_processed_request(request, output_kind="delta")
         except Exception as e:  # errors name the problem (what the backend cannot carry); the engine is untouched
-            self.emit(("accepted", rid, portable_error(e)))
+            self.emit(("accepted", rid, portable_error(e, frontend=True)))
             return
         self.emit(("accepted", rid, None))
 
@@ -220,6 +209,8 @@ class EngineCore:
             # The frontend holds the prompt: a 4k-token prompt is not re-sent with every token.
             out.prompt = None
             out.prompt_token_ids = None  # type: ignore[assignment]
+            if out.pooled is not None:  # a numpy vector: unpickling it needs no torch in the front end
+                out.pooled = out.pooled.float().numpy()
         stats = self.engine.output_processor.take_stats()
         stats.step = True
         self.emit(("outputs", outputs, self.snapshot(), stats))
@@ -233,7 +224,7 @@ class EngineCore:
 
 
 def core_process_main(config: EngineConfig, commands, messages, log_level: int, stats_interval: float,
-                      warm_up: bool, env: dict[str, str]) -> None:
+                      warm_up: bool, env: dict[str, str], send_tokenizer: bool = False) -> None:
     """Entry point of the engine-core process (spawned): load, then loop until told to stop or
     until the frontend goes away (its end of the command pipe closes)."""
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
@@ -268,7 +259,7 @@ def core_process_main(config: EngineConfig, commands, messages, log_level: int, 
                 return
 
     threading.Thread(target=read_commands, name="armserve-core-commands", daemon=True).start()
-    core.run(warm_up)
+    core.run(warm_up, send_tokenizer)
     # NOTE: no interpreter teardown: with the kernels' worker threads and the OpenMP runtime
     # still up it can hang at exit, and there is nothing left to clean up.
     for stream in (sys.stdout, sys.stderr):

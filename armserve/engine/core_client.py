@@ -11,10 +11,18 @@ import threading
 from typing import Any, Callable
 
 from armserve.config import EngineConfig
-from armserve.engine.core import EngineCore, StopCommand, core_process_main
+from armserve.engine.commands import StopCommand
 from armserve.engine.exceptions import EngineDeadError
 
 logger = logging.getLogger("armserve")
+
+
+def _core_process(*args: Any) -> None:
+    """The core process's entry point (engine/core.py: core_process_main). The engine's modules
+    (torch, kernels, models) load here, in the child: the front end that spawns it never imports them."""
+    from armserve.engine.core import core_process_main
+
+    core_process_main(*args)
 
 
 def engine_process_default() -> bool:
@@ -33,6 +41,8 @@ class ThreadCore:
 
     def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
                  warm_up: bool) -> None:
+        from armserve.engine.core import EngineCore  # the engine runs in this process: it loads here
+
         self._ready = threading.Event()
 
         def emit(msg: tuple) -> None:
@@ -65,7 +75,7 @@ class ProcessCore:
     parent). Commands go down one pipe, messages come back up another, read by a thread here."""
 
     def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
-                 warm_up: bool, env: dict[str, str], index: int = 0) -> None:
+                 warm_up: bool, env: dict[str, str], index: int = 0, send_tokenizer: bool = False) -> None:
         ctx = multiprocessing.get_context("spawn")
         cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
         self._msg_recv, msg_send = ctx.Pipe(duplex=False)
@@ -74,8 +84,8 @@ class ProcessCore:
         self._dead_sent = False
         level = logging.getLogger("armserve").getEffectiveLevel()
         self.proc = ctx.Process(
-            target=core_process_main, name=f"armserve-engine-core-{index}",
-            args=(config, cmd_recv, msg_send, level, stats_interval, warm_up, env),
+            target=_core_process, name=f"armserve-engine-core-{index}",
+            args=(config, cmd_recv, msg_send, level, stats_interval, warm_up, env, send_tokenizer),
         )
         self.proc.start()
         # Only the child holds these ends now: when it exits, this side sees EOF at once.

@@ -1,5 +1,6 @@
 """Why the async engine could not serve a request, when the request itself is fine: each error carries
-the HTTP status a server answers with (entrypoints/api_server.py)."""
+the HTTP status a server answers with (entrypoints/api_server.py); and the errors of a request's
+grammar compile, raised in the engine core and answered in the front end."""
 
 from __future__ import annotations
 
@@ -32,3 +33,13 @@ class RequestTimeoutError(RequestFailedError):
     """The request's deadline passed before it finished; it was aborted."""
 
     status = 504
+
+
+# (a request's errors cross from the engine core to the front end pickled: their classes live here,
+# importable without torch, so that unpickling one loads no engine code into the server process)
+class GrammarTooComplex(ValueError):
+    """A constraint's grammar did not compile within the time budget or the memory limit."""
+
+
+class CompileAborted(ValueError):
+    """The request went away while its grammar compiled."""

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from armserve.layers.pooler import PoolerConfig
+from armserve.pooling_params import PoolerConfig
 from armserve.lora.request import LoRARequest
 from armserve.pooling_params import PoolingParams
 from armserve.prompts import prompt_to_ids

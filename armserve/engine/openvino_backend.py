@@ -36,7 +36,8 @@ from typing import Any, Sequence
 import torch
 
 from armserve import model_loader
-from armserve.config import OPENVINO_QUANTIZATIONS, ConfigError, EngineConfig, resolve_dtype
+from armserve.config import OPENVINO_QUANTIZATIONS, ConfigError, EngineConfig
+from armserve.dtypes import resolve_dtype, resolve_dtypes
 from armserve.engine.backend import BackendOutput, SequenceOutput, run_dummy_request
 from armserve.engine.input_processor import EngineCoreRequest
 from armserve.engine.stats import SchedulerStats
@@ -299,7 +300,11 @@ class OpenVINOBackend:
         if config.chat_template:
             self.tokenizer.chat_template = config.chat_template
 
-        dtype, kv_dtype = config.resolve_dtypes()
+        dtype, kv_dtype = resolve_dtypes(config)
+        if config.kv_cache_space is None:  # (sized as the torch backend sizes it, from the checkpoint)
+            from armserve.engine.memory_plan import plan_memory
+
+            plan_memory(config, src, hf, dtype, kv_dtype)
         precision, kv_precision = (_PRECISIONS[t] for t in (dtype, kv_dtype))
         threads, cores = thread_settings()
         if cores is not None:

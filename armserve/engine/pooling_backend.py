@@ -23,6 +23,7 @@ import torch
 
 from armserve import model_loader
 from armserve.config import ConfigError, EngineConfig
+from armserve.dtypes import resolve_dtypes
 from armserve.engine.backend import BackendOutput, SequenceOutput
 from armserve.engine.input_processor import EngineCoreRequest
 from armserve.engine.kv_cache_manager import KVCacheManager
@@ -66,7 +67,7 @@ class PoolingBackend:
         self.budget = max(config.max_num_batched_tokens or 0, self.max_model_len)  # type: ignore[arg-type]
         threads = init_threads()
         self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
-        self.dtype, _ = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+        self.dtype, _ = resolve_dtypes(config, model_loader.checkpoint_dtype(hf))
         self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
         self.pooler = pooler_config(src, hf, cls.default_pooling_type, cls.pooling_task)
         self.model.sep_token_id = self.tokenizer.sep_token_id  # pairs' token types (models/bert.py)

@@ -40,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from armserve import config as _config
+from armserve.engine.exceptions import CompileAborted, GrammarTooComplex
 from armserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("armserve")
@@ -88,14 +89,6 @@ def _setting(value: float | None, name: str) -> float:
 def choice_grammar(choices: list[str]) -> str:
     """EBNF accepting exactly one of `choices` (JSON string escapes are EBNF string escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
-class GrammarTooComplex(ValueError):
-    """A constraint's grammar did not compile within the time budget or the memory limit."""
-
-
-class CompileAborted(ValueError):
-    """The request went away while its grammar compiled."""
 
 
 # ---- the worker processes --------------------------------------------------------------------

@@ -15,9 +15,11 @@ from typing import Sequence
 import torch
 
 from armserve.config import ConfigError, EngineConfig
+from armserve.dtypes import resolve_dtypes
 from armserve.engine.backend import BackendOutput, SequenceOutput, run_dummy_request
 from armserve.engine.input_processor import EngineCoreRequest
 from armserve.engine.kv_cache_manager import KVCacheManager
+from armserve.engine.memory_plan import plan_memory
 from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, kv_cache_num_blocks
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
@@ -69,7 +71,10 @@ class TorchBackend:
             self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
             if config.chat_template:
                 self.tokenizer.chat_template = config.chat_template
-            self.dtype, self.kv_cache_dtype = config.resolve_dtypes(model_loader.checkpoint_dtype(hf))
+            self.dtype, self.kv_cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf))
+            # (before any weight is read: a plan that does not fit fails in seconds, not after loading)
+            self.memory_plan = plan_memory(config, src, hf, self.dtype, self.kv_cache_dtype)
+            logger.info("memory plan of %s:\n  %s", config.model, "\n  ".join(self.memory_plan.lines()))
             self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, parallel)
         except BaseException:
             if self.tp_workers is not None:

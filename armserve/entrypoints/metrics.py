@@ -206,7 +206,7 @@ class PrometheusMetrics:
         cfg, ip = engine.config, engine.input_processor
         info = {"block_size": ip.block_size, "cache_dtype": cfg.kv_cache_dtype,
                 "enable_prefix_caching": cfg.enable_prefix_caching, "num_gpu_blocks": ip.num_kv_blocks,
-                "num_cpu_blocks": None, "cpu_kvcache_space_bytes": int(cfg.kv_cache_space * 2**30)}
+                "num_cpu_blocks": None, "cpu_kvcache_space_bytes": int((cfg.kv_cache_space or 0) * 2**30)}
         names = sorted(info) + ["engine"]
         for prefix in ("armserve", "vllm"):
             g = Gauge(f"{prefix}:cache_config_info", "Information of the engine's KV cache configuration.", names,

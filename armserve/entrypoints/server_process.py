@@ -141,7 +141,7 @@ def run_server(args: argparse.Namespace) -> int:
     from armserve.entrypoints.serving_models import parse_lora_modules
     from armserve.entrypoints.response_store import ResponseStore
     from armserve.entrypoints.tool_parsers import get_tool_parser
-    from armserve.model_loader import bundled_model_path
+    from armserve.model_source import bundled_model_path
 
     if args.reasoning_parser:
         ReasoningParser(args.reasoning_parser)  # unknown name: fail before loading anything

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from armserve.prompts import PromptError, PromptTooLongError, render_chat
 from armserve.engine.async_llm import AsyncLLM, RequestStream
 from armserve.engine.exceptions import EngineDeadError
-from armserve import model_loader
+from armserve.model_source import generation_defaults
 from armserve.engine.input_processor import ContextLengthError, EngineCoreRequest, LogprobsLimitError, PromptTokensError
 from armserve.entrypoints.serving_models import ServingModels
 from armserve.entrypoints.protocol import APIError, ChatCompletionRequest, ChatMessage
@@ -138,7 +138,7 @@ class OpenAIServing:
         self.log_requests = log_requests
         # Defaults of the sampling fields a request leaves out (--generation-config), checked now so
         # that a bad generation_config.json fails the start, not every request.
-        self.default_sampling: dict[str, Any] = model_loader.generation_defaults(engine.config.model,
+        self.default_sampling: dict[str, Any] = generation_defaults(engine.config.model,
                                                                                 engine.config.generation_config)
         if self.default_sampling:
             SamplingParams(**self.default_sampling)

@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-import torch
+import numpy as np
 from fastapi import Request
 
 from armserve.config import MAX_EMBEDDING_INPUTS
@@ -73,7 +73,8 @@ class OpenAIServingScore:
                                400, "model")
             return [float(o[0]) for o in outs], tokens
         index = {t: i for i, t in enumerate(texts)}
-        vecs = torch.nn.functional.normalize(torch.stack(outs), dim=-1)
+        vecs = np.stack(outs).astype(np.float64)
+        vecs /= np.maximum(np.linalg.norm(vecs, axis=-1, keepdims=True), 1e-12)  # (torch's normalize)
         return [float(vecs[index[a]] @ vecs[index[b]]) for a, b in pairs], tokens
 
     async def create_score(self, body: ScoreRequest, raw: Request) -> dict[str, Any]:

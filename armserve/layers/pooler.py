@@ -11,44 +11,8 @@ d values before normalizing, as sentence-transformers' `truncate_dim` does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
-POOLING_TYPES = ("CLS", "MEAN", "LAST")
-
-
-@dataclass(frozen=True, slots=True)
-class PoolerConfig:
-    """How a model's sequences become vectors (model_loader/pooling.py reads it from the
-    checkpoint's sentence-transformers files)."""
-
-    pooling_type: str = "CLS"
-    normalize: bool = True
-    size: int = 0  # values per vector (the hidden size)
-    # Matryoshka models (config `is_matryoshka` / `matryoshka_dimensions`) may be cut to fewer
-    # values (`dimensions`); None: not Matryoshka; (): any size up to `size`.
-    matryoshka_dimensions: tuple[int, ...] | None = None
-    # "embed": vectors; "classify": a cross-encoder's class probabilities (sigmoid of its one
-    # logit: a relevance score; softmax over several), `size` of them
-    task: str = "embed"
-
-    def check_dimensions(self, dimensions: int | None) -> None:
-        """ValueError naming `dimensions` unless this model's vectors can be cut to it."""
-        if dimensions is None or dimensions == self.size:
-            return
-        if self.matryoshka_dimensions is None:
-            raise ValueError(f"dimensions: this model does not support Matryoshka representations; its embeddings "
-                             f"have {self.size} values and cannot be shortened")
-        allowed = self.matryoshka_dimensions
-        if dimensions > self.size or (allowed and dimensions not in allowed):
-            what = ", ".join(map(str, allowed)) if allowed else f"1 to {self.size}"
-            raise ValueError(f"dimensions {dimensions} is not supported by this model; supported: {what}")
-
-    def __post_init__(self) -> None:
-        if self.pooling_type not in POOLING_TYPES:
-            raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}")
 
 
 def pool(hidden: torch.Tensor, seq_lens: list[int], pooling_type: str) -> torch.Tensor:

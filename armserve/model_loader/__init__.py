@@ -4,7 +4,6 @@ The model class comes from the registry in armserve/models/."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Iterator
 
@@ -13,7 +12,8 @@ from torch import nn
 
 from armserve.layers.linear import ParallelContext, parallel_context
 from armserve.model_loader import gguf, safetensors
-from armserve.model_loader.source import ModelLoadError, ModelSource, bundled_model_path, resolve_model_path
+from armserve.model_source import (ModelLoadError, ModelSource, bundled_model_path, generation_defaults,
+                                   resolve_model_path)
 from armserve.models import UnsupportedArchitectureError, get_model_class, model_type_class
 from armserve.quantization import QuantizedTensor
 from armserve.quantization.checkpoint import armserve_quantization
@@ -90,44 +90,6 @@ def eos_token_ids(src: ModelSource, tokenizer) -> set[int]:
         except (OSError, ValueError):
             pass  # no generation_config.json
     return ids
-
-
-# generation_config.json keys a server takes as its default sampling parameters (vLLM's
-# --generation-config), and their request names.
-GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-
-
-def generation_defaults(model: str, generation_config: str = "auto") -> dict[str, float | int]:
-    """Default sampling parameters from a generation_config.json (request names: temperature, top_p,
-    top_k, min_p, repetition_penalty, max_tokens), only those it sets. `generation_config`: "auto"
-    (the model folder's; a GGUF file has none), "vllm" (none) or a folder."""
-    if generation_config == "vllm":
-        return {}
-    folder = generation_config
-    if generation_config == "auto":
-        src = resolve_model_path(model)
-        if src.is_gguf:
-            return {}
-        folder = src.folder
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        if generation_config != "auto":
-            raise ModelLoadError(f"--generation-config {generation_config}: there is no generation_config.json in it")
-        return {}
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from e
-    # NOTE: the keys the file sets, not transformers' GenerationConfig, which fills in its own
-    # defaults (top_k 50) for keys the model's authors never chose.
-    out: dict[str, float | int] = {}
-    for key, name in GENERATION_DEFAULT_KEYS.items():
-        value = cfg.get(key) if isinstance(cfg, dict) else None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = value
-    return out
 
 
 def checkpoint_dtype(config) -> torch.dtype | None:

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from armserve.model_loader.source import ModelLoadError, ModelSource
+from armserve.model_source import ModelLoadError, ModelSource
 from armserve.models import gguf_model_class
 from armserve.quantization import QuantizedTensor
 from armserve.quantization.gguf import convert

@@ -11,8 +11,8 @@ import json
 import os
 from typing import Any
 
-from armserve.layers.pooler import PoolerConfig
-from armserve.model_loader.source import ModelLoadError, ModelSource
+from armserve.pooling_params import PoolerConfig
+from armserve.model_source import ModelLoadError, ModelSource
 
 # sentence-transformers Pooling modes -> armserve's
 _MODES = {"cls": "CLS", "mean": "MEAN", "lasttoken": "LAST"}

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from armserve.model_loader.source import ModelLoadError
+from armserve.model_source import ModelLoadError
 from armserve.quantization import QuantizedTensor, checkpoint
 
 

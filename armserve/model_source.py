@@ -1,9 +1,12 @@
 """Where a model lives: a Hugging Face folder or a GGUF file (resolve_model_path), the bundled
-demo model, and the error every loading step raises."""
+demo model, the default sampling parameters of its generation_config.json, and the error every
+loading step raises. Plain Python: the server's front end uses it without torch (the loading
+itself is armserve/model_loader/)."""
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from dataclasses import dataclass
 
@@ -63,3 +66,41 @@ def bundled_model_path() -> str:
     if not os.path.isfile(path):
         raise ModelLoadError(f"the bundled demo model file is missing: {path}")
     return path
+
+
+# generation_config.json keys a server takes as its default sampling parameters (vLLM's
+# --generation-config), and their request names.
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model: str, generation_config: str = "auto") -> dict[str, float | int]:
+    """Default sampling parameters from a generation_config.json (request names: temperature, top_p,
+    top_k, min_p, repetition_penalty, max_tokens), only those it sets. `generation_config`: "auto"
+    (the model folder's; a GGUF file has none), "vllm" (none) or a folder."""
+    if generation_config == "vllm":
+        return {}
+    folder = generation_config
+    if generation_config == "auto":
+        src = resolve_model_path(model)
+        if src.is_gguf:
+            return {}
+        folder = src.folder
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        if generation_config != "auto":
+            raise ModelLoadError(f"--generation-config {generation_config}: there is no generation_config.json in it")
+        return {}
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+    # NOTE: the keys the file sets, not transformers' GenerationConfig, which fills in its own
+    # defaults (top_k 50) for keys the model's authors never chose.
+    out: dict[str, float | int] = {}
+    for key, name in GENERATION_DEFAULT_KEYS.items():
+        value = cfg.get(key) if isinstance(cfg, dict) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    return out

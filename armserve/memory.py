@@ -1,0 +1,73 @@
+"""The machine's memory as a server sees it: total per NUMA node and available now, each within the
+process's cgroup limit (a container's memory.max), and returning a freed heap to the system.
+Plain Python (no torch): the engine's memory plan (engine/memory_plan.py) and the front end use it."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    out: dict[str, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts:
+                out[key] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": no limit
+
+
+def cgroup_limit() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of this process's memory cgroup, or None when it has no limit."""
+    for limit_path, usage_path in _CGROUP_FILES:
+        limit = _read_int(limit_path)
+        if limit is not None and limit < 1 << 60:  # (v1 writes "no limit" as a huge number)
+            return limit, _read_int(usage_path) or 0
+    return None
+
+
+def numa_node_count() -> int:
+    try:
+        return max(1, sum(1 for d in os.listdir("/sys/devices/system/node")
+                          if d.startswith("node") and d[4:].isdigit()))
+    except OSError:
+        return 1
+
+
+def total_memory() -> int:
+    """Bytes of memory this process may use at most: MemTotal, or the cgroup limit if lower."""
+    total = _meminfo()["MemTotal"]
+    cg = cgroup_limit()
+    return min(total, cg[0]) if cg else total
+
+
+def available_memory() -> int:
+    """Bytes that can be allocated now without swapping: MemAvailable, or what the cgroup limit
+    leaves if less."""
+    avail = _meminfo().get("MemAvailable", 0)
+    cg = cgroup_limit()
+    return min(avail, max(0, cg[0] - cg[1])) if cg else avail
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): after a large transient
+    parse, e.g. unpickling a tokenizer, the freed arenas otherwise stay in the process's RSS."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to do

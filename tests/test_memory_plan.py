@@ -1,0 +1,76 @@
+"""The memory plan (engine/memory_plan.py) from metadata alone, against transformers' own count of
+the model's parameters; the KV cache default (vLLM's CPU rule, config.py) and the error of a given
+KV space that does not fit the machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from armserve.config import DEFAULT_KV_CACHE_MEMORY_FRACTION, ConfigError, EngineConfig
+from armserve.engine.memory_plan import plan_memory
+from armserve.memory import available_memory, total_memory
+from armserve.model_source import resolve_model_path
+
+
+def _plan(model: str, **kwargs):
+    from armserve import model_loader
+
+    cfg = EngineConfig(model=model, dtype="float32", **kwargs).for_serving()
+    src = resolve_model_path(model)
+    hf = model_loader.load_config(src)
+    cfg.finalize(hf.max_position_embeddings)
+    return cfg, hf, plan_memory(cfg, src, hf, torch.float32, torch.float32)
+
+
+def test_plan_counts_weights_by_kind_and_kv_per_token(tiny_llama):
+    """Weights by kind add up to transformers' parameters (float32), the embedding and head apart;
+    KV bytes per token are K and V of every KV head in every layer."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, hf, plan = _plan(tiny_llama, kv_cache_space=0.01, max_model_len=64)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    embed = params["model.embed_tokens.weight"].numel() * 4
+    head = model.lm_head.weight.numel() * 4  # (tied or not, the engine holds the head's own layout)
+    total = sum(p.numel() for n, p in params.items()) * 4 + (head if hf.tie_word_embeddings else 0)
+    assert plan.weights["embedding"] == embed
+    assert plan.weights["head"] == head
+    assert plan.weights["quantized"] == 0
+    assert sum(plan.weights.values()) == total
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    assert plan.kv_bytes_per_token == hf.num_hidden_layers * 2 * hf.num_key_value_heads * head_dim * 4
+    assert plan.kv_space == int(0.01 * 2**30) and plan.kv_tokens == plan.kv_space // plan.kv_bytes_per_token
+    assert plan.total == sum(plan.weights.values()) + plan.kv_space + plan.runtime
+
+
+def test_default_kv_space_follows_vllm_cpu_rule(tiny_llama):
+    """Unset: at most half the node's memory and half of what is available, and no more than
+    max_num_seqs full-length sequences use; the chosen space is written into the config."""
+    cfg, _, plan = _plan(tiny_llama, max_model_len=64, max_num_seqs=4)
+    assert cfg.kv_cache_space == plan.kv_space / 2**30
+    assert plan.kv_space <= DEFAULT_KV_CACHE_MEMORY_FRACTION * total_memory()
+    assert plan.kv_space <= 4 * 64 * plan.kv_bytes_per_token  # 4 sequences of 64 tokens
+    assert plan.kv_tokens >= 64
+    assert "default" in plan.kv_source
+
+
+def test_kv_space_that_does_not_fit_is_refused_with_the_numbers(tiny_llama):
+    too_big = 2 * available_memory() / 2**30
+    with pytest.raises(ConfigError, match=r"does not fit: weights .* GiB \+ KV cache .* GiB .* available"):
+        _plan(tiny_llama, kv_cache_space=too_big)
+
+
+def test_armserve_info_prints_the_plan(tiny_llama, capsys):
+    from armserve.cli import main
+
+    assert main(["info", "--json", "--model", tiny_llama, "--dtype", "float32", "--kv-cache-space", "0.01",
+                 "--max-model-len", "64"]) == 0
+    info = json.loads(capsys.readouterr().out)["kv_cache"]
+    plan = info["memory_plan"]
+    assert info["max_model_len"] == 64
+    assert set(plan["weights"]) == {"dense", "quantized", "embedding", "head"}
+    assert plan["total"] == plan["weights_total"] + plan["kv_space"] + plan["runtime"]
+    assert plan["kv_bytes_per_token"] == info["bytes_per_token"]
