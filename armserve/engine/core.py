@@ -56,7 +56,7 @@ class _CompileDone:
 # and these import no torch or model code (a server's front end has none; tests/test_frontend_memory.py).
 _FRONTEND_ERROR_MODULES = ("builtins", "armserve.engine.exceptions", "armserve.engine.input_processor",
                            "armserve.config", "armserve.model_source", "armserve.sampling_params",
-                           "armserve.pooling_params", "armserve.prompts")
+                           "armserve.pooling_params", "armserve.prompts", "armserve.lora.request")
 
 
 def portable_error(e: BaseException, frontend: bool = False) -> BaseException:

@@ -1,6 +1,6 @@
 """LoRA adapters over one base model (PEFT folders), many in one batch.
 
-    request.py   LoRARequest: which adapter a request runs with (vLLM's fields)
+    request.py   LoRARequest: which adapter a request runs with (vLLM's fields); LoRAError
     adapter.py   a PEFT adapter folder read and checked against the base model
     manager.py   adapters cached on the CPU (LRU) and the slots one batch draws from
 
@@ -8,5 +8,5 @@ The layers' side (stacked per-slot weights, the step's per-token slot) is layers
 grouped shrink/expand ops are kernels/lora.py.
 """
 
-from armserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter  # noqa: F401
-from armserve.lora.request import LoRARequest  # noqa: F401
+# (torch-free: the server's front end imports this package; adapter.py and manager.py run in the engine)
+from armserve.lora.request import LoRAError, LoRARequest  # noqa: F401

@@ -22,15 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from armserve.lora.request import LoRARequest
+from armserve.lora.request import LoRAError, LoRARequest
 
 # The projections a decoder layer's LoRA may target (PEFT module names).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter cannot be loaded or run on this base model; the message names the adapter and why."""
 
 
 @dataclass

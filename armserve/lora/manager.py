@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from armserve.layers.lora import LoRAWeights
-from armserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
-from armserve.lora.request import LoRARequest
+from armserve.lora.adapter import LoRAAdapter, load_adapter
+from armserve.lora.request import LoRAError, LoRARequest
 
 # fused layer -> the PEFT module name of each of its shards ("all": the layer is one module)
 _FUSED = {"qkv_proj": {"q": "q_proj", "k": "k_proj", "v": "v_proj"},

@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+class LoRAError(ValueError):
+    """An adapter cannot be loaded or run on this base model; the message names the adapter and why."""
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """An adapter: `lora_name` (what a server's `model` field names it), `lora_int_id` (a positive
