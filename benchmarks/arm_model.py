@@ -46,12 +46,13 @@ class Core:
     mcpu: str
     arch: str  # build.py's VARIANTS key
     servers: tuple[tuple[str, float], ...]
+    sve_bits: int = 0
 
 
 N1 = Core("Neoverse N1", "aarch64", "neoverse-n1", "aarch64", (("Graviton2", 2.5), ("Altra", 3.0)))
-V1 = Core("Neoverse V1", "aarch64", "neoverse-v1", "aarch64", (("Graviton3", 2.6),))
-V2 = Core("Neoverse V2", "aarch64", "neoverse-v2", "aarch64", (("Graviton4", 2.8), ("Grace", 3.1)))
-ZEN3 = Core("Zen 3 (this machine)", "x86_64", "znver3", "x86_64", (("this VM", 0.0),))  # clock: measured
+V1 = Core("Neoverse V1", "aarch64", "neoverse-v1", "aarch64", (("Graviton3", 2.6),), 256)
+V2 = Core("Neoverse V2", "aarch64", "neoverse-v2", "aarch64", (("Graviton4", 2.8), ("Grace", 3.1)), 128)
+ZEN3 = Core("Zen 3 (this machine)", "x86_64", "znver3", "x86_64", (("this VM", 0.0),))  # per cycle, measured
 ZEN4 = Core("Zen 4", "x86_64", "znver4", "x86_64", (("EPYC 9004 (3.7 GHz boost)", 3.7),))
 
 
@@ -69,6 +70,20 @@ class Loop:
     work: float  # FLOPs (int ops, bytes) of one iteration
     unit: str = "GFLOP/s"
     note: str = ""
+    peak: str = ""  # PEAKS key: the instruction whose modelled peak the loop is measured against
+
+
+# The instructions' peaks, modelled the same way: 16 independent copies per block (no chain), the
+# work of one (fp32 FLOPs or int8 ops); SVE's at 256 bits, scaled to the core's vector length.
+PEAKS = {
+    "fmla": ("fmla v{d}.4s, v30.4s, v31.s[0]", 8),
+    "bfdot": ("bfdot v{d}.4s, v30.8h, v31.2h[0]", 16),
+    "bfmmla": ("bfmmla v{d}.4s, v30.8h, v31.8h", 32),
+    "sdot": ("sdot v{d}.4s, v30.16b, v31.16b", 32),
+    "smmla": ("smmla v{d}.4s, v30.16b, v31.16b", 64),
+    "sve_sdot": ("sdot z{d}.s, z30.b, z31.b", 64),
+    "vfmadd": ("vfmadd231ps %ymm14, %ymm15, %ymm{d}", 16),
+}
 
 
 # Work per iteration, written out from the loop's source (the `count` check keeps them honest):
@@ -77,55 +92,59 @@ class Loop:
 LOOPS = [
     # ---- dense bf16 / f32 GEMM tiles (dense_gemm_neon.h; the sve variant compiles the same tiles) ----
     Loop("dense_bf16_1", "dense bf16 GEMM m=1, widening FMLA", (N1,), "dense_gemm_neon.cpp",
-         r"NeonP<false>::tile<1, 1>", r"fmla", 16, 1 * 16 * 4 * 2),
+         r"NeonP<false>::tile<1, 1>", r"fmla", 16, 1 * 16 * 4 * 2, peak="fmla"),
     Loop("dense_bf16_4", "dense bf16 GEMM m>=4, widening FMLA", (N1,), "dense_gemm_neon.cpp",
-         r"NeonP<false>::tile<4, 1>", r"fmla", 64, 4 * 16 * 4 * 2),
+         r"NeonP<false>::tile<4, 1>", r"fmla", 64, 4 * 16 * 4 * 2, peak="fmla"),
     Loop("dense_bfdot_1", "dense bf16 GEMM m=1, BFDOT", (V1, V2), "dense_gemm_sve.cpp",
-         r"NeonBf16P::tile<1, 1>", r"bfdot", 16, 1 * 16 * 8 * 2),
+         r"NeonBf16P::tile<1, 1>", r"bfdot", 16, 1 * 16 * 8 * 2, peak="bfdot"),
     Loop("dense_bfdot_4", "dense bf16 GEMM m>=4, BFDOT", (V1, V2), "dense_gemm_sve.cpp",
-         r"NeonBf16P::tile<4, 1>", r"bfdot", 64, 4 * 16 * 8 * 2),
+         r"NeonBf16P::tile<4, 1>", r"bfdot", 64, 4 * 16 * 8 * 2, peak="bfdot"),
     Loop("dense_f32_4", "dense f32 GEMM m>=4, FMLA", (N1,), "dense_gemm_neon.cpp",
-         r"NeonP<true>::tile<4, 1>", r"fmla", 64, 4 * 16 * 4 * 2),
+         r"NeonP<true>::tile<4, 1>", r"fmla", 64, 4 * 16 * 4 * 2, peak="fmla"),
     Loop("dense_f32_4s", "dense f32 GEMM m>=4, FMLA", (V1, V2), "dense_gemm_sve.cpp",
-         r"NeonP<true>::tile<4, 1>", r"fmla", 64, 4 * 16 * 4 * 2),
+         r"NeonP<true>::tile<4, 1>", r"fmla", 64, 4 * 16 * 4 * 2, peak="fmla"),
     # ---- w4a8 / w8a8 (qgemm_*.cpp): per 64-byte chunk step, 16 weight rows x 8 (w4) / 4 (w8) columns ----
     Loop("w4a8_neon_1", "w4a8 GEMM 1 token, SDOT", (N1, V2), "qgemm_neon.cpp",
-         r"QNeon>::tile_rows<true>", r"sdot", 8, 16 * 8 * 1 * 2, "GOP/s"),
+         r"QNeon>::tile_rows<true>", r"sdot", 8, 16 * 8 * 1 * 2, "GOP/s", peak="sdot"),
     Loop("w4a8_neon_4", "w4a8 GEMM 4 tokens, SDOT", (N1,), "qgemm_neon.cpp",
-         r"QNeon>::tile_rows<true>", r"sdot", 32, 16 * 8 * 4 * 2, "GOP/s"),
+         r"QNeon>::tile_rows<true>", r"sdot", 32, 16 * 8 * 4 * 2, "GOP/s", peak="sdot"),
     Loop("w4a8_mmla_4", "w4a8 GEMM 4 tokens, SMMLA", (V2,), "qgemm_neon.cpp",
-         r"QNeonI8mm::tile4_mmla<true>", r"smmla", 8, 8 * 8 * 4 * 2, "GOP/s"),
+         r"QNeonI8mm::tile4_mmla<true>", r"smmla", 8, 8 * 8 * 4 * 2, "GOP/s", peak="smmla"),
     Loop("w4a8_sve_1", "w4a8 GEMM 1 token, SVE SDOT", (V1,), "qgemm_sve.cpp",
-         r"QSve>::tile_rows<true>", r"sdot", 4, 2 * 32 * 2 * 1 * 2, "GOP/s", "256-bit SVE: 2 x 32 bytes a step"),
+         r"QSve>::tile_rows<true>", r"sdot", 4, 2 * 32 * 2 * 1 * 2, "GOP/s", "256-bit SVE: 2 x 32 bytes a step", peak="sve_sdot"),
     Loop("w4a8_sve_4", "w4a8 GEMM 4 tokens, SVE SDOT", (V1,), "qgemm_sve.cpp",
-         r"QSve>::tile_rows<true>", r"sdot", 8, 32 * 2 * 4 * 2, "GOP/s", "256-bit SVE: 32 bytes a step"),
+         r"QSve>::tile_rows<true>", r"sdot", 8, 32 * 2 * 4 * 2, "GOP/s", "256-bit SVE: 32 bytes a step", peak="sve_sdot"),
     Loop("w8a8_neon_1", "w8a8 GEMM 1 token, SDOT", (N1, V2), "qgemm_neon.cpp",
-         r"QNeon>::tile_rows<false>", r"sdot", 4, 16 * 4 * 1 * 2, "GOP/s"),
+         r"QNeon>::tile_rows<false>", r"sdot", 4, 16 * 4 * 1 * 2, "GOP/s", peak="sdot"),
     Loop("w8a8_neon_4", "w8a8 GEMM 4 tokens, SDOT", (N1,), "qgemm_neon.cpp",
-         r"QNeon>::tile_rows<false>", r"sdot", 16, 16 * 4 * 4 * 2, "GOP/s"),
+         r"QNeon>::tile_rows<false>", r"sdot", 16, 16 * 4 * 4 * 2, "GOP/s", peak="sdot"),
     Loop("w8a8_mmla_4", "w8a8 GEMM 4 tokens, SMMLA", (V2,), "qgemm_neon.cpp",
-         r"QNeonI8mm::tile4_mmla<false>", r"smmla", 8, 8 * 8 * 4 * 2, "GOP/s"),
+         r"QNeonI8mm::tile4_mmla<false>", r"smmla", 8, 8 * 8 * 4 * 2, "GOP/s", peak="smmla"),
     Loop("w8a8_sve_1", "w8a8 GEMM 1 token, SVE SDOT", (V1,), "qgemm_sve.cpp",
-         r"QSve>::tile_rows<false>", r"sdot", 2, 2 * 32 * 1 * 2, "GOP/s", "256-bit SVE: 2 x 32 bytes a step"),
+         r"QSve>::tile_rows<false>", r"sdot", 2, 2 * 32 * 1 * 2, "GOP/s", "256-bit SVE: 2 x 32 bytes a step", peak="sve_sdot"),
     Loop("w8a8_sve_4", "w8a8 GEMM 4 tokens, SVE SDOT", (V1,), "qgemm_sve.cpp",
-         r"QSve>::tile_rows<false>", r"sdot", 4, 32 * 4 * 2, "GOP/s", "256-bit SVE"),
+         r"QSve>::tile_rows<false>", r"sdot", 4, 32 * 4 * 2, "GOP/s", "256-bit SVE", peak="sve_sdot"),
     # ---- paged attention, bf16 cache, 4 query rows (a GQA group of 4: Llama-3.1-8B decode; prefill
     # tiles are 4 rows too on ARM, RB): per head-dim pair (scores) / key pair (values) x 16 ----
     Loop("attn_qk_n1", "attention q.K, widening FMLA", (N1,), "kernels_neon.cpp",
-         r"Attention<.*>::scores<1, 4>", r"fmla", 32, 4 * 16 * 2 * 2),
+         r"Attention<.*>::scores<1, 4>", r"fmla", 32, 4 * 16 * 2 * 2, peak="fmla"),
     Loop("attn_qk", "attention q.K, BFDOT", (V1, V2), "kernels_sve.cpp",
-         r"scores_bf16_dot<4>", r"bfdot", 16, 4 * 16 * 2 * 2),
+         r"scores_bf16_dot<4>", r"bfdot", 16, 4 * 16 * 2 * 2, peak="bfdot"),
     Loop("attn_pv", "attention p.V, BFDOT", (V1, V2), "kernels_sve.cpp",
-         r"values_bf16_dot<4>", r"bfdot", 16, 4 * 16 * 2 * 2),
+         r"values_bf16_dot<4>", r"bfdot", 16, 4 * 16 * 2 * 2, peak="bfdot"),
     # ---- row kernels, bf16 rows: bytes read + written per iteration (16 elements) ----
-    Loop("rmsnorm_n", "RMSNorm pass 1 (x + residual), bf16", (N1,), "kernels_neon.cpp",
-         r"rms_norm_row<1>", r"fmul", 4, 16 * 2 * 3, "GB/s"),
-    Loop("rmsnorm_s", "RMSNorm pass 1 (x + residual), bf16", (V1, V2), "kernels_sve.cpp",
-         r"rms_norm_row<1>", r"fmul", 4, 16 * 2 * 3, "GB/s"),
+    Loop("rmsnorm1_n", "RMSNorm pass 1 (x + residual, sum of squares), bf16", (N1,), "kernels_neon.cpp",
+         r"rms_norm_row<1>", r"fadd", 8, 16 * 2 * 3, "GB/s"),
+    Loop("rmsnorm1_s", "RMSNorm pass 1 (x + residual, sum of squares), bf16", (V1, V2), "kernels_sve.cpp",
+         r"rms_norm_row<1>", r"fadd", 8, 16 * 2 * 3, "GB/s"),
+    Loop("rmsnorm2_n", "RMSNorm pass 2 (scale, round, times weight), bf16", (N1,), "kernels_neon.cpp",
+         r"rms_norm_row<1>", r"ushr|fmul", 20, 16 * 2 * 3, "GB/s"),
+    Loop("rmsnorm2_s", "RMSNorm pass 2 (scale, round, times weight), bf16", (V1, V2), "kernels_sve.cpp",
+         r"rms_norm_row<1>", r"ushr|fmul", 20, 16 * 2 * 3, "GB/s"),
     Loop("silu_n", "SiLU-and-mul, bf16", (N1,), "kernels_neon.cpp",
-         r"silu_and_mul_row<1>", r"frecps", SILU_RECPS := 8, 16 * 2 * 3, "GB/s"),
+         r"silu_and_mul_row<1>", r"frecps", 12, 16 * 2 * 3, "GB/s"),
     Loop("silu_s", "SiLU-and-mul, bf16", (V1, V2), "kernels_sve.cpp",
-         r"silu_and_mul_row<1>", r"frecps", SILU_RECPS, 16 * 2 * 3, "GB/s"),
+         r"silu_and_mul_row<1>", r"frecps", 12, 16 * 2 * 3, "GB/s"),
     Loop("rotary_n", "rotary (NeoX), fp32 rotation loop", (N1,), "kernels_neon.cpp",
          r"Kernels<.*>::rotary", r"fmul", 4, 8, "Gelem/s", "4 pairs a step; the bf16 load/store loops aside"),
     Loop("rotary_s", "rotary (NeoX), fp32 rotation loop", (V1, V2), "kernels_sve.cpp",
@@ -137,9 +156,9 @@ LOOPS = [
 # The x86 check: this machine's AVX2 loops (znver3) and Zen 4's AVX-512 ones.
 X86_LOOPS = [
     Loop("x_dense_bf16", "dense bf16 GEMM m>=5, AVX2 widening FMA", (ZEN3,), "dense_gemm_avx2.cpp",
-         r"Avx2<false>::run<5, 1, false>", r"vfmadd\w+", 20, 5 * 16 * 2 * 2),
+         r"Avx2<false>::run<5, 1, false>", r"vfmadd\w+", 20, 5 * 16 * 2 * 2, peak="vfmadd"),
     Loop("x_dense_f32", "dense f32 GEMM m>=5, AVX2 FMA", (ZEN3,), "dense_gemm_avx2.cpp",
-         r"Avx2<true>::run<5, 1, false>", r"vfmadd\w+", 20, 5 * 16 * 2 * 2),
+         r"Avx2<true>::run<5, 1, false>", r"vfmadd\w+", 20, 5 * 16 * 2 * 2, peak="vfmadd"),
     Loop("x_w4a8", "w4a8 GEMM 4 tokens, AVX2 vpmaddubsw", (ZEN3,), "qgemm_avx2.cpp",
          r"QAvx2>::tile_rows<true>", r"vpmaddubsw", 16, 16 * 8 * 4 * 2, "GOP/s"),
     Loop("x_w8a8", "w8a8 GEMM 4 tokens, AVX2 vpmaddubsw", (ZEN3,), "qgemm_avx2.cpp",
@@ -273,17 +292,62 @@ def bottleneck(out: str, cycles: float, rtp: float, n: int, core: Core) -> str:
 
 # ---- the table -------------------------------------------------------------------------------------------
 
-def host_ghz() -> float:
-    """This machine's clock while busy: a chain of 400M dependent integer adds (1 cycle each on every
-    x86 core since the Pentium 4), timed with the host compiler's build of it."""
-    src = ("#include <stdio.h>\n#include <time.h>\nint main(void){struct timespec a,b;long x=0;"
-           "clock_gettime(CLOCK_MONOTONIC,&a);for(long i=0;i<100000000;++i)"
-           "__asm__ volatile(\"add $1,%0\\n\\tadd $1,%0\\n\\tadd $1,%0\\n\\tadd $1,%0\":\"+r\"(x));"
-           "clock_gettime(CLOCK_MONOTONIC,&b);printf(\"%f\\n\",4e8/((b.tv_sec-a.tv_sec)*1e9+(b.tv_nsec-a.tv_nsec)));"
-           "return (int)(x&1);}")
-    with tempfile.TemporaryDirectory() as d:
-        subprocess.run(["cc", "-O1", "-x", "c", "-", "-o", f"{d}/clk"], input=src, text=True, check=True)
-        return max(float(subprocess.run([f"{d}/clk"], capture_output=True, text=True).stdout) for _ in range(5))
+CLOCK_SRC = """
+long chain(long n) {  /* 4 n dependent integer adds: 1 cycle each on every x86 core since the Pentium 4 */
+  long x = 0;
+  for (long i = 0; i < n; ++i) __asm__ volatile("add $1,%0\\n\\tadd $1,%0\\n\\tadd $1,%0\\n\\tadd $1,%0" : "+r"(x));
+  return x;
+}
+"""
+
+
+def x86_measured(workdir: str, slices: int = 15) -> dict[str, tuple[float, float]]:
+    """This machine's work per cycle of the x86 loops' kernels, one thread, operands in cache (what llvm-mca
+    models): key -> (best, median) over `slices` slices. The machine is shared, so each slice times the
+    kernel and then a chain of dependent adds, and their ratio cancels the share of the core the process got."""
+    import ctypes
+    import statistics
+    import time
+
+    import torch
+
+    from armserve import kernels
+    from armserve.quantization import pack, quantize_weight
+
+    so = os.path.join(workdir, "chain.so")
+    subprocess.run(["cc", "-O1", "-shared", "-fPIC", "-x", "c", "-", "-o", so], input=CLOCK_SRC, text=True, check=True)
+    chain = ctypes.CDLL(so).chain
+    chain.argtypes = [ctypes.c_long]
+    torch.set_num_threads(1)
+    m, n, k = 400, 256, 512  # 256 KiB of bf16 weights, 400 KiB of activations: L2
+    w = torch.randn(n, k)
+    x = torch.randn(m, k)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    pb, pf = kernels.pack_bf16(w.bfloat16()), kernels.pack_f32(w)
+    p4 = pack(quantize_weight(w, 32, False))
+    xb = x.bfloat16()
+    calls = {
+        "x_dense_bf16": lambda: kernels.gemm_bf16(xb, pb, n, k, out=out),
+        "x_dense_f32": lambda: kernels.gemm_f32(x, pf, n, k),
+        "x_w4a8": lambda: kernels.qgemm("w4", out, 0, kernels.quantize_act(xb, 32), p4, n, 32),
+    }
+    res = {}
+    for key, fn in calls.items():
+        fn()
+        ratios = []
+        for _ in range(slices):
+            t0 = time.perf_counter()
+            reps = 0
+            while time.perf_counter() - t0 < 0.1:
+                fn()
+                reps += 1
+            flops = 2.0 * m * n * k * reps / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            chain(25_000_000)
+            hz = 1e8 / (time.perf_counter() - t0)
+            ratios.append(flops / hz)
+        res[key] = (max(ratios), statistics.median(ratios))
+    return res
 
 
 @dataclass
@@ -303,9 +367,13 @@ def model(loops: list[Loop], workdir: str) -> list[Row]:
     for lp in loops:
         asm = compile_asm(lp.src, lp.cores[0].arch, workdir)
         ins = find_loop(lp, asm)
+        calls = sorted({x.split()[1] for x in ins or [] if x.split()[0] == "bl"})
         for core in lp.cores:
             if ins is None:
                 rows.append(Row(lp, core, None, f"loop not found ({lp.count} x {lp.insn} in {lp.func})"))
+                continue
+            if calls:  # llvm-mca would count a call as one branch, not the callee's work
+                rows.append(Row(lp, core, None, f"not modelled: the loop calls {', '.join(calls)}"))
                 continue
             try:
                 rows.append(Row(lp, core, run_mca(core, ins)))
@@ -314,22 +382,53 @@ def model(loops: list[Loop], workdir: str) -> list[Row]:
     return rows
 
 
-def table(rows: list[Row], host: float | None = None) -> str:
-    out = ["| kernel loop | core | insns/iter | cycles/iter | bottleneck (llvm-mca) | work/iter | predicted per core |",
-           "|---|---|---|---|---|---|---|"]
+def peak_per_cycle(core: Core, key: str) -> float | None:
+    """Work per cycle of PEAKS[key] on `core` (None: the core lacks the instruction)."""
+    text, work = PEAKS[key]
+    if key.startswith("sve_"):
+        work = work * core.sve_bits // 256
+    try:
+        m = run_mca(core, [f"\t{text.format(d=d)}" for d in range(16)])
+    except RuntimeError:
+        return None
+    return 16 * work / m.cycles
+
+
+def peaks_table(cores: list[Core]) -> str:
+    out = ["| instruction | work each | " + " | ".join(f"{c.name} per cycle" for c in cores) + " |",
+           "|---|---|" + "---|" * len(cores)]
+    for key, (text, work) in PEAKS.items():
+        if key == "vfmadd":
+            continue
+        vals = [peak_per_cycle(c, key) for c in cores]
+        out.append(f"| `{text.split()[0]}` ({key}) | {work}{' at 256 bits' if key.startswith('sve_') else ''} | " +
+                   " | ".join("not on this core" if v is None else f"{v:.0f}" for v in vals) + " |")
+    return "\n".join(out)
+
+
+def table(rows: list[Row], measured: dict[str, tuple[float, float]] | None = None) -> str:
+    out = ["| kernel loop | core | insns/iter | cycles/iter | bottleneck (llvm-mca) | work/iter | % of instr. peak "
+           "| predicted per core |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lp = r.loop
         if r.mca is None:
-            out.append(f"| {lp.kernel} | {r.core.name} | - | - | {r.error} | {lp.work:g} | - |")
+            out.append(f"| {lp.kernel} | {r.core.name} | - | - | {r.error} | {lp.work:g} | - | - |")
             continue
+        pk = peak_per_cycle(r.core, lp.peak) if lp.peak else None
+        frac = f"{100 * lp.work / r.mca.cycles / pk:.0f}% of {lp.peak}" if pk else "-"
         rates = []
         for server, ghz in r.core.servers:
-            ghz = host if ghz == 0.0 and host else ghz
             if ghz:
                 rates.append(f"{server} {ghz:.2f} GHz: **{r.rate(ghz):.1f}** {lp.unit}")
+        if measured and lp.key in measured:
+            best, med = measured[lp.key]
+            pred = lp.work / r.mca.cycles
+            rates.append(f"predicted {pred:.1f} {lp.unit.split('/')[0][1:]}/cycle, measured best {best:.1f} (median "
+                         f"{med:.1f}): error {100 * (pred - best) / best:+.0f}%")
         note = f" ({lp.note})" if lp.note else ""
         out.append(f"| {lp.kernel}{note} | {r.core.name} | {r.mca.insns} | {r.mca.cycles:.2f} | {r.mca.bottleneck} | "
-                   f"{lp.work:g} | {'; '.join(rates)} |")
+                   f"{lp.work:g} | {frac} | {'; '.join(rates)} |")
     return "\n".join(out)
 
 
@@ -354,12 +453,13 @@ def main() -> None:
             for r in rows:
                 print(f"\n==== {r.core.name} ====\n" + (r.mca.report if r.mca else r.error))
             return
-        host = host_ghz() if args.x86 else None
-        print(table(model(loops, workdir), host))
+        measured = x86_measured(workdir) if args.x86 else None
+        print(table(model(loops, workdir), measured))
+        print("\nModelled peaks of the instructions (work per cycle per core; SVE SDOT at 256 bits on V1, "
+              "128 on V2):\n")
+        print(peaks_table([N1, V1, V2]))
         print("\nllvm-mca assumes every load hits L1 and perfect branch prediction: compute ceilings of the "
               "loops as compiled. The fused MoE runs the w4a8 / w8a8 / dense tiles above.")
-        if host:
-            print(f"This machine's clock under load (dependent adds): {host:.2f} GHz.")
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
