@@ -8,7 +8,7 @@ cycles per iteration into GFLOP/s (GOP/s for int8, GB/s for the memory-bound row
 at each server's clock. llvm-mca assumes every load hits L1: these are compute ceilings of the loop
 as compiled, not of the memory (docs/arm.md puts them beside the bandwidth roofline).
 
-    apt-get install -y llvm-19          # llvm-mca-19: Neoverse V2 needs LLVM >= 17
+    apt-get install -y llvm-19 g++-aarch64-linux-gnu   # llvm-mca-19 (Neoverse V2 needs LLVM >= 17)
     python3 benchmarks/arm_model.py             # the ARM table
     python3 benchmarks/arm_model.py --x86       # plus this machine's AVX2 / Zen 4's AVX-512 loops
     python3 benchmarks/arm_model.py --show dense_bfdot_1  # one loop's assembly and llvm-mca report
