@@ -193,9 +193,9 @@ def dense_gemm_table(runs: int, seconds: float = 0.05) -> list[str]:
     peak = max(gf(n, k, m, t.get("oneDNN prepacked", min(t.values()))) for _, _, n, k, m, t in results)
     lines = [
         f"Dense bf16 GEMM on prepacked weights (`kernels.gemm_bf16`, variant `{kernels.dense_isa()}`) vs oneDNN: "
-        f"practical bf16 peak (best oneDNN rate of this run) **{peak:.0f} GFLOP/s**. GB/s = weight + x + out "
-        "bytes per call / time (weights stream from memory: copies cycled). vs x = x's time / gemm_bf16's "
-        "time (> 1: gemm_bf16 faster).",
+        f"practical bf16 peak (best oneDNN rate of this run; without oneDNN's bf16 prepacking, the best rate "
+        f"of any method) **{peak:.0f} GFLOP/s**. GB/s = weight + x + out bytes per call / time (weights stream "
+        "from memory: copies cycled). vs x = x's time / gemm_bf16's time (> 1: gemm_bf16 faster).",
         "",
         "| model | layer | N x K | m | gemm_bf16 us | GFLOP/s | % peak | GB/s | vs oneDNN prepacked | vs F.linear "
         "| vs gemv |",
@@ -208,8 +208,8 @@ def dense_gemm_table(runs: int, seconds: float = 0.05) -> list[str]:
         gemv = f"{t['gemv'] / us:.2f}x" if "gemv" in t else "-"
         lines.append(f"| {model} | {layer} | {n} x {k} | {m} | {us:.1f} | {g:.0f} | {100 * g / peak:.0f}% | "
                      f"{gbs:.1f} | "
-                     + (f"{t['oneDNN prepacked'] / us:.2f}x ({t['oneDNN prepacked']:.1f} us) | " if "oneDNN prepacked" in t
-                        else "- (needs AVX-512) | ") +
+                     + (f"{t['oneDNN prepacked'] / us:.2f}x ({t['oneDNN prepacked']:.1f} us) | "
+                        if "oneDNN prepacked" in t else "- (needs AVX-512) | ") +
                      f"{t['F.linear'] / us:.2f}x ({t['F.linear']:.1f} us) | {gemv} |")
     return lines
 
