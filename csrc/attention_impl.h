@@ -231,7 +231,7 @@ static inline vf16 vfma(vf16 a, vf16 b, vf16 c) {
 
 // 1 / x to within ~2 ulp: the ISA's reciprocal estimate and Newton steps (a division is 10-16
 // cycles of throughput per vector on x86, and the activations divide once per element).
-static inline vf16 vrecip(vf16 x) {
+ARMSERVE_VI vf16 vrecip(vf16 x) {
 #if defined(__AVX512F__)
   const vf16 r = (vf16)_mm512_rcp14_ps((__m512)x);  // 14 bits; one step gives ~28
   return vfma(r, vfma(-x, r, vsplat(1.0f)), r);
@@ -273,7 +273,7 @@ static inline float hsum(vf16 v) {
 
 // exp_fast (kernels_impl.h) lane by lane, as vector arithmetic, with fused multiply-adds where the
 // ISA has them (a short dependency chain: the softmax is a fair part of the attention's time).
-static inline vf16 vexp(vf16 x) {
+ARMSERVE_VI vf16 vexp(vf16 x) {
 #if defined(__AVX512F__)
   // n = round(x log2 e) in one instruction, and vscalefps applies 2^n at the end: no clamp below,
   // no exponent to assemble (x < -87.3 goes to denormals and 0, where the clamp stops at ~1e-38).
@@ -321,7 +321,7 @@ enum CacheType : int { CT_F32 = AS_F32, CT_BF16 = AS_BF16, CT_F16 = AS_F16, CT_I
 
 // 16 consecutive cache elements (at element index i) as fp32 lanes; int8 without its scale.
 template <int CT>
-static inline vf16 load16(const void* base, int64_t i) {
+ARMSERVE_VI vf16 load16(const void* base, int64_t i) {
   if (CT == CT_F32) return vload(static_cast<const float*>(base) + i);
   if (CT == CT_BF16) {
     const uint16_t* p = static_cast<const uint16_t*>(base) + i;
@@ -710,7 +710,7 @@ ARMSERVE_BF16_TARGET static void values_bf16_dot(const float* pf, const uint16_t
 
 // 16 fp32 lanes stored as cache/activation elements (round to nearest even, NaN as PyTorch's).
 template <int CT>
-static inline void store16(void* base, int64_t i, vf16 v) {
+ARMSERVE_VI void store16(void* base, int64_t i, vf16 v) {
   if (CT == CT_F32) return vstore(static_cast<float*>(base) + i, v);
   if (CT == CT_BF16) {
     const vu16 u = vbits<vu16>(v);
@@ -737,7 +737,7 @@ static inline void store16(void* base, int64_t i, vf16 v) {
 
 // v rounded through element type CT and back (PyTorch rounds every intermediate tensor).
 template <int CT>
-static inline vf16 round16(vf16 v) {
+ARMSERVE_VI vf16 round16(vf16 v) {
   if (CT == CT_F32) return v;
   if (CT == CT_BF16) {  // in registers: round to nearest even on the upper half, NaN stays NaN
     const vu16 u = vbits<vu16>(v);

@@ -83,14 +83,20 @@ struct NeonBf16P : TileBase {
     const bfloat16_t* x = reinterpret_cast<const bfloat16_t*>(xa);  // rows xs pairs = 2 xs bf16 apart
     const bfloat16_t* wb = reinterpret_cast<const bfloat16_t*>(w);
     constexpr int H = 4 * B;
-    float32x4_t c[R][H];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < H; ++h) c[r][h] = vdupq_n_f32(0.f);
+    // Few accumulators (m = 1, 2): the 4 pairs of a step go into S sets, so that each accumulator
+    // takes one BFDOT a step, not a chain of 4 (llvm-mca, benchmarks/arm_model.py: at m = 1 the
+    // chain held Neoverse V1 to 16 cycles a step where its pipes need 5.7; with 4 sets the loads
+    // set the pace, 6.4 cycles).
+    constexpr int S = R * H <= 4 ? 4 : (R * H <= 8 ? 2 : 1);
+    float32x4_t c[S][R][H];
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < H; ++h) c[s][r][h] = vdupq_n_f32(0.f);
     const int64_t bs = kp * 32;
 #define ARMSERVE_BFDOT_STEP(J)                                                                \
   for (int h = 0; h < H; ++h) {                                                               \
     const bfloat16x8_t v = vld1q_bf16(wb + (h / 4) * bs + (p + J) * 32 + (h % 4) * 8);          \
-    for (int r = 0; r < R; ++r) c[r][h] = vbfdotq_laneq_f32(c[r][h], v, xv[r], J);            \
+    for (int r = 0; r < R; ++r) c[J % S][r][h] = vbfdotq_laneq_f32(c[J % S][r][h], v, xv[r], J); \
   }
     int64_t p = 0;
     for (; p + 4 <= kp; p += 4) {
@@ -114,7 +120,11 @@ struct NeonBf16P : TileBase {
     }
 #undef ARMSERVE_BFDOT_STEP
     for (int r = 0; r < R; ++r)
-      for (int h = 0; h < H; ++h) vst1q_f32(acc + r * B * 16 + h * 4, c[r][h]);
+      for (int h = 0; h < H; ++h) {
+        float32x4_t t = c[0][r][h];
+        for (int s = 1; s < S; ++s) t = vaddq_f32(t, c[s][r][h]);
+        vst1q_f32(acc + r * B * 16 + h * 4, t);
+      }
   }
 };
 

@@ -23,7 +23,33 @@ struct QSve {
       svfloat32_t f0 = svdup_f32(0.f), f1 = svdup_f32(0.f), f2 = svdup_f32(0.f), f3 = svdup_f32(0.f);
       for (int64_t g = 0; g < k / group; ++g) {
         svint32_t i0 = svdup_s32(0), i1 = svdup_s32(0), i2 = svdup_s32(0), i3 = svdup_s32(0);
-        for (int64_t c = g * group / cols; c < (g + 1) * group / cols; ++c) {
+        const int64_t c0 = g * group / cols, c1 = (g + 1) * group / cols;
+        if (NT == 1) {
+          // Decode: two chunks a step into four chains (low / high nibbles x even / odd chunk; w8:
+          // two), summed once per group (integer sums: the same result). One chain of SDOTs held
+          // Neoverse V1 to 6 cycles a chunk where its pipes need 2 (llvm-mca, benchmarks/arm_model.py).
+#define ARMSERVE_DECODE_STEP(C, A, B)                                                             \
+  {                                                                                               \
+    const svuint8_t b = svld1_u8(p8, chunk(wt, C, g) + piece);                                    \
+    if (W4) {                                                                                     \
+      A = svdot_s32(A, svreinterpret_s8_u8(svand_n_u8_x(p8, b, 0x0f)),                            \
+                    svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8))));                    \
+      B = svdot_s32(B, svreinterpret_s8_u8(svlsr_n_u8_x(p8, b, 4)),                               \
+                    svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8 + 4))));                \
+    } else {                                                                                      \
+      A = svdot_s32(A, svreinterpret_s8_u8(b), svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 4)))); \
+    }                                                                                             \
+  }
+          int64_t c = c0;
+          for (; c + 2 <= c1; c += 2) {
+            ARMSERVE_DECODE_STEP(c, i0, i1)
+            ARMSERVE_DECODE_STEP(c + 1, i2, i3)
+          }
+          if (c < c1) ARMSERVE_DECODE_STEP(c, i0, i1)
+#undef ARMSERVE_DECODE_STEP
+          i0 = svadd_s32_x(p32, svadd_s32_x(p32, i0, i1), svadd_s32_x(p32, i2, i3));
+        }
+        for (int64_t c = c0; NT > 1 && c < c1; ++c) {
           const svuint8_t b = svld1_u8(p8, chunk(wt, c, g) + piece);
           if (W4) {
             const svint8_t lo = svreinterpret_s8_u8(svand_n_u8_x(p8, b, 0x0f));
