@@ -310,11 +310,23 @@ class EngineConfig:
     generation_config: str = DEFAULT_GENERATION_CONFIG
     # Speculative decoding (SpeculativeConfig: a dict, a JSON string or the object); None: off.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's hf_overrides: keys set on the model's transformers config after it is read (a dict or
+    # a JSON object string), e.g. the original Qwen3-Reranker's (docs/embeddings.md).
+    hf_overrides: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ConfigError(f"unknown runner {self.runner!r}; expected one of {', '.join(RUNNERS)}")
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
+        if isinstance(self.hf_overrides, str):
+            import json
+
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except ValueError as e:
+                raise ConfigError(f"hf_overrides is not valid JSON: {e}") from None
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ConfigError(f"hf_overrides must be a JSON object (a dict), got {type(self.hf_overrides).__name__}")
         if self.speculative_config is not None and self.backend != "torch":
             raise ConfigError(f"speculative_config is not supported by the {self.backend} backend")
         if (self.speculative_config is not None and self.speculative_config.method == "draft_model"

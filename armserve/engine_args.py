@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=None,
                    help="none: dequantize a quantized checkpoint; int8/int4: weight compression when the "
                         "openvino backend exports the model (default: as the checkpoint is)")
+    p.add_argument("--hf-overrides", default=UNSET, metavar="JSON",
+                   help="keys to set on the model's config after it is read, as a JSON object (vLLM's), e.g. "
+                        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' for the original Qwen3-Reranker")
     p.add_argument("--speculative-config", default=UNSET, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys as a JSON object, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/speculative_decoding.md)')
@@ -63,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "block_size",
                 "enable_prefix_caching", "kv_cache_space", "kv_cache_dtype", "seed", "enforce_eager", "chat_template",
                 "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout", "runner", "tokenizer",
-                "max_logprobs", "generation_config", "speculative_config")
+                "max_logprobs", "generation_config", "speculative_config", "hf_overrides")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

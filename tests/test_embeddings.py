@@ -262,8 +262,8 @@ def test_score_and_rerank_with_an_embedding_model(minilm, embed_server):
 
 
 def test_runner_flags(tiny_llama):
-    """--runner (vLLM's current flag) and --task (its older one) pick the runner; a decoder cannot
-    pool yet, and says so."""
+    """--runner (vLLM's current flag) and --task (its older one) pick the runner (a decoder pools
+    under --runner pooling: tests/test_decoder_pooling.py); --hf-overrides is read as JSON."""
     import argparse
 
     from armserve import LLM
@@ -277,8 +277,7 @@ def test_runner_flags(tiny_llama):
     assert "runner" not in engine_kwargs(p.parse_args([]))
     with pytest.raises(SystemExit):
         engine_kwargs(p.parse_args(["--task", "embed", "--runner", "generate"]))
-    with pytest.raises(ConfigError, match="runner 'pooling' is not supported for LlamaForCausalLM"):
-        LLM(tiny_llama, runner="pooling")
+    assert engine_kwargs(p.parse_args(["--hf-overrides", '{"a": 1}']))["hf_overrides"] == '{"a": 1}'
     with pytest.raises(ConfigError, match="unknown runner"):
         LLM(tiny_llama, runner="embed")
 

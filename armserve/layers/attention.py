@@ -227,7 +227,11 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.k_cache, self.v_cache
-        if quantized:
+        if k_cache is None:
+            # No cache bound (the pooling runner, models/adapters.py): each sequence is whole in
+            # this step, so every prefill is fresh and attends to this step's own rows.
+            assert not md.num_decodes and all(p.fresh for p in md.prefills), "attention without a KV cache"
+        elif quantized:
             kq, ks = quantize_kv_ref(k)
             vq, vs = quantize_kv_ref(v)
             write_cache_rows(k_cache, md.slot_mapping, kq, key=True)

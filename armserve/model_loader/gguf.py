@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from struct import error as struct_error
 from typing import Any, Iterator
 
 import torch
@@ -107,6 +108,29 @@ def read_config(src: ModelSource):
 
     tensors = {t.name: t.data for t in reader.tensors}
     return cls.gguf_config(lambda key: _field(reader, key), tensors, read)
+
+
+# llama.cpp's `{arch}.pooling_type` (enum llama_pooling_type: 0 none, 4 rank) -> armserve's pooling
+GGUF_POOLING = {0: None, 1: "MEAN", 2: "CLS", 3: "LAST", 4: "RANK"}
+
+
+def pooling_type(src: ModelSource) -> str | None:
+    """The pooling an embedding model's GGUF header names (`{arch}.pooling_type`: MEAN, CLS,
+    LAST, or RANK for a reranker's head); None for a model that pools nothing (a generator).
+    Reads the metadata only (the vocabulary is skipped, not parsed)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    path = os.path.join(src.folder, src.gguf_file)
+    try:
+        meta, _ = read_gguf_metadata(path)
+    except (OSError, ValueError, struct_error) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
+    value = meta.get(f"{meta['general.architecture']}.pooling_type")
+    if value is None:
+        return None
+    if value not in GGUF_POOLING:
+        raise ModelLoadError(f"{path}: unknown pooling_type {value!r}")
+    return GGUF_POOLING[value]
 
 
 def _field(reader, key: str):

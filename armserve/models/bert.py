@@ -118,6 +118,7 @@ class BertModel(nn.Module):
     is_pooling_model = True
     pooling_task = "embed"  # "classify": a cross-encoder's logits (`classify`)
     default_pooling_type = "CLS"  # vLLM's default for encoders when the checkpoint says nothing
+    uses_sep_token = True  # a cross-encoder reads a pair as [CLS] a [SEP] b [SEP] (prompts.encode_pair)
     # positions start here (RoBERTa: after the padding id)
     position_offset_from_pad = False
     prefixes = ("bert.",)
