@@ -67,6 +67,8 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
                 raise ModelLoadError(f"the tokenizer {tokenizer} is neither a folder, a GGUF file nor a tokenizer.json")
         elif tokenizer:
             tok = AutoTokenizer.from_pretrained(tokenizer)
+        elif src.is_gguf and gguf.tokenizer_model(src) == "bert":
+            tok = gguf.wordpiece_tokenizer(src)  # (transformers reads no WordPiece vocabulary from GGUF)
         elif src.is_gguf:
             with gguf.shared_with_transformers(src):
                 tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
