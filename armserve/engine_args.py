@@ -45,8 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(pip install armserve[openvino], and python -m armserve.engine.openvino_backend --install-exporter "
                         "for the exporter; the model is exported to OpenVINO IR once)")
     p.add_argument("--runner", default=UNSET, choices=["auto", "generate", "pooling"],
-                   help="generate (text) or pooling (embeddings: /v1/embeddings, /pooling); auto (the default) "
-                        "picks pooling for an encoder checkpoint (BertModel, XLMRobertaModel), else generate")
+                   help="generate (text) or pooling (embeddings and scores: /v1/embeddings, /pooling, /score, /rerank; "
+                        "a decoder too); auto (the default) picks pooling for an embedding or reranking checkpoint "
+                        "(BertModel, Qwen3Model, *ForSequenceClassification, a GGUF with a pooling type), else generate")
     p.add_argument("--task", default=UNSET, choices=["auto", "generate", "embed"],
                    help="vLLM's older name for --runner: embed = pooling")
     p.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",

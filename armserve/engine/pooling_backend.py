@@ -173,7 +173,8 @@ def pooling_class(hf):
 
 def resolve_runner(config: EngineConfig) -> str:
     """"generate" or "pooling" for `config.runner` ("auto": pooling for a family that only pools,
-    its class's `is_pooling_model`); a ConfigError when the model cannot run as asked."""
+    its class's `is_pooling_model`, or a GGUF whose header names a pooling type); a ConfigError
+    when the model cannot run as asked."""
     if config.runner == "generate" or (config.runner == "auto" and config.backend != "torch"):
         return "generate"
     src = model_loader.resolve_model_path(config.model)

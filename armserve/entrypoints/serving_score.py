@@ -1,6 +1,7 @@
 """POST /score, /v1/score (vLLM's shape) and /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's):
 a cross-encoder scores each (query, document) pair in one input `[CLS] query [SEP] document [SEP]`
-(its sigmoid: what sentence-transformers' CrossEncoder returns); an embedding model scores the
+(its sigmoid: what sentence-transformers' CrossEncoder returns), a decoder reranker the pair as one
+text (or rendered by the score template: prompts.encode_pair); an embedding model scores the
 cosine similarity of the two texts' vectors (the query embedded once).
 """
 
