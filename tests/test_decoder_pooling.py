@@ -126,8 +126,8 @@ def qwen3_reranker(tokenizer_dir) -> str:
 
 def test_original_qwen3_reranker_scores(qwen3_reranker):
     """hf_overrides (vLLM's) turns the LM into a one-logit classifier over its [no, yes] rows: the
-    scores are the yes-probabilities plain transformers computes, with the score template (the
-    chat-formatted prompt) or on the texts as given (concatenated, vLLM's default)."""
+    scores are the yes-probabilities plain transformers computes on the score template's
+    chat-formatted prompt (without a template, the texts as given: test_qwen3_reranker_endpoints)."""
     from armserve import LLM
     from transformers import AutoTokenizer
 
@@ -141,14 +141,11 @@ def test_original_qwen3_reranker_scores(qwen3_reranker):
               chat_template=RERANK_TEMPLATE)
     got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
-    plain = LLM(qwen3_reranker, dtype="float32", runner="pooling", hf_overrides=OVERRIDES)
-    got = [o.outputs.score for o in plain.score(QUERY, DOCS, use_tqdm=False)]
-    want = reference_yes_probability(qwen3_reranker, [QUERY + d for d in DOCS])
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=1e-4)
 
 
 def test_qwen3_reranker_endpoints(qwen3_reranker):
-    """/rerank and /score over the original Qwen3-Reranker (the server's app in this process)."""
+    """/rerank and /score over the original Qwen3-Reranker (the server's app in this process), no
+    score template: query and document as one text, vLLM's default."""
     from fastapi.testclient import TestClient
 
     from armserve.config import EngineConfig
