@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from armserve.layers.linear import Linear, get_parallel_context
+from armserve.layers.pooler import pool
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from armserve.models.bert import EncoderBatch
 from armserve.quantization import QuantizedTensor
@@ -118,8 +119,7 @@ class ModernBertModel(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
 
-    @staticmethod
-    def _own_name(name: str) -> str | None:
+    def _own_name(self, name: str) -> str | None:
         """This module's name of a checkpoint tensor; None for the task heads."""
         name = name.removeprefix("model.")
         if name.startswith("embeddings."):
@@ -163,4 +163,41 @@ class ModernBertModel(nn.Module):
                 m.finalize()
 
 
-MODELS = (ModernBertModel,)
+class ModernBertForSequenceClassification(ModernBertModel):
+    """A ModernBERT cross-encoder (gte-reranker-modernbert): the first token's row, or the mean of
+    the rows (`classifier_pooling`), through the head (dense, activation, LayerNorm) and
+    `classifier`. `classify` returns the logits."""
+
+    architectures = ("ModernBertForSequenceClassification",)
+    model_types = ()
+    pooling_task = "classify"
+    # head checkpoint names -> this module's
+    head_names = {"head.dense.": "head_dense.", "head.norm.": "head_norm.", "classifier.": "classifier."}
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        if config.classifier_pooling not in ("cls", "mean"):
+            raise ValueError(f"classifier_pooling {config.classifier_pooling!r} is not supported (cls or mean)")
+        if config.classifier_activation not in _APPROXIMATE:
+            raise ValueError(f"unsupported classifier_activation {config.classifier_activation!r}")
+        h = config.hidden_size
+        self.head_dense = Linear(h, h, bias=config.classifier_bias)
+        self.head_norm = nn.LayerNorm(h, eps=config.norm_eps, bias=config.norm_bias)
+        self.classifier = Linear(h, config.num_labels, bias=True)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    def classify(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        """float32 logits [num_seqs, num_labels]."""
+        pooled = pool(hidden, seq_lens, "CLS" if self.config.classifier_pooling == "cls" else "MEAN")
+        x = F.gelu(self.head_dense(pooled.to(hidden.dtype)), approximate=_APPROXIMATE[self.config.classifier_activation])
+        return self.classifier(self.head_norm(x)).float()
+
+    def _own_name(self, name: str) -> str | None:
+        for prefix, own in self.head_names.items():
+            if name.startswith(prefix):
+                return own + name[len(prefix):]
+        return super()._own_name(name)
+
+
+MODELS = (ModernBertModel, ModernBertForSequenceClassification)
