@@ -36,7 +36,6 @@ from armserve.model_loader.pooling import pooler_config, sentence_max_len
 from armserve.model_loader import gguf
 from armserve.models import get_model_class
 from armserve.models.adapters import as_pooling_model
-from armserve.models.llama import LlamaForCausalLM
 from armserve.pooling_params import PoolingParams
 from armserve.sampling_params import SamplingParams
 
@@ -185,7 +184,8 @@ def resolve_runner(config: EngineConfig) -> str:
         hf = model_loader.load_config(src, config.hf_overrides)
         cls = get_model_class(hf.architectures[0])
         pools = bool(getattr(cls, "is_pooling_model", False))
-        if config.runner == "pooling" and not pools and not issubclass(cls, LlamaForCausalLM):
+        # (a decoder family the adapter takes declares `has_lm_head`: models/adapters.py)
+        if config.runner == "pooling" and not pools and not hasattr(cls, "has_lm_head"):
             raise ConfigError(f"runner 'pooling' is not supported for {hf.architectures[0]}")
     if config.runner == "auto":
         return "pooling" if pools else "generate"
