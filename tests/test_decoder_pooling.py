@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def sentence_transformers_folder(checkpoint: str, mode: str, out: str) -> str:
 
     if os.path.isfile(os.path.join(out, "modules.json")):
         return out
+    final, out = out, out + ".tmp"  # (made aside, then renamed: an interrupted run leaves no half folder)
+    shutil.rmtree(out, ignore_errors=True)
     AutoModel.from_pretrained(checkpoint).save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
     modules = [("", "Transformer"), ("1_Pooling", "Pooling"), ("2_Normalize", "Normalize")]
@@ -52,7 +55,9 @@ def sentence_transformers_folder(checkpoint: str, mode: str, out: str) -> str:
                                                       "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")}
     with open(os.path.join(out, "1_Pooling", "config.json"), "w") as f:
         json.dump({"word_embedding_dimension": 64, **flags, "include_prompt": True}, f)
-    return out
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(out, final)
+    return final
 
 
 def assert_close(got, want: torch.Tensor) -> None:
