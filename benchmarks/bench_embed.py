@@ -39,7 +39,7 @@ sys.path.insert(0, HERE)
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
 ENGINES = ("sentence-transformers", "armserve float32", "armserve auto")
-PEER_ENGINES = ("vllm pooling", "llama-server")
+RESULT = "bench_embed result: "  # the worker's line on stdout
 WORDS = ("the a model server vector token batch query document search engine fast slow small large cpu core "
          "thread memory cache answer question retrieval ranking sentence embedding text input output").split()
 
@@ -149,7 +149,8 @@ def measure(engine: str, threads: int, folder: str, workload: str, n: int, repea
         from peers import install_vllm
 
         python = install_vllm()
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", PYTHONPATH=HERE)
+        # (vLLM caps max_model_len at sentence_bert_config's 256 unless told: the position table has 512)
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1", PYTHONPATH=HERE)
     elif engine == "llama-server":
         from peers import free_port
 
@@ -168,7 +169,8 @@ def measure(engine: str, threads: int, folder: str, workload: str, n: int, repea
         if server is not None:
             server.terminate()
             server.wait(30)
-    return json.loads(out.strip().splitlines()[-1])
+    # (vLLM prints its own lines to stdout, after ours too)
+    return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith(RESULT))[len(RESULT):])
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
@@ -201,7 +203,7 @@ def main() -> int:
     p.add_argument("-n", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.folder, args.workload, args.n, args.repeats)))
+        print(RESULT + json.dumps(worker(args.worker, args.folder, args.workload, args.n, args.repeats)), flush=True)
         return 0
     if args.smoke:
         args.threads, args.short, args.long, args.repeats = [1], 16, 2, 1
