@@ -147,6 +147,18 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"armserve: {e}", file=sys.stderr)
         return 1
+    from armserve.entrypoints.server_process import check_https_and_root_path
+
+    # NOTE: Serve's HTTP proxy terminates TLS (its http_options take the key, certificate and CA
+    # files) but has no setting to ask clients for certificates.
+    if args.ssl_cert_reqs:
+        raise ValueError("--ssl-cert-reqs does not combine with --ray-address: Ray Serve's HTTP proxy cannot ask "
+                         "clients for certificates")
+    root_path = check_https_and_root_path(args)
+    if args.responses_store:
+        from armserve.entrypoints.response_store import ResponseStore
+
+        ResponseStore(args.responses_store).close()  # an unusable file: fail in the driver
     model = args.model or bundled_model_path()
     import os
 
@@ -154,8 +166,10 @@ def _cmd_serve_ray(args: argparse.Namespace) -> int:
 
     server = dict(api_key=args.api_key or os.environ.get("ARMSERVE_API_KEY") or None, reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                   enable_auto_tool_choice=args.enable_auto_tool_choice, access_log=not args.disable_access_log,
-                  lora_modules=parse_lora_modules(args.lora_modules))
-    run_on_cluster(args.ray_address, model, replicas, args.host, args.port,
+                  lora_modules=parse_lora_modules(args.lora_modules), root_path=root_path,
+                  log_requests=args.log_requests, responses_store=args.responses_store)
+    ssl = {k: getattr(args, k) for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs") if getattr(args, k)}
+    run_on_cluster(args.ray_address, model, replicas, args.host, args.port, ssl=ssl,
                    served_model_name=(args.served_model_name or [None])[0],
                    num_cpus_per_replica=args.num_cpus_per_replica, **server, **engine_kwargs(args))
     return 0

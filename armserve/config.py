@@ -349,11 +349,23 @@ class EngineConfig:
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     max_cpu_loras: int | None = None
+    # vLLM's hf_overrides: keys set on the model's transformers config after it is read (a dict or
+    # a JSON object string), e.g. the original Qwen3-Reranker's (docs/embeddings.md).
+    hf_overrides: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
             raise ConfigError(f"unknown runner {self.runner!r}; expected one of {', '.join(RUNNERS)}")
         self.speculative_config = SpeculativeConfig.from_user(self.speculative_config)
+        if isinstance(self.hf_overrides, str):
+            import json
+
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except ValueError as e:
+                raise ConfigError(f"hf_overrides is not valid JSON: {e}") from None
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ConfigError(f"hf_overrides must be a JSON object (a dict), got {type(self.hf_overrides).__name__}")
         if self.speculative_config is not None and self.backend != "torch":
             raise ConfigError(f"speculative_config is not supported by the {self.backend} backend")
         if (self.speculative_config is not None and self.speculative_config.method == "draft_model"

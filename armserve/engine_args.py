@@ -46,8 +46,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(pip install armserve[openvino], and python -m armserve.engine.openvino_backend --install-exporter "
                         "for the exporter; the model is exported to OpenVINO IR once)")
     p.add_argument("--runner", default=UNSET, choices=["auto", "generate", "pooling"],
-                   help="generate (text) or pooling (embeddings: /v1/embeddings, /pooling); auto (the default) "
-                        "picks pooling for an encoder checkpoint (BertModel, XLMRobertaModel), else generate")
+                   help="generate (text) or pooling (embeddings and scores: /v1/embeddings, /pooling, /score, /rerank; "
+                        "a decoder too); auto (the default) picks pooling for an embedding or reranking checkpoint "
+                        "(BertModel, Qwen3Model, *ForSequenceClassification, a GGUF with a pooling type), else generate")
     p.add_argument("--task", default=UNSET, choices=["auto", "generate", "embed"],
                    help="vLLM's older name for --runner: embed = pooling")
     p.add_argument("--grammar-compile-timeout", type=float, default=None, metavar="SECONDS",
@@ -63,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=UNSET, help="the largest adapter rank accepted (default 16)")
     p.add_argument("--max-cpu-loras", type=int, default=UNSET,
                    help="adapters kept read in memory, least recently used dropped first (default: --max-loras)")
+    p.add_argument("--hf-overrides", default=UNSET, metavar="JSON",
+                   help="keys to set on the model's config after it is read, as a JSON object (vLLM's), e.g. "
+                        "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
+                        "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' for the original Qwen3-Reranker")
     p.add_argument("--speculative-config", default=UNSET, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys as a JSON object, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/speculative_decoding.md)')
@@ -72,7 +77,7 @@ ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seq
                 "enable_prefix_caching", "kv_cache_space", "kv_cache_dtype", "seed", "enforce_eager", "chat_template",
                 "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout", "runner", "tokenizer",
                 "max_logprobs", "generation_config", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
-                "max_cpu_loras")
+                "max_cpu_loras", "hf_overrides")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -139,9 +139,10 @@ class LLM:
         task = self._require_pooling(None, "score")
         params = PoolingParams(truncate_prompt_tokens=truncate_prompt_tokens)
         if task == "classify":
-            tok = self.llm_engine.tokenizer
+            tok, pooler = self.llm_engine.tokenizer, self.llm_engine.input_processor.pooler
             k = params.max_tokens(self.llm_engine.max_model_len)
-            outs = self._pool([{"prompt_token_ids": encode_pair(tok, a, b, k)} for a, b in pairs],
+            outs = self._pool([{"prompt_token_ids": encode_pair(tok, a, b, k, pooler.use_sep_token,
+                                                                pooler.score_template)} for a, b in pairs],
                               PoolingParams(), use_tqdm)
             if outs and outs[0].pooled.shape[-1] != 1:
                 raise ValueError("score needs a cross-encoder with one label; this model has "

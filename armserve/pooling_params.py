@@ -56,6 +56,11 @@ class PoolerConfig:
     # "embed": vectors; "classify": a cross-encoder's class probabilities (sigmoid of its one
     # logit: a relevance score; softmax over several), `size` of them
     task: str = "embed"
+    # How a classifier reads a (query, document) pair (prompts.encode_pair): the tokenizer's pair
+    # template (a cross-encoder's [SEP]), else the two texts as one (an LLM reranker), or rendered
+    # by a score template (`--chat-template` of a pooling model, vLLM's).
+    use_sep_token: bool = True
+    score_template: str | None = None
 
     def check_dimensions(self, dimensions: int | None) -> None:
         """ValueError naming `dimensions` unless this model's vectors can be cut to it."""

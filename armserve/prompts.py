@@ -220,11 +220,24 @@ def score_pairs(data_1: str | list[str], data_2: str | list[str]) -> list[tuple[
     return list(zip(a, b))
 
 
-def encode_pair(tokenizer, first: str, second: str, max_length: int | None = None) -> list[int]:
-    """Token ids of a cross-encoder's input `[CLS] first [SEP] second [SEP]` (the tokenizer's pair
-    template); cut to `max_length` tokens (longest side first, as sentence-transformers) when given."""
+def encode_pair(tokenizer, first: str, second: str, max_length: int | None = None, use_sep_token: bool = True,
+                score_template: str | None = None) -> list[int]:
+    """Token ids of a scoring model's input for a (query, document) pair, as vLLM builds it: with a
+    `score_template` (a chat template over the roles "query" and "document", vLLM's
+    `--chat-template` for LLM-as-reranker models such as Qwen3-Reranker) the rendered text; else a
+    cross-encoder's `[CLS] first [SEP] second [SEP]` (the tokenizer's pair template,
+    `use_sep_token`) or an LLM reranker's two texts as one. Cut to `max_length` tokens when given
+    (a pair: the longer side first, as sentence-transformers)."""
     check_text(first, "query")
     check_text(second, "document")
-    if max_length is None:
-        return list(tokenizer(first, second)["input_ids"])
-    return list(tokenizer(first, second, truncation=True, max_length=max_length)["input_ids"])
+    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
+    if score_template is None and use_sep_token:
+        return list(tokenizer(first, second, **cut)["input_ids"])
+    text = first + second
+    if score_template is not None:
+        messages = [{"role": "query", "content": first}, {"role": "document", "content": second}]
+        try:
+            text = tokenizer.apply_chat_template(messages, chat_template=score_template, tokenize=False)
+        except Exception as e:  # jinja's errors
+            raise PromptError(f"the score template could not render this pair: {e}") from None
+    return list(tokenizer(text, **cut)["input_ids"])

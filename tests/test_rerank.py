@@ -119,6 +119,37 @@ def test_roberta_cross_encoder_logits_match_transformers(kind, tmp_path):
     torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_cross_encoder_logits_match_transformers(pooling, tmp_path):
+    """ModernBertForSequenceClassification (gte-reranker-modernbert): its pooling, head and
+    classifier, sequences longer than the local attention window."""
+    from transformers import AutoModelForSequenceClassification, ModernBertConfig, ModernBertForSequenceClassification
+
+    from armserve import model_loader
+
+    torch.manual_seed(3)
+    cfg = ModernBertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                           intermediate_size=48, max_position_embeddings=70, local_attention=8,
+                           global_attn_every_n_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                           cls_token_id=1, sep_token_id=2, classifier_pooling=pooling, num_labels=2)
+    model = ModernBertForSequenceClassification(cfg).eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+    model.save_pretrained(str(tmp_path))
+    src = model_loader.resolve_model_path(str(tmp_path))
+    ours = model_loader.load_model(src, model_loader.load_config(src), torch.float32)
+    ref = AutoModelForSequenceClassification.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 100, (n,), generator=g) for n in (9, 4, 15)]
+    lens = [len(s) for s in seqs]
+    with torch.no_grad():
+        logits = ours.classify(ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), lens), lens)
+        want = torch.cat([ref(input_ids=s[None]).logits for s in seqs])
+    torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-4)
+
+
 def test_rerank_and_score_endpoints(rerank_server, reference_scores):
     order = sorted(range(len(DOCS)), key=lambda i: -reference_scores[i])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):

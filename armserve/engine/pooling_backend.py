@@ -1,5 +1,6 @@
-"""The pooling backend: an encoder (models/bert.py) behind the same scheduler and token budget
-as generation, one vector per request (embeddings). engine/backend.py's interface, so the engine,
+"""The pooling backend: an encoder (models/bert.py) or a decoder run without its LM head
+(models/adapters.py) behind the same scheduler and token budget as generation, one vector (or a
+classifier's scores) per request. engine/backend.py's interface, so the engine,
 the engine-core process and the server carry pooling requests as they carry the others.
 
     step(): scheduler.schedule()          whole requests only (chunked_prefill=False), up to
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -32,7 +34,9 @@ from armserve.engine.scheduler import Scheduler
 from armserve.engine.stats import SchedulerStats
 from armserve.layers.pooler import classify_probs, finish, pool
 from armserve.model_loader.pooling import pooler_config, sentence_max_len
+from armserve.model_loader import gguf
 from armserve.models import get_model_class
+from armserve.models.adapters import as_pooling_model
 from armserve.pooling_params import PoolingParams
 from armserve.sampling_params import SamplingParams
 
@@ -55,8 +59,8 @@ class PoolingBackend:
             raise ConfigError("the pooling runner runs on one rank: use tensor_parallel_size 1")
         torch.manual_seed(config.seed)
         src = model_loader.resolve_model_path(config.model)
-        hf = model_loader.load_config(src)
-        cls = _model_class(hf)
+        hf = model_loader.load_config(src, config.hf_overrides)
+        cls = pooling_class(hf)
         # the length the model was trained to embed (sentence_bert_config.json), unless asked for more
         positions = hf.max_position_embeddings - ((hf.pad_token_id + 1) if cls.position_offset_from_pad else 0)
         if config.max_model_len is None:
@@ -67,9 +71,12 @@ class PoolingBackend:
         self.budget = max(config.max_num_batched_tokens or 0, self.max_model_len)  # type: ignore[arg-type]
         threads = init_threads()
         self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
+        if getattr(hf, "classifier_from_token", None):
+            hf.classifier_token_ids = _token_ids(self.tokenizer, hf.classifier_from_token)
         self.dtype, _ = resolve_dtypes(config, model_loader.checkpoint_dtype(hf))
-        self.model = model_loader.load_model(src, hf, self.dtype, config.quantization)
-        self.pooler = pooler_config(src, hf, cls.default_pooling_type, cls.pooling_task)
+        self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, model_class=cls)
+        self.pooler = replace(pooler_config(src, hf, cls.default_pooling_type, cls.pooling_task),
+                              use_sep_token=cls.uses_sep_token, score_template=config.chat_template)
         self.model.sep_token_id = self.tokenizer.sep_token_id  # pairs' token types (models/bert.py)
         self.vocab_size = hf.vocab_size
         self.eos_token_ids: set[int] = set()
@@ -129,7 +136,8 @@ class PoolingBackend:
 
     def warm_up(self) -> None:
         """One full-budget step of dummy inputs (the memory a large step touches, paid now)."""
-        n = min(self.budget, self.max_model_len)
+        # (the configured step size: a decoder's max_model_len may be tens of thousands of tokens)
+        n = min(self.config.max_num_batched_tokens or self.budget, self.max_model_len)
         ids = [1 + i % (self.vocab_size - 1) for i in range(n)]
         sp = SamplingParams(max_tokens=1)
         self.add_request(EngineCoreRequest("armserve-warm-up", None, ids, sp, 1, time.time(), [sp], PoolingParams()))
@@ -140,27 +148,48 @@ class PoolingBackend:
         return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)
 
 
-def _model_class(hf):
-    return get_model_class(hf.architectures[0])
+def _token_ids(tokenizer, tokens: list[str]) -> list[int]:
+    """Vocabulary ids of `classifier_from_token` (each one token of the model's vocabulary)."""
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ConfigError(f"classifier_from_token must be a list of tokens, got {tokens!r}")
+    ids = []
+    for t in tokens:
+        i = tokenizer.convert_tokens_to_ids(t)
+        if i is None or i == tokenizer.unk_token_id:
+            raise ConfigError(f"classifier_from_token: {t!r} is not a token of this model's vocabulary")
+        ids.append(int(i))
+    return ids
+
+
+def pooling_class(hf):
+    """The model class the pooling runner builds for `hf`: the family's own pooling class (an
+    encoder, a bare decoder, a sequence classifier), else a decoder's, adapted (`--runner pooling`
+    on a *ForCausalLM: embeddings of its final hidden states)."""
+    cls = get_model_class(hf.architectures[0])
+    if getattr(cls, "is_pooling_model", False):
+        return cls
+    return as_pooling_model(cls, "embed")
 
 
 def resolve_runner(config: EngineConfig) -> str:
     """"generate" or "pooling" for `config.runner` ("auto": pooling for a family that only pools,
-    its class's `is_pooling_model`); a ConfigError when the model cannot run as asked."""
+    its class's `is_pooling_model`, or a GGUF whose header names a pooling type); a ConfigError
+    when the model cannot run as asked."""
     if config.runner == "generate" or (config.runner == "auto" and config.backend != "torch"):
         return "generate"
     src = model_loader.resolve_model_path(config.model)
-    # NOTE: no pooling family reads GGUF files (yet), and parsing a GGUF header twice costs seconds
     if src.is_gguf:
-        architecture, pools = "a GGUF file", False
+        # (the header's metadata only: the whole parse, vocabulary and all, costs seconds)
+        pools = gguf.pooling_type(src) is not None
     else:
-        hf = model_loader.load_config(src)
-        architecture, pools = hf.architectures[0], bool(getattr(_model_class(hf), "is_pooling_model", False))
+        hf = model_loader.load_config(src, config.hf_overrides)
+        cls = get_model_class(hf.architectures[0])
+        pools = bool(getattr(cls, "is_pooling_model", False))
+        # (a decoder family the adapter takes declares `has_lm_head`: models/adapters.py)
+        if config.runner == "pooling" and not pools and not hasattr(cls, "has_lm_head"):
+            raise ConfigError(f"runner 'pooling' is not supported for {hf.architectures[0]}")
     if config.runner == "auto":
         return "pooling" if pools else "generate"
-    if not pools:
-        raise ConfigError(f"runner 'pooling' is not supported for {architecture} yet (encoder models only: "
-                          "BertModel, RobertaModel, XLMRobertaModel and their *ForSequenceClassification)")
     if config.backend != "torch":
         raise ConfigError("runner 'pooling' runs on the torch backend only")
     return "pooling"

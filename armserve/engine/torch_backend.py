@@ -45,7 +45,7 @@ class TorchBackend:
 
         torch.manual_seed(config.seed)
         src = model_loader.resolve_model_path(config.model)
-        self.model_config = model_loader.load_config(src)
+        self.model_config = model_loader.load_config(src, config.hf_overrides)
         hf = self.model_config
         config.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
         self.max_model_len: int = config.max_model_len  # type: ignore[assignment]

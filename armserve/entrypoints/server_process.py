@@ -130,6 +130,20 @@ class ArmServer:
         return self.exit_code
 
 
+def check_https_and_root_path(args) -> str:
+    """A ValueError naming a bad --ssl-* or --root-path flag (before anything loads); the root
+    path without its trailing slash."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        if getattr(args, flag) and not os.path.isfile(getattr(args, flag)):
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such file")
+    root_path = args.root_path.rstrip("/")
+    if root_path and not root_path.startswith("/"):
+        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
+    return root_path
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`armserve serve`: load the model, then serve until SIGTERM (drained) or SIGINT; exits 1
     if the engine dies."""
@@ -158,14 +172,7 @@ def run_server(args: argparse.Namespace) -> int:
     sock = _bind(args.host, args.port)
     model = args.model or bundled_model_path()
     names = args.served_model_name or [default_served_name(args.model, model)]
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
-        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
-    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
-        if getattr(args, flag) and not os.path.isfile(getattr(args, flag)):
-            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such file")
-    root_path = args.root_path.rstrip("/")
-    if root_path and not root_path.startswith("/"):
-        raise ValueError(f"--root-path must start with '/', got {args.root_path!r}")
+    root_path = check_https_and_root_path(args)
     if args.allow_credentials and not args.allowed_origins:
         raise ValueError("--allow-credentials needs --allowed-origins (the origins trusted with credentials)")
     metrics = PrometheusMetrics(names[0], args.data_parallel_size)

@@ -1,6 +1,7 @@
 """POST /score, /v1/score (vLLM's shape) and /rerank, /v1/rerank, /v2/rerank (Jina's and Cohere's):
 a cross-encoder scores each (query, document) pair in one input `[CLS] query [SEP] document [SEP]`
-(its sigmoid: what sentence-transformers' CrossEncoder returns); an embedding model scores the
+(its sigmoid: what sentence-transformers' CrossEncoder returns), a decoder reranker the pair as one
+text (or rendered by the score template: prompts.encode_pair); an embedding model scores the
 cosine similarity of the two texts' vectors (the query embedded once).
 """
 
@@ -41,6 +42,7 @@ class OpenAIServingScore:
         rid = f"score-{uuid.uuid4().hex}"
         classify = serving.task == "classify"
         k = params.max_tokens(serving.engine.max_model_len)
+        pooler = serving.engine.input_processor.pooler
         # a cross-encoder's inputs are the pairs; an embedding model's each distinct text, once
         texts = [] if classify else list(dict.fromkeys(t for pair in pairs for t in pair))
 
@@ -53,7 +55,8 @@ class OpenAIServingScore:
                     if not a or not b:
                         raise APIError(f"{where}: the query and the document must not be empty", 400, param)
                     try:
-                        prompt: Any = {"prompt_token_ids": encode_pair(tok, a, b, k)}
+                        prompt: Any = {"prompt_token_ids": encode_pair(tok, a, b, k, pooler.use_sep_token,
+                                                                          pooler.score_template)}
                     except PromptError as e:
                         raise APIError(f"{where}: {e}", 400, param) from None
                 else:

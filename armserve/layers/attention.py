@@ -135,6 +135,24 @@ class AttentionMetadata:
         return m
 
 
+    def padded_prefills(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step of whole sequences and no cache (the pooling runner: each prefill fresh, from
+        position 0, back to back) laid out side by side in a [B, L] grid: (the grid cell of each
+        token row [T], the mask [B, 1, L, L]: causal, within the sequence and the `window`). A
+        padding query row sees every key (its output is dropped, and a row of no key is NaN)."""
+        key = ("grid", window)
+        if key not in self._mask_cache:
+            lens = torch.tensor([p.q_len for p in self.prefills])
+            cols = torch.arange(int(lens.max()))
+            valid = cols[None, :] < lens[:, None]  # [B, L]
+            m = (cols[None, :] <= cols[:, None])[None] & valid[:, None, :]  # [B, Lq, Lk]
+            if window is not None:
+                m &= (cols[:, None] - cols[None, :]) < window
+            m |= ~valid[:, :, None]
+            self._mask_cache[key] = (valid.reshape(-1).nonzero().squeeze(1), m[:, None])
+        return self._mask_cache[key]
+
+
 _METADATA: AttentionMetadata | None = None
 
 
@@ -227,7 +245,14 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = self.k_cache, self.v_cache
-        if quantized:
+        if k_cache is None:
+            # No cache bound (the pooling runner, models/adapters.py): each sequence is whole in
+            # this step, so every prefill is fresh and attends to this step's own rows; several
+            # go through one call over a padded grid rather than one call each.
+            assert not md.num_decodes and all(p.fresh for p in md.prefills), "attention without a KV cache"
+            if len(md.prefills) > 1 and self.logit_softcap is None:
+                return self._padded(q, k, v, md)
+        elif quantized:
             kq, ks = quantize_kv_ref(k)
             vq, vs = quantize_kv_ref(v)
             write_cache_rows(k_cache, md.slot_mapping, kq, key=True)
@@ -273,6 +298,20 @@ class Attention(nn.Module):
                 o = self._sdpa(qq, kk, vv, md.prefill_mask(i, self.sliding_window), gqa)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out.view(T, self.num_heads * self.head_dim)
+
+    def _padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        """Every sequence of a cache-less step in one SDPA call (`padded_prefills`)."""
+        index, mask = md.padded_prefills(self.sliding_window)
+        B, L, D = mask.shape[0], mask.shape[-1], self.head_dim
+
+        def grid(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> [B, H, L, D], padding rows zero
+            g = x.new_zeros(B * L, x.shape[1], D)
+            g.index_copy_(0, index, x)
+            return g.view(B, L, x.shape[1], D).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(grid(q), grid(k), grid(v), attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.transpose(1, 2).reshape(B * L, -1).index_select(0, index)
 
     @staticmethod
     def _gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,

@@ -22,8 +22,11 @@ __all__ = ["ModelLoadError", "ModelSource", "bundled_model_path", "checkpoint_dt
            "eos_token_ids", "generation_defaults", "load_config", "load_model", "load_tokenizer", "resolve_model_path"]
 
 
-def load_config(src: ModelSource):
-    """The transformers config of the model, with `architectures` filled in."""
+def load_config(src: ModelSource, overrides: dict | None = None):
+    """The transformers config of the model, with `architectures` filled in, then `overrides`
+    (vLLM's `hf_overrides`: keys set on the config, e.g. the original Qwen3-Reranker's
+    `{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}`)."""
     from transformers import AutoConfig
 
     try:
@@ -35,6 +38,13 @@ def load_config(src: ModelSource):
         raise ModelLoadError(f"cannot read the model config from {what} in {src.folder}: {e}") from e
     if not getattr(config, "architectures", None):
         config.architectures = [model_type_class(config.model_type).architectures[0]]
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    if overrides and "architectures" in overrides:
+        archs = config.architectures
+        if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+            raise ModelLoadError(f"hf_overrides: architectures must be a list of names, got {archs!r}")
+        get_model_class(archs[0])  # an unknown one fails here, by name
     return config
 
 
@@ -57,6 +67,8 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
                 raise ModelLoadError(f"the tokenizer {tokenizer} is neither a folder, a GGUF file nor a tokenizer.json")
         elif tokenizer:
             tok = AutoTokenizer.from_pretrained(tokenizer)
+        elif src.is_gguf and gguf.tokenizer_model(src) == "bert":
+            tok = gguf.wordpiece_tokenizer(src)  # (transformers reads no WordPiece vocabulary from GGUF)
         elif src.is_gguf:
             with gguf.shared_with_transformers(src):
                 tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
@@ -114,15 +126,17 @@ def checkpoint_weights(src: ModelSource, config, dequantize: bool = False
 
 
 def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None,
-               parallel: ParallelContext | None = None) -> nn.Module:
+               parallel: ParallelContext | None = None, model_class: type[nn.Module] | None = None) -> nn.Module:
     """Build the model for `config` in `dtype` and fill it from the checkpoint.
 
     Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K, `armserve quantize` output) stay
     quantized unless `quantization == "none"`. `parallel`: the tensor-parallel rank to build (its
     layers keep only their part of each weight, layers/linear.py); None: the whole model.
+    `model_class`: the class to build (the pooling runner's adaptation of a decoder); None: the
+    one `config.architectures` names.
     """
     dequantize = quantization == "none"
-    cls = get_model_class(config.architectures[0])
+    cls = model_class or get_model_class(config.architectures[0])
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from struct import error as struct_error
 from typing import Any, Iterator
 
 import torch
@@ -109,6 +110,63 @@ def read_config(src: ModelSource):
     return cls.gguf_config(lambda key: _field(reader, key), tensors, read)
 
 
+# llama.cpp's `{arch}.pooling_type` (enum llama_pooling_type: 0 none, 4 rank) -> armserve's pooling
+GGUF_POOLING = {0: None, 1: "MEAN", 2: "CLS", 3: "LAST", 4: "RANK"}
+
+
+def pooling_type(src: ModelSource) -> str | None:
+    """The pooling an embedding model's GGUF header names (`{arch}.pooling_type`: MEAN, CLS,
+    LAST, or RANK for a reranker's head); None for a model that pools nothing (a generator).
+    Reads the metadata only (the vocabulary is skipped, not parsed)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    path = os.path.join(src.folder, src.gguf_file)
+    try:
+        meta, _ = read_gguf_metadata(path)
+    except (OSError, ValueError, struct_error) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
+    value = meta.get(f"{meta['general.architecture']}.pooling_type")
+    if value is None:
+        return None
+    if value not in GGUF_POOLING:
+        raise ModelLoadError(f"{path}: unknown pooling_type {value!r}")
+    return GGUF_POOLING[value]
+
+
+def wordpiece_tokenizer(src: ModelSource):
+    """The WordPiece tokenizer of a BERT-family GGUF file (`tokenizer.ggml.model` "bert", which
+    transformers cannot read), as a BertTokenizerFast. llama.cpp's converter stores the vocabulary
+    with a "phantom space": a word-start token as "\u2581word", a continuation "##ing" as "ing",
+    [SPECIAL] tokens as they are; undone here. llama.cpp lowercases and strips accents (uncased)."""
+    from transformers import BertTokenizerFast
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    meta, _ = read_gguf_metadata(os.path.join(src.folder, src.gguf_file), ("tokenizer.ggml.tokens",))
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def original(t: str) -> str:
+        if t.startswith("\u2581"):
+            return t[1:]
+        return t if t.startswith("[") and t.endswith("]") else "##" + t
+
+    vocab = {original(t): i for i, t in enumerate(tokens)}
+
+    def special(key: str, default: str) -> str:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return original(tokens[i]) if isinstance(i, int) and 0 <= i < len(tokens) else default
+
+    return BertTokenizerFast(vocab=vocab, do_lower_case=True, unk_token=special("unknown_token_id", "[UNK]"),
+                             sep_token=special("seperator_token_id", "[SEP]"),
+                             pad_token=special("padding_token_id", "[PAD]"),
+                             cls_token=special("cls_token_id", special("bos_token_id", "[CLS]")),
+                             mask_token=special("mask_token_id", "[MASK]"))
+
+
+def tokenizer_model(src: ModelSource) -> str | None:
+    """`tokenizer.ggml.model` of a GGUF file (gpt2, llama, bert, ...)."""
+    return _field(_reader(os.path.join(src.folder, src.gguf_file)), "tokenizer.ggml.model")
+
+
 def _field(reader, key: str):
     """A metadata value of the GGUF file: a string, a number, an array's length; None if absent."""
     from gguf import GGUFValueType
@@ -142,8 +200,8 @@ _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_ex
 
 
 def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """The GGUF file's tensors under Hugging Face names (the model class's `gguf_block_names` on
-    top of llama.cpp's standard ones), q/k rows un-permuted where llama.cpp permuted them
+    """The GGUF file's tensors under Hugging Face names (the model class's `gguf_names` and
+    `gguf_block_names` on top of llama.cpp's standard ones, blocks under its `gguf_layer_prefix`), q/k rows un-permuted where llama.cpp permuted them
     (`gguf_permuted_qk`), norm weights back from llama.cpp's 1 + w where the family stores them so
     (`gguf_norm_offset`)."""
     try:
@@ -152,6 +210,8 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
         raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
     permute = cls.gguf_permuted_qk
     block_names = {**_BLOCK_NAMES, **cls.gguf_block_names}
+    names = {**_NAMES, **getattr(cls, "gguf_names", {})}
+    layer_prefix = getattr(cls, "gguf_layer_prefix", "model.layers")
     norm_offset = float(cls.gguf_norm_offset)
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
@@ -163,10 +223,10 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
         if blk and kind in _EXPERTS:
             yield from _experts(t, parts, keep_quantized, path)
             continue
-        base = (block_names if blk else _NAMES).get(kind)
+        base = (block_names if blk else names).get(kind)
         if base is None:
             continue
-        name = f"model.layers.{parts[1]}.{base}.{parts[3]}" if blk else f"{base}.{parts[1]}"
+        name = f"{layer_prefix}.{parts[1]}.{base}.{parts[3]}" if blk else f"{base}.{parts[1]}"
         qt = None
         if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
             qt = convert(t.tensor_type.name, t.data)

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from armserve.pooling_params import PoolerConfig
+from armserve.model_loader import gguf
 from armserve.model_source import ModelLoadError, ModelSource
 
 # sentence-transformers Pooling modes -> armserve's
@@ -40,7 +41,13 @@ def pooler_config(src: ModelSource, config, default_type: str, task: str = "embe
     dims = getattr(config, "matryoshka_dimensions", None)
     matryoshka = tuple(int(d) for d in dims) if dims else (() if getattr(config, "is_matryoshka", False) else None)
     modules_path = os.path.join(src.folder, "modules.json")
-    if src.is_gguf or not os.path.isfile(modules_path):
+    if src.is_gguf:
+        # the header's pooling_type; normalized, as llama-server's embeddings are by default
+        mode = gguf.pooling_type(src) or default_type
+        if mode == "RANK":
+            raise ModelLoadError(f"{src.gguf_file} is a reranker (pooling_type rank): not supported from GGUF yet")
+        return PoolerConfig(mode, True, size, matryoshka)
+    if not os.path.isfile(modules_path):
         return PoolerConfig(default_type, True, size, matryoshka)
     modules = _read_json(modules_path)
     if not isinstance(modules, list):

@@ -21,7 +21,7 @@ vector (layers/pooler.py).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -114,10 +114,21 @@ class BertModel(nn.Module):
 
     architectures: tuple[str, ...] = ("BertModel",)
     model_types: tuple[str, ...] = ("bert",)
-    gguf_architectures: tuple[str, ...] = ()
+    gguf_architectures: tuple[str, ...] = ("bert",)
+    # llama.cpp's names for a `bert` GGUF (model_loader/gguf.py maps them; no rotary, so no q/k permutation)
+    gguf_names = {"token_embd": "embeddings.word_embeddings", "token_types": "embeddings.token_type_embeddings",
+                  "position_embd": "embeddings.position_embeddings", "token_embd_norm": "embeddings.LayerNorm"}
+    gguf_layer_prefix = "encoder.layer"
+    gguf_block_names = {"attn_q": "attention.self.query", "attn_k": "attention.self.key",
+                        "attn_v": "attention.self.value", "attn_output": "attention.output.dense",
+                        "attn_output_norm": "attention.output.LayerNorm", "ffn_up": "intermediate.dense",
+                        "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+    gguf_permuted_qk = False
+    gguf_norm_offset = 0.0
     is_pooling_model = True
     pooling_task = "embed"  # "classify": a cross-encoder's logits (`classify`)
     default_pooling_type = "CLS"  # vLLM's default for encoders when the checkpoint says nothing
+    uses_sep_token = True  # a cross-encoder reads a pair as [CLS] a [SEP] b [SEP] (prompts.encode_pair)
     # positions start here (RoBERTa: after the padding id)
     position_offset_from_pad = False
     prefixes = ("bert.",)
@@ -141,6 +152,23 @@ class BertModel(nn.Module):
         self.make_head(config)
         for p in self.parameters():
             p.requires_grad_(False)
+
+    @classmethod
+    def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):
+        """A BertConfig from a `bert` GGUF header (transformers reads none): sizes, layer norm
+        epsilon, the token-type count from `token_types`' rows, the vocabulary's length."""
+        from transformers import BertConfig
+
+        types = tensors.get("token_types.weight")
+        pad = field("tokenizer.ggml.padding_token_id")
+        return BertConfig(vocab_size=int(field("tokenizer.ggml.tokens")), hidden_size=int(field("bert.embedding_length")),
+                          num_hidden_layers=int(field("bert.block_count")),
+                          num_attention_heads=int(field("bert.attention.head_count")),
+                          intermediate_size=int(field("bert.feed_forward_length")),
+                          max_position_embeddings=int(field("bert.context_length")),
+                          layer_norm_eps=float(field("bert.attention.layer_norm_epsilon")),
+                          type_vocab_size=1 if types is None else int(types.shape[0]),
+                          pad_token_id=0 if pad is None else int(pad), hidden_act="gelu")
 
     @property
     def max_positions(self) -> int:
@@ -241,6 +269,7 @@ class BertForSequenceClassification(BertModel):
     """A BERT cross-encoder (reranker): CLS -> pooler dense + tanh -> classifier logits."""
 
     architectures = ("BertForSequenceClassification",)
+    gguf_architectures = ()
     model_types = ()
     pooling_task = "classify"
     # head checkpoint names (after the prefix) -> this module's
@@ -273,6 +302,7 @@ class RobertaModel(BertModel):
     """RoBERTa: BERT's blocks, positions numbered from `pad_token_id + 1`."""
 
     architectures = ("RobertaModel",)
+    gguf_architectures = ()
     model_types = ("roberta",)
     position_offset_from_pad = True
     prefixes = ("roberta.",)
@@ -282,6 +312,7 @@ class XLMRobertaModel(RobertaModel):
     """XLM-RoBERTa (multilingual-e5, bge-m3's encoder): RoBERTa's layout."""
 
     architectures = ("XLMRobertaModel",)
+    gguf_architectures = ()
     model_types = ("xlm-roberta",)
 
 
@@ -289,6 +320,7 @@ class RobertaForSequenceClassification(RobertaModel, BertForSequenceClassificati
     """A RoBERTa cross-encoder: classifier.dense + tanh -> classifier.out_proj."""
 
     architectures = ("RobertaForSequenceClassification",)
+    gguf_architectures = ()
     model_types = ()
     head_names = {"classifier.dense": "head_dense", "classifier.out_proj": "classifier"}
 
@@ -297,6 +329,7 @@ class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
     """An XLM-RoBERTa cross-encoder (bge-reranker-base/large, mxbai-rerank)."""
 
     architectures = ("XLMRobertaForSequenceClassification",)
+    gguf_architectures = ()
 
 
 MODELS = (BertModel, RobertaModel, XLMRobertaModel, BertForSequenceClassification,

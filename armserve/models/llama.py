@@ -21,6 +21,7 @@ from armserve.layers.layernorm import RMSNorm
 from armserve.layers.linear import (ColumnParallelLinear, Linear, ParallelLMHead, QKVParallelLinear, RowParallelLinear,
                                     VocabEmbedding, get_parallel_context, parallel_context)
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
+from armserve.models.adapters import as_pooling_model
 from armserve.quantization import QuantizedLinear, QuantizedTensor, quantize_weight_int8
 
 
@@ -161,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
     gguf_block_names: dict[str, str] = {}
     gguf_permuted_qk = True
     gguf_norm_offset = 0.0
+    # False: no language-model head is built or loaded (the pooling models of models/adapters.py)
+    has_lm_head = True
 
     @classmethod
     def gguf_config(cls, field: Callable[[str], Any], tensors: Mapping[str, Any], read: Callable[[], Any]):
@@ -196,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = self.make_layers(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else ParallelLMHead(config.hidden_size, config.vocab_size)
+        self.lm_head = None if self.tie_word_embeddings or not self.has_lm_head else ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tied_head: Linear | None = None  # a packed copy of the tied table (process_weights_after_loading)
 
     def make_layers(self, config) -> nn.ModuleList:
@@ -371,4 +374,12 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     gguf_permuted_qk = False
 
 
-MODELS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+# The pooling models of the family (models/adapters.py): the bare decoders sentence-transformers
+# saves (Qwen3-Embedding, gte-Qwen2, e5-mistral: embeddings) and the sequence classifiers
+# (Qwen3-Reranker converted, or the original through hf_overrides: rerankers).
+POOLING_MODELS = tuple(as_pooling_model(cls, task, f"{prefix}{suffix}")
+                       for cls, prefix in ((LlamaForCausalLM, "Llama"), (MistralForCausalLM, "Mistral"),
+                                           (Qwen2ForCausalLM, "Qwen2"), (Qwen3ForCausalLM, "Qwen3"))
+                       for task, suffix in (("embed", "Model"), ("classify", "ForSequenceClassification")))
+
+MODELS = (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, *POOLING_MODELS)
