@@ -32,4 +32,7 @@ class BuildKernels(build_ext):
             self.warn(f"armserve: C++ kernels not built ({e}); armserve will use its PyTorch path")
 
 
-setup(ext_modules=[Extension("armserve._C", sources=[])], cmdclass={"build_ext": BuildKernels})
+# ARMSERVE_BUILD_KERNELS=0: the Python files only; scripts/build_wheels.sh compiles the kernels itself
+# (every variant of each architecture, cross-compiled for aarch64) and adds them to this wheel.
+kernels = [] if os.environ.get("ARMSERVE_BUILD_KERNELS") == "0" else [Extension("armserve._C", sources=[])]
+setup(ext_modules=kernels, cmdclass={"build_ext": BuildKernels})

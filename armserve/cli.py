@@ -211,11 +211,13 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"{info['logical_cpus']} logical CPUs")
     print(f"features       {' '.join(info['cpu_features']) or '(kernels not loaded)'}")
     print(f"bfloat16       {'native' if info['native_bf16'] else 'emulated'}; dtype=auto -> {info['auto_dtype']}")
-    print(f"variants       this CPU runs: {', '.join(info['kernel_variants_supported']) or 'none'}")
+    print(f"library        {info['kernel_library'] or 'none'}")
+    print(f"variants       built in: {', '.join(info['kernel_variants_compiled']) or 'none'}; "
+          f"this CPU runs: {', '.join(info['kernel_variants_supported']) or 'none'}; in use: {info['kernels']['rms_norm']}")
     for family, variant in info["kernels"].items():
         print(f"  {family:18s} {variant}")
-    if info["kernels_unavailable_reason"]:
-        print(f"  (PyTorch path: {info['kernels_unavailable_reason']})")
+    if info["kernels_fix"]:
+        print(f"  {info['kernels_fix']}")
     print(f"threads        {info['torch_threads']} (bind: {info['threads_bind'] or 'none'}; "
           f"running on cores {info['thread_cores']})")
     for node, cpus in info["numa_nodes"].items():

@@ -238,6 +238,7 @@ def init_threads(bind: str | None = None) -> dict:
         info["threads"] = torch.get_num_threads()
         return info
     _initialised = True
+    kernels.available()  # at engine start: a missing kernel library is reported now (reason and fix), not mid-run
     import armserve
 
     if armserve.OMP_WAIT_POLICY_DROPPED is not None:
@@ -282,12 +283,15 @@ def describe() -> dict:
         "cpu_features": kernels.cpu_features(),
         "native_bf16": cpu_has_native_bf16(),
         "auto_dtype": str(resolve_dtype("auto")).replace("torch.", ""),
+        "kernel_library": kernels.library_path(),
+        "kernel_variants_compiled": kernels.compiled_variants(),
         "kernel_variants_supported": kernels.supported_isas(),
         "kernels": {**{family: variant for family in
                        ("paged_attention", "reshape_and_cache", "rms_norm", "rotary", "act_and_mul")},
                     "skinny_matmul": skinny, "quantized_gemm": kernels.qgemm_isa(),
                     "dense_gemm_bf16": kernels.dense_isa(), "dense_gemm_f32": kernels.dense_f32_isa()},
         "kernels_unavailable_reason": kernels.load_error() if variant == "torch" else None,
+        "kernels_fix": kernels.fallback_notice(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "threads_bind": os.environ.get("ARMSERVE_THREADS_BIND") or None,

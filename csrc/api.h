@@ -139,6 +139,7 @@ int64_t armserve_graph_team_replays();  // replays that ran as one parallel regi
 // ---- variants, CPU, threads (dispatch.cpp, qdispatch.cpp, dense_dispatch.cpp, threads.cpp) -------
 int32_t armserve_select_isa(const char* name);  // 0 ok, 1 unknown name, 2 this CPU cannot run it
 const char* armserve_isa();
+const char* armserve_compiled_variants();  // every variant linked in, space-separated
 const char* armserve_qgemm_isa();
 const char* armserve_dense_isa();
 const char* armserve_dense_f32_isa();
@@ -205,6 +206,7 @@ const char* armserve_signature(const char* name);
   X(armserve_graph_run)                                                                                        \
   X(armserve_select_isa)                                                                                       \
   X(armserve_isa)                                                                                              \
+  X(armserve_compiled_variants)                                                                                \
   X(armserve_qgemm_isa)                                                                                        \
   X(armserve_dense_isa)                                                                                        \
   X(armserve_dense_f32_isa)                                                                                    \

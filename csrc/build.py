@@ -66,6 +66,10 @@ VARIANTS = {
 # runtime PyTorch already loaded (armserve/kernels/library.py loads it globally first), so the
 # process has one OpenMP thread pool, not two fighting over the cores.
 LINK = ["-shared"]
+# After the objects: libgcc's float16 conversion helpers (__extendhfsf2, __truncsfhf2: the x86 scalar
+# code's _Float16) are linked in, hidden, rather than imported from libgcc_s, where they first came
+# with GCC 12: importing them would raise the glibc a prebuilt wheel needs to 2.35 (scripts/build_wheels.sh).
+LIBS = ["-l:libgcc.a"]
 
 
 def normalize_arch(machine: str) -> str:
@@ -99,7 +103,7 @@ def build(cxx: str, arch: str, out: str, extra_sources: list[tuple[str, list[str
             _wait(procs.pop(0))
     for p in procs:
         _wait(p)
-    subprocess.check_call([cxx, *LINK, *objs, "-o", out])
+    subprocess.check_call([cxx, *LINK, *objs, *LIBS, "-o", out])
 
 
 def _wait(p: subprocess.Popen) -> None:

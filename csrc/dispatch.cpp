@@ -5,6 +5,7 @@
 #include <cstring>
 #include <string>
 
+#include "dense_gemm.h"
 #include "kernels.h"
 
 #if defined(__aarch64__) && defined(__linux__)
@@ -182,6 +183,25 @@ int32_t armserve_select_isa(const char* name) {
 }
 
 const char* armserve_isa() { return table()->name; }
+
+// Space-separated names of the variants linked into this library, whether or not this CPU runs
+// them (`armserve info`: a prebuilt wheel must carry every variant of its architecture).
+const char* armserve_compiled_variants() {
+  static const std::string names = [] {
+#if defined(__x86_64__)
+    const char* list[] = {armserve_table_scalar()->name, armserve_table_avx2()->name,
+                          armserve_table_avx512()->name, armserve_dense_amx()->name};
+#elif defined(__aarch64__)
+    const char* list[] = {armserve_table_scalar()->name, armserve_table_neon()->name, armserve_table_sve()->name};
+#else
+    const char* list[] = {armserve_table_scalar()->name};
+#endif
+    std::string s;
+    for (const char* n : list) s += (s.empty() ? "" : " ") + std::string(n);
+    return s;
+  }();
+  return names.c_str();
+}
 
 // Space-separated list of the CPU features that matter to armserve.
 void armserve_cpu_features(char* buf, int32_t n) {

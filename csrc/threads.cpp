@@ -7,7 +7,7 @@
 #include <omp.h>
 #endif
 #if defined(__linux__)
-#include <dlfcn.h>
+#include <link.h>
 #include <sched.h>
 
 #include <cstdio>
@@ -54,12 +54,37 @@ int32_t armserve_thread_cores(int32_t* out, int32_t max) {
 #endif
 }
 
+#if defined(_OPENMP) && defined(__linux__)
+namespace {
+struct ObjectAt {
+  uintptr_t addr;
+  const char* name;
+};
+
+// dl_iterate_phdr callback: stops at the loaded object whose segments contain `addr`.
+int find_object(dl_phdr_info* info, size_t, void* data) {
+  auto* want = static_cast<ObjectAt*>(data);
+  for (int i = 0; i < info->dlpi_phnum; ++i) {
+    const auto& ph = info->dlpi_phdr[i];
+    const uintptr_t start = info->dlpi_addr + ph.p_vaddr;
+    if (ph.p_type == PT_LOAD && want->addr >= start && want->addr < start + ph.p_memsz) {
+      want->name = info->dlpi_name;
+      return 1;
+    }
+  }
+  return 0;
+}
+}  // namespace
+#endif
+
 // Path of the OpenMP runtime this library's omp_* calls bound to (must be PyTorch's).
+// NOTE: dl_iterate_phdr, not dladdr: glibc 2.34 moved dladdr into libc under a new symbol version,
+// which would raise the glibc the prebuilt wheels need (scripts/build_wheels.sh) to 2.34.
 int32_t armserve_openmp_library(char* buf, int32_t n) {
 #if defined(_OPENMP) && defined(__linux__)
-  Dl_info info;
-  if (dladdr(reinterpret_cast<void*>(&omp_get_max_threads), &info) && info.dli_fname) {
-    std::snprintf(buf, n, "%s", info.dli_fname);
+  ObjectAt want{reinterpret_cast<uintptr_t>(&omp_get_max_threads), nullptr};
+  if (dl_iterate_phdr(find_object, &want) && want.name && want.name[0]) {
+    std::snprintf(buf, n, "%s", want.name);
     return 0;
   }
 #endif

@@ -9,6 +9,9 @@
 #      report that exactly the expected ISA variants were tested and nothing was skipped;
 #   4. end to end, at each of those CPUs: greedy tokens of a tiny random Llama from armserve's engine
 #      with the aarch64 kernels on (every variant the CPU runs), equal to the tokens the x86 run produced.
+# ARMSERVE_ARM_WHEEL=path/to/armserve-...-manylinux_*_aarch64.whl (scripts/ci_wheels.sh): step 2 installs
+# that prebuilt wheel with pip instead of cross-building, and the tests run in a copy of the rootfs
+# without libgomp (the wheel must run on the OpenMP runtime torch bundles alone).
 # About 9 minutes from cold on a 2-core machine (apt included), 5.5 when cached. The kernel tests
 # run at full size (under a minute per CPU even at SVE-512); ARMSERVE_ARM_SMALL=1 shrinks them
 # (ARMSERVE_TEST_SMALL).
@@ -26,6 +29,7 @@ TORCH_VERSION=2.9.1
 CPUS=${ARMSERVE_ARM_CPUS:-"neoverse-n1 max,sve128=on max,sve256=on max,sve512=on"}
 E2E_CPUS=${ARMSERVE_ARM_E2E_CPUS:-$CPUS}
 SMALL=${ARMSERVE_ARM_SMALL:-0}
+WHEEL=${ARMSERVE_ARM_WHEEL:-}
 # Kernel test files run at every CPU: tests parametrized by an `isa` fixture (ids `[neon-...]`).
 KERNEL_TESTS=${ARMSERVE_ARM_KERNEL_TESTS:-"tests/test_kernels.py tests/test_quantized.py tests/test_kv_cache_int8.py tests/test_step_graph.py tests/test_dense_gemm.py tests/test_moe.py tests/test_lora_kernels.py"}
 LOGS=$CACHE/logs
@@ -64,13 +68,13 @@ WHEELS="numpy pytest filelock typing-extensions>=4.10 sympy>=1.13.3 networkx jin
   $(pin transformers) $(pin tokenizers) $(pin huggingface_hub) $(pin safetensors)"
 WHEELS=$(echo $WHEELS)
 SITE_STAMP="torch==$TORCH_VERSION $WHEELS"
+# Every manylinux tag bookworm's glibc 2.36 runs (pip 23 does not widen manylinux_2_28 to older
+# tags itself, and e.g. tokenizers ships manylinux_2_17 wheels only).
+PLATFORMS=(--platform manylinux2014_aarch64)
+for g in $(seq 17 36); do PLATFORMS+=(--platform "manylinux_2_${g}_aarch64"); done
 t "aarch64 wheels"
 if ! stamp_ok "$SITE" "$SITE_STAMP"; then
   rm -rf "$SITE" "$SITE.tmp"
-  # Every manylinux tag bookworm's glibc 2.36 runs (pip 23 does not widen manylinux_2_28 to older
-  # tags itself, and e.g. tokenizers ships manylinux_2_17 wheels only).
-  PLATFORMS=(--platform manylinux2014_aarch64)
-  for g in $(seq 17 36); do PLATFORMS+=(--platform "manylinux_2_${g}_aarch64"); done
   PIPX=(python3 -m pip install -q --disable-pip-version-check --no-compile --target "$SITE.tmp" --only-binary=:all:
     "${PLATFORMS[@]}" --python-version 3.11 --implementation cp --abi cp311)
   # --no-deps: torch's declared dependencies chase x86-only nvidia packages; its real ones are in $WHEELS.
@@ -86,11 +90,26 @@ fi
 # ---- 2. cross-build and stage the aarch64 package ------------------------------------------------
 STAGE=$(mktemp -d /tmp/armserve-arm.XXXXXX)
 trap 'rm -rf "$STAGE"' EXIT
-t "cross-build kernels"
-tar -C "$REPO" --exclude='*.so' --exclude=__pycache__ -cf - armserve | tar -C "$STAGE" -xf -
-$NICE python3 csrc/build.py --cxx aarch64-linux-gnu-g++ --arch aarch64 \
-  --out "$STAGE/armserve/_C.cpython-311-aarch64-linux-gnu.so" >/dev/null
-rm -rf "$STAGE/armserve/.build-aarch64"
+RUN_ROOTFS=$ROOTFS
+if [ -n "$WHEEL" ]; then
+  t "install $(basename "$WHEEL")"
+  # pip decides, as on a bookworm machine, whether the wheel's tag fits; no compiler is involved.
+  python3 -m pip install -q --disable-pip-version-check --no-deps --no-compile --target "$STAGE" \
+    --only-binary=:all: "${PLATFORMS[@]}" --python-version 3.11 --implementation cp --abi cp311 "$WHEEL"
+  export ARMSERVE_EXPECT_LIBRARY=$STAGE/armserve/_C.so
+  [ -f "$ARMSERVE_EXPECT_LIBRARY" ] || { echo "ci_arm64: the wheel has no armserve/_C.so"; exit 1; }
+  # The rootfs without the system libgomp (hard links: cheap), so only torch's runtime can serve.
+  RUN_ROOTFS=$CACHE/rootfs-nogomp
+  rm -rf "$RUN_ROOTFS"
+  cp -al "$ROOTFS" "$RUN_ROOTFS"
+  rm -f "$RUN_ROOTFS"/usr/lib/aarch64-linux-gnu/libgomp*
+else
+  t "cross-build kernels"
+  tar -C "$REPO" --exclude='*.so' --exclude=__pycache__ -cf - armserve | tar -C "$STAGE" -xf -
+  $NICE python3 csrc/build.py --cxx aarch64-linux-gnu-g++ --arch aarch64 \
+    --out "$STAGE/armserve/_C.cpython-311-aarch64-linux-gnu.so" >/dev/null
+  rm -rf "$STAGE/armserve/.build-aarch64"
+fi
 python3 -m compileall -q "$STAGE/armserve" >/dev/null || true
 
 # ---- 4a. the x86 side of the end-to-end check ----------------------------------------------------
@@ -104,7 +123,7 @@ run_arm() { # cpu log pytest-args...
   shift 2
   QEMU_CPU=$cpu ARMSERVE_EXPECT_CPU=$cpu ARMSERVE_TEST_SMALL=$SMALL ARMSERVE_E2E_REFERENCE="$STAGE/e2e_reference.json" \
     PYTHONSAFEPATH=1 PYTHONPATH="$STAGE:$SITE" PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=2 \
-    $NICE qemu-aarch64-static -L "$ROOTFS" "$ROOTFS/usr/bin/python3.11" \
+    $NICE qemu-aarch64-static -L "$RUN_ROOTFS" "$RUN_ROOTFS/usr/bin/python3.11" \
     -m pytest -v -rP -p no:cacheprovider -o addopts= "$@" >"$log" 2>&1
 }
 

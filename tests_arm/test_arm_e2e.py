@@ -29,6 +29,12 @@ def test_greedy_tokens_equal_x86(monkeypatch):
     torch.set_num_threads(2)
     llm = LLM(ref["model"], **ref["engine_args"])
     assert llm.llm_engine.runner.use_kernels, kernels.load_error()
+    wheel_library = os.environ.get("ARMSERVE_EXPECT_LIBRARY")  # the prebuilt wheel's (scripts/ci_wheels.sh)
+    if wheel_library:
+        assert kernels.library_path() == wheel_library, kernels.library_path()
+        assert kernels.compiled_variants() == ["scalar", "neon", "sve"], kernels.compiled_variants()
+        # the only OpenMP runtime in the process is torch's (the rootfs has no libgomp)
+        assert len(kernels.openmp_runtimes()) == 1 and "torch" in kernels.openmp_library(), kernels.openmp_runtimes()
 
     # Counted where the ops call into the library: an op that fell back to PyTorch is not counted.
     calls = dict.fromkeys(KERNELS, 0)

@@ -26,6 +26,7 @@ from prometheus_client import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
+from armserve import kernels
 from armserve.engine.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -123,6 +124,12 @@ class PrometheusMetrics:
         PlatformCollector(registry=r)
         self.model_name = model_name
         labels = ["model_name", "engine"]
+        # armserve's own (no vLLM twin): 1, with the kernel variant in use (`torch` on the PyTorch
+        # path, then available="false" and the reason), so a dashboard sees a server running slow.
+        Gauge("armserve:kernels_info", "The C++ kernel library: the variant in use, the variants built in, and "
+              "why it is unavailable.", ["isa", "available", "variants", "reason"], registry=r).labels(
+            isa=kernels.isa(), available=str(kernels.available()).lower(),
+            variants=" ".join(kernels.compiled_variants()), reason=kernels.load_error() or "").set(1)
 
         # armserve:<name>, and with `twin` also vllm:<name> (a series vLLM exports under that name
         # and meaning), updated together

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import os
-import warnings
 
 import torch
 
 # Element types of activations, weights and KV cache (csrc/api.h: ArmDType).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+logger = logging.getLogger("armserve")
 
 _lib: ctypes.CDLL | None = None
 _load_error: str | None = None
@@ -115,7 +117,9 @@ def load() -> ctypes.CDLL | None:
     if _lib is None:
         if want:
             raise KernelError(f"ARMSERVE_ISA={want} asks for a kernel variant, but {_load_error}")
-        warnings.warn(f"armserve: C++ kernels unavailable ({_load_error}); using the slower PyTorch path")
+        # A warning in the log of `armserve serve` and of any LLM(...) script (cpu.init_threads loads
+        # the library at engine start), not a one-line Python warning that is easy to miss or filter.
+        logger.warning("%s\n%s\n%s", "*" * 100, fallback_notice(), "*" * 100)
         return None
     if want:
         select_isa(want)
@@ -124,6 +128,27 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("ARMSERVE_AMX", "").strip() == "0":
         _lib.armserve_set_amx(0)
     return _lib
+
+
+def fallback_notice() -> str | None:
+    """What to tell the user while every op runs on the PyTorch path: the reason and the fix (None
+    when the kernels are loaded)."""
+    if load() is not None:
+        return None
+    if _load_error and "ARMSERVE_ISA=torch" in _load_error:
+        fix = "unset ARMSERVE_ISA"
+    else:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            pin = f"armserve=={version('armserve')}"
+        except PackageNotFoundError:
+            pin = "armserve"
+        fix = (f"install the prebuilt wheel, which has every kernel variant for {os.uname().machine} and needs no "
+               f"compiler: pip install --force-reinstall --no-deps --only-binary=armserve '{pin}' (or a wheel file "
+               "made by scripts/build_wheels.sh); or install g++ and reinstall from source")
+    return (f"armserve: C++ kernels unavailable ({_load_error}); every op runs on the PyTorch path, several times "
+            f"slower. Fix: {fix}. `armserve info` shows the kernels in use.")
 
 
 def required() -> ctypes.CDLL:
@@ -188,6 +213,18 @@ def dense_isa() -> str:
 def dense_f32_isa() -> str:
     """The dense float32 GEMM variant in use (follows the kernel variant)."""
     return _variant("armserve_dense_f32_isa")
+
+
+def compiled_variants() -> list[str]:
+    """Variants built into the loaded library (whether or not this CPU runs them): every one of its
+    architecture in a prebuilt wheel; empty when the kernels are off."""
+    lib = load()
+    return lib.armserve_compiled_variants().decode().split() if lib is not None else []
+
+
+def library_path() -> str | None:
+    """The kernel library file that is (or would be) loaded."""
+    return _library_path()
 
 
 def supported_isas() -> list[str]:
