@@ -174,11 +174,8 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
         if permute and kind in ("attn_q", "attn_k"):
             w = _unpermute_qk(w, n_head if kind == "attn_q" else n_kv)
         if isinstance(w, QuantizedTensor):
-            if kind == "token_embd":
-                # Lookups need float rows; a tied lm_head reads the same table as a quantized GEMM.
-                if not has_output:
-                    yield "lm_head.weight", w
-                w = w.dequantize()
+            if kind == "token_embd" and not has_output:
+                yield "lm_head.weight", w  # tied: the head's quantized GEMM and the lookups share the table
             yield name, w
             continue
         if norm_offset and name.endswith("norm.weight"):

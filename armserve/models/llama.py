@@ -22,6 +22,7 @@ from armserve.layers.linear import (ColumnParallelLinear, Linear, ParallelLMHead
                                     VocabEmbedding, get_parallel_context, parallel_context)
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from armserve.quantization import QuantizedLinear, QuantizedTensor, quantize_weight_int8
+from armserve.quantization.embedding import QuantizedEmbedding
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -237,12 +238,17 @@ class LlamaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Prepack every weight for its GEMM kernel, once: bfloat16 / float32 dense weights and the
-        quantized layers' shards. A head tied to the embedding table gets a packed copy of it (the
-        lookup keeps the row-major table): vocab x hidden x 2 (4) more bytes, for the head's speed
-        at every batch size."""
+        quantized layers' shards. A quantized embedding table stays quantized (a tied head's packed
+        weight is its one copy). A head tied to a float table gets a packed copy of it (the lookup
+        keeps the row-major table): vocab x hidden x 2 (4) more bytes, for the head's speed at
+        every batch size."""
         for m in self.modules():
             if isinstance(m, (Linear, QuantizedLinear)):
                 m.finalize()
+        emb = self.embed_tokens
+        if isinstance(emb.table, QuantizedTensor):  # kept quantized; a tied head's tiles serve the lookups too
+            head = self.lm_head if self.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear) else None
+            emb.table = QuantizedEmbedding(emb.table, emb.dtype, head)
         if self.lm_head is None and kernels.use_kernel("dense_pack", self.embed_tokens.weight):
             vocab, hidden = self.embed_tokens.weight.shape
             head = Linear(hidden, vocab)
@@ -289,7 +295,8 @@ class LlamaForCausalLM(nn.Module):
                 module = self.get_submodule(path)
             except AttributeError:
                 module = None
-            if quantized or (isinstance(module, QuantizedLinear) and attr == "weight"):
+            if (quantized and not isinstance(module, VocabEmbedding)) or (isinstance(module, QuantizedLinear)
+                                                                          and attr == "weight"):
                 module = self._quantized_module(path, loaded)
             elif not isinstance(getattr(module, attr, None), nn.Parameter):
                 continue  # unknown extra tensors are ignored, like transformers does (or a bias of rank 0's only)
