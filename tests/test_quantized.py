@@ -213,6 +213,16 @@ def test_gguf_blocks_convert_exactly(name):
     np.testing.assert_array_equal(qt.dequantize().numpy(), want)
 
 
+@pytest.mark.parametrize("fmt", ["w4", "w8"])
+def test_pack_in_row_chunks_equals_one_pass(fmt):
+    from armserve.quantization.formats import _pack_rows
+
+    torch.manual_seed(0)
+    n, k = 1045, 4096  # packed 1024 rows at a time: two chunks, the last one not whole tiles
+    qt = quantize_weight(torch.randn(n, k), 32, symmetric=False, search=False) if fmt == "w4" else random_w8(n, k, 32)
+    assert torch.equal(pack(qt), _pack_rows(qt))
+
+
 # ---- embedding rows of a quantized table ----------------------------------------------
 
 

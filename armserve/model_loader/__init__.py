@@ -13,7 +13,8 @@ from torch import nn
 
 from armserve.layers.linear import ParallelContext, parallel_context
 from armserve.model_loader import gguf, safetensors
-from armserve.model_loader.source import ModelLoadError, ModelSource, bundled_model_path, resolve_model_path
+from armserve.model_loader.source import (ModelLoadError, ModelSource, bundled_model_path, resolve_model_path,
+                                          return_freed_memory)
 from armserve.models import UnsupportedArchitectureError, get_model_class, model_type_class
 from armserve.quantization import QuantizedTensor
 from armserve.quantization.checkpoint import armserve_quantization
@@ -178,4 +179,6 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         )
     model.process_weights_after_loading()  # repack the weights into the kernel layouts once
     model.eval()
+    return_freed_memory()
     return model
+

@@ -1,5 +1,5 @@
 """Where a model lives: a Hugging Face folder or a GGUF file (resolve_model_path), the bundled
-demo model, and the error every loading step raises."""
+demo model, the error every loading step raises, and handing freed load memory back."""
 
 from __future__ import annotations
 
@@ -63,3 +63,20 @@ def bundled_model_path() -> str:
     if not os.path.isfile(path):
         raise ModelLoadError(f"the bundled demo model file is missing: {path}")
     return path
+
+
+def return_freed_memory() -> None:
+    """Give the heap memory the load freed back to the system (glibc's malloc_trim). Loading frees
+    many tensors of a few MB (converted blocks, packing temporaries) that glibc keeps in its heap
+    once its adaptive mmap threshold has grown past their size: without this the process keeps
+    them as resident memory it never uses again."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass  # not glibc: nothing to do

@@ -245,16 +245,21 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (Linear, QuantizedLinear)):
                 m.finalize()
-        emb = self.embed_tokens
-        if isinstance(emb.table, QuantizedTensor):  # kept quantized; a tied head's tiles serve the lookups too
-            head = self.lm_head if self.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear) else None
-            emb.table = QuantizedEmbedding(emb.table, emb.dtype, head)
+        self._quantized_embedding()
         if self.lm_head is None and kernels.use_kernel("dense_pack", self.embed_tokens.weight):
             vocab, hidden = self.embed_tokens.weight.shape
             head = Linear(hidden, vocab)
             head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
             head.finalize()
             object.__setattr__(self, "tied_head", head)  # not a submodule: its weight is the table's
+
+    def _quantized_embedding(self) -> None:
+        """A quantized embedding table loaded as such stays quantized; the tiles of a head tied to it
+        (loaded first, and packed as soon as loaded: quantization/linear.py) serve its lookups too."""
+        emb = self.embed_tokens
+        if isinstance(emb.table, QuantizedTensor):
+            head = self.lm_head if self.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear) else None
+            emb.table = QuantizedEmbedding(emb.table, emb.dtype, head)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -303,6 +308,8 @@ class LlamaForCausalLM(nn.Module):
             try:
                 if hasattr(module, "weight_loader"):
                     module.weight_loader(attr, tensor, "all" if shard is None else shard)
+                    if quantized and isinstance(module, VocabEmbedding):
+                        self._quantized_embedding()  # packed now: the unpacked table never waits beside the rest
                 else:
                     _copy_whole(getattr(module, attr), tensor)
             except ValueError as e:
