@@ -16,7 +16,8 @@ struct EmbedRowsAvx2 {
       const __m256 s = _mm256_set1_ps(exact ? exact[2 * g] : armserve::f16_to_f32(h[r]));
       const __m256 z = _mm256_set1_ps(exact ? exact[2 * g + 1] : armserve::f16_to_f32(h[16 + r]));
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
-        const uint32_t b = uint32_t(armserve::load4(reinterpret_cast<const int8_t*>(armserve::chunk(wt, c, g)) + r * 4));
+        const int8_t* p = reinterpret_cast<const int8_t*>(armserve::chunk(wt, c, g)) + r * 4;
+        const uint32_t b = uint32_t(armserve::load4(p));
         // bytes 0-3: the low nibbles (columns 8c .. 8c+3), bytes 4-7: the high ones (8c+4 .. 8c+7)
         const uint64_t u = uint64_t(b & 0x0f0f0f0fu) | (uint64_t((b >> 4) & 0x0f0f0f0fu) << 32);
         const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(u))));
