@@ -155,8 +155,9 @@ class Linear(nn.Module):
         self.split.load(getattr(self, name), shard, tensor)
 
     def finalize(self) -> None:
-        """Repack the weight into the kernel layout once (process_weights_after_loading)."""
-        if kernels.use_kernel("dense_pack", self.weight):
+        """Repack the weight into the kernel layout once (process_weights_after_loading; again
+        later does nothing)."""
+        if self.weight is not None and kernels.use_kernel("dense_pack", self.weight):
             pack = kernels.pack_f32 if self.weight.dtype == torch.float32 else kernels.pack_bf16
             self.packed = pack(self.weight.data)
             self.weight = None  # the packed copy is the weight now
@@ -250,6 +251,12 @@ class ParallelLMHead(Linear):
 
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, False, _vocab_split(vocab_size, hidden_size, get_parallel_context()))
+
+    def weight_loader(self, name: str, tensor: torch.Tensor, shard: Any = "all") -> None:
+        super().weight_loader(name, tensor, shard)
+        # Packed as soon as loaded: the largest matrix of most models, its float copy would
+        # otherwise wait beside every other weight until the load ends (a peak of one more head).
+        self.finalize()
 
 
 class VocabEmbedding(nn.Module):
