@@ -89,6 +89,14 @@ void armserve_gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* as
                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
 void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
+// Token embedding rows of a quantized table held in the packed tiles above (fmt 0 = w4, 1 = w8; n rows,
+// k columns, `group` columns per scale): out [m, k] (dtype) row i = dequant(W)[ids[i] - start], or zeros
+// where ids[i] - start is outside [0, n) (a tensor-parallel rank's vocabulary share). Only the rows asked
+// for are dequantized: w4 as float(u) * s - szp, w8 as float(q) * s, in float32, then rounded to dtype
+// (what a float table dequantized from the same codes held). `exact`: null, or float32 [n, k / group, 2]
+// (s, szp) replacing a w4 table's inline float16 scales (GGUF Q4_K's d * sc is not a float16 value).
+void armserve_qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, const float* exact,
+                         const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k, int64_t group);
 
 // Mixture-of-Experts MLP of one layer (moe_impl.h): out [T, hidden] float32 = the sum over j < top_k
 // of weights[t, j] * E_{ids[t, j]}(x[t]), with E(x) = down(silu(gate(x)) * up(x)). Per expert e,
@@ -191,7 +199,8 @@ const char* armserve_signature(const char* name);
   X(armserve_gemm_bf16)                                                                                        \
   X(armserve_gemm_f32)                                                                                         \
   X(armserve_lora_shrink)                                                                                      \
-  X(armserve_lora_expand)
+  X(armserve_lora_expand)                                                                                      \
+  X(armserve_qembedding)
 
 // Everything Python binds (armserve/kernels/library.py asks for this list and each signature).
 #define ARMSERVE_EXPORTS(X)                                                                                    \

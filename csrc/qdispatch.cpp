@@ -70,4 +70,9 @@ void armserve_fused_moe(int32_t fmt, int32_t dtype, float* out, const void* x, i
   qtable()->fused_moe(fmt, dtype, out, x, tokens, hidden, inter, top_k, ids, weights, num_experts, gate, up, down,
                       group_gu, group_dn);
 }
+
+void armserve_qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, const float* exact,
+                         const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k, int64_t group) {
+  qtable()->qembedding(fmt, dtype, out, w, exact, ids, m, start, n, k, group);
+}
 }

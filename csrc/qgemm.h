@@ -37,6 +37,7 @@ struct QKernelTable {  // member types from the exported functions (api.h)
   decltype(&armserve_gemm_w4) gemm_w4;
   decltype(&armserve_gemm_w8) gemm_w8;
   decltype(&armserve_fused_moe) fused_moe;  // moe_impl.h: the experts' GEMMs and SiLU of this variant
+  decltype(&armserve_qembedding) qembedding;  // rows of a packed table, dequantized (qgemm_impl.h)
 };
 
 const QKernelTable* armserve_qtable_scalar();

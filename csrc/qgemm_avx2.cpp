@@ -1,6 +1,7 @@
 // Quantized GEMM with AVX2: vpmaddubsw + vpmaddwd stand in for the VNNI dot product.
 #include <immintrin.h>
 
+#include "qembed_x86.h"
 #include "qgemm_impl.h"
 
 namespace {
@@ -14,7 +15,7 @@ static inline __m256i dot4(__m256i u8, __m256i s8) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1));
 }
 
-struct QAvx2 {
+struct QAvx2 : EmbedRowsAvx2 {
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {

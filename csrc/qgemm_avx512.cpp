@@ -2,6 +2,7 @@
 // 32-bit lane, so one instruction does 16 rows x 4 columns of a tile.
 #include <immintrin.h>
 
+#include "qembed_x86.h"
 #include "qgemm_impl.h"
 
 namespace {
@@ -10,7 +11,7 @@ using armserve::chunk;
 using armserve::w4_scales;
 using armserve::w8_scales;
 
-struct QAvx512 {
+struct QAvx512 : EmbedRowsAvx2 {
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {

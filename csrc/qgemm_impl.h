@@ -31,7 +31,35 @@ static inline const float* w8_scales(const uint8_t* wt, int64_t g, int64_t group
 }
 
 // Portable reference of the tile products, used by the scalar variant and as the fallback.
+// Also the reference of one table row's dequantization (`row_w4`, `row_w8`: row r < 16 of tile
+// wt into out [k] float32; w4 scales from `exact` [k / group][2] when given, else inline). Every
+// variant computes float(u) * s - szp and float(q) * s with one multiply and one subtract (no
+// FMA), so all give the same bits as the PyTorch reference.
 struct ScalarQ {
+  static void row_w4(const uint8_t* wt, int r, int64_t k, int64_t group, const float* exact, float* out) {
+    for (int64_t g = 0; g < k / group; ++g) {
+      const uint16_t* h = w4_scales(wt, g, group);
+      const float s = exact ? exact[2 * g] : f16_to_f32(h[r]), z = exact ? exact[2 * g + 1] : f16_to_f32(h[16 + r]);
+      for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+        const uint8_t* b = chunk(wt, c, g) + r * 4;
+        for (int j = 0; j < 4; ++j) {
+          out[c * 8 + j] = float(b[j] & 15) * s - z;
+          out[c * 8 + 4 + j] = float(b[j] >> 4) * s - z;
+        }
+      }
+    }
+  }
+
+  static void row_w8(const uint8_t* wt, int r, int64_t k, int64_t group, float* out) {
+    for (int64_t g = 0; g < k / group; ++g) {
+      const float s = w8_scales(wt, g, group)[r];
+      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
+        const int8_t* b = reinterpret_cast<const int8_t*>(chunk(wt, c, g)) + r * 4;
+        for (int j = 0; j < 4; ++j) out[c * 4 + j] = float(b[j]) * s;
+      }
+    }
+  }
+
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
@@ -182,8 +210,31 @@ struct QKernels {
     gemm<false>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), m, n, k, group, ldo);
   }
 
+  // Embedding rows of a packed table (api.h, armserve_qembedding): each row is dequantized into a
+  // float32 scratch row by the variant's row_w4 / row_w8, then stored in dtype.
+  static void qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, const float* exact,
+                         const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k, int64_t group) {
+    const int es = dtype_size(dtype);
+    const int64_t tb = tile_bytes(fmt == 0, k, group), ng = k / group;
+    armserve_par::for_static(m, m * k >= (1 << 16), [&](int64_t i) {
+      char* o = static_cast<char*>(out) + i * k * es;
+      const int64_t r = ids[i] - start;
+      if (r < 0 || r >= n) {  // another rank's row (or an id the caller let through): zeros, never a stray read
+        std::memset(o, 0, k * es);
+        return;
+      }
+      float* row = scratch(0, k);
+      const uint8_t* wt = static_cast<const uint8_t*>(w) + (r / 16) * tb;
+      if (fmt == 0)
+        IsaQ::row_w4(wt, int(r % 16), k, group, exact ? exact + r * ng * 2 : nullptr, row);
+      else
+        IsaQ::row_w8(wt, int(r % 16), k, group, row);
+      Isa::store(dtype, row, o, k);
+    });
+  }
+
   static const QKernelTable* table(const char* name) {
-    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8, Moe<Isa, IsaQ>::run};
+    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8, Moe<Isa, IsaQ>::run, qembedding};
     return &t;
   }
 };

@@ -11,6 +11,37 @@ using armserve::w4_scales;
 using armserve::w8_scales;
 
 struct QNeon {
+  // One table row dequantized (qgemm_impl.h ScalarQ has the reference and the rules): 4 bytes of
+  // each 64-byte chunk of its tile.
+  static void row_w4(const uint8_t* wt, int r, int64_t k, int64_t group, const float* exact, float* out) {
+    for (int64_t g = 0; g < k / group; ++g) {
+      const uint16_t* h = w4_scales(wt, g, group);
+      const float32x4_t s = vdupq_n_f32(exact ? exact[2 * g] : armserve::f16_to_f32(h[r]));
+      const float32x4_t z = vdupq_n_f32(exact ? exact[2 * g + 1] : armserve::f16_to_f32(h[16 + r]));
+      for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+        const uint32_t b = uint32_t(load4(reinterpret_cast<const int8_t*>(chunk(wt, c, g)) + r * 4));
+        // lanes 0-3: the low nibbles (columns 8c .. 8c+3), lanes 4-7: the high ones
+        const uint64_t u = uint64_t(b & 0x0f0f0f0fu) | (uint64_t((b >> 4) & 0x0f0f0f0fu) << 32);
+        const uint16x8_t w = vmovl_u8(vcreate_u8(u));
+        const float32x4_t lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w)));
+        const float32x4_t hi = vcvtq_f32_u32(vmovl_u16(vget_high_u16(w)));
+        vst1q_f32(out + c * 8, vsubq_f32(vmulq_f32(lo, s), z));
+        vst1q_f32(out + c * 8 + 4, vsubq_f32(vmulq_f32(hi, s), z));
+      }
+    }
+  }
+
+  static void row_w8(const uint8_t* wt, int r, int64_t k, int64_t group, float* out) {
+    for (int64_t g = 0; g < k / group; ++g) {
+      const float32x4_t s = vdupq_n_f32(w8_scales(wt, g, group)[r]);
+      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
+        const uint32_t b = uint32_t(load4(reinterpret_cast<const int8_t*>(chunk(wt, c, g)) + r * 4));
+        const int16x8_t w = vmovl_s8(vcreate_s8(uint64_t(b)));
+        vst1q_f32(out + c * 4, vmulq_f32(vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), s));
+      }
+    }
+  }
+
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {

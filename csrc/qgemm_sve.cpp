@@ -11,6 +11,51 @@ using armserve::w4_scales;
 using armserve::w8_scales;
 
 struct QSve {
+  // One table row dequantized (qgemm_impl.h ScalarQ has the reference and the rules): its codes,
+  // 4 bytes of each 64-byte chunk of its tile, unpacked group by group into bytes, then widened
+  // and scaled one vector of float32 lanes at a time.
+  static void row_w4(const uint8_t* wt, int r, int64_t k, int64_t group, const float* exact, float* out) {
+    uint8_t u[256];
+    for (int64_t g = 0; g < k / group; ++g) {
+      const uint16_t* h = w4_scales(wt, g, group);
+      const svfloat32_t s = svdup_f32(exact ? exact[2 * g] : armserve::f16_to_f32(h[r]));
+      const svfloat32_t z = svdup_f32(exact ? exact[2 * g + 1] : armserve::f16_to_f32(h[16 + r]));
+      for (int64_t g0 = 0; g0 < group; g0 += 256) {  // (groups of more than 256 columns in pieces)
+        const int64_t len = group - g0 < 256 ? group - g0 : 256;
+        for (int64_t j = 0; j < len; j += 8) {
+          const uint8_t* b = chunk(wt, (g * group + g0 + j) / 8, g) + r * 4;
+          for (int i = 0; i < 4; ++i) {
+            u[j + i] = b[i] & 15;
+            u[j + 4 + i] = b[i] >> 4;
+          }
+        }
+        float* o = out + g * group + g0;
+        for (int64_t j = 0; j < len; j += svcntw()) {
+          const svbool_t p = svwhilelt_b32(j, len);
+          const svfloat32_t f = svcvt_f32_u32_x(p, svld1ub_u32(p, u + j));
+          svst1_f32(p, o + j, svsub_f32_x(p, svmul_f32_x(p, f, s), z));
+        }
+      }
+    }
+  }
+
+  static void row_w8(const uint8_t* wt, int r, int64_t k, int64_t group, float* out) {
+    int8_t q[256];
+    for (int64_t g = 0; g < k / group; ++g) {
+      const svfloat32_t s = svdup_f32(w8_scales(wt, g, group)[r]);
+      for (int64_t g0 = 0; g0 < group; g0 += 256) {
+        const int64_t len = group - g0 < 256 ? group - g0 : 256;
+        for (int64_t j = 0; j < len; j += 4)
+          std::memcpy(q + j, chunk(wt, (g * group + g0 + j) / 4, g) + r * 4, 4);
+        float* o = out + g * group + g0;
+        for (int64_t j = 0; j < len; j += svcntw()) {
+          const svbool_t p = svwhilelt_b32(j, len);
+          svst1_f32(p, o + j, svmul_f32_x(p, svcvt_f32_s32_x(p, svld1sb_s32(p, q + j)), s));
+        }
+      }
+    }
+  }
+
   template <bool W4, int NT>
   static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as,
                       const int32_t* const* gs, int64_t k,

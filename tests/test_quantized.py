@@ -1,5 +1,6 @@
-"""int4/int8 weights: qgemm kernels vs the PyTorch reference on every ISA, GGUF block
-conversion vs the `gguf` package's own dequantizer, `armserve quantize` end to end."""
+"""int4/int8 weights: qgemm kernels (and embedding rows gathered from their tiles) vs the PyTorch
+reference on every ISA, GGUF block conversion vs the `gguf` package's own dequantizer, `armserve
+quantize` end to end."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams, kernels
-from armserve.kernels.reference import qgemm_dense_ref, qlinear_ref, quantize_act_ref
-from armserve.quantization import QuantizedLinear, QuantizedTensor, pack, quantize_weight
+from armserve.kernels.reference import qembedding_ref, qgemm_dense_ref, qlinear_ref, quantize_act_ref
+from armserve.quantization import QuantizedLinear, QuantizedTensor, kernel_scales, pack, quantize_weight
+from armserve.quantization.embedding import QuantizedEmbedding
 from armserve.quantization.gguf import convert
 from conftest import assert_next_token_logprobs_close
 
@@ -213,6 +215,59 @@ def test_gguf_blocks_convert_exactly(name):
     np.testing.assert_array_equal(qt.dequantize().numpy(), want)
 
 
+@pytest.mark.parametrize("fmt", ["w4", "w8"])
+def test_pack_in_row_chunks_equals_one_pass(fmt):
+    from armserve.quantization.formats import _pack_rows
+
+    torch.manual_seed(0)
+    n, k = 1045, 4096  # packed 1024 rows at a time: two chunks, the last one not whole tiles
+    qt = quantize_weight(torch.randn(n, k), 32, symmetric=False, search=False) if fmt == "w4" else random_w8(n, k, 32)
+    assert torch.equal(pack(qt), _pack_rows(qt))
+
+
+# ---- embedding rows of a quantized table ----------------------------------------------
+
+
+@pytest.mark.parametrize("fmt,group,exact", [("w4", 32, False), ("w4", 32, True), ("w4", 64, True), ("w8", 32, False),
+                                             ("w8", 16, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qembedding_matches_reference(isa, fmt, group, exact, dtype):
+    torch.manual_seed(0)
+    n, k, start = 37, 128, 7  # rows not a whole number of 16-row tiles; a vocabulary share from row 7
+    if fmt == "w4":
+        qt = quantize_weight(torch.randn(n, k), group, symmetric=False, search=False)
+        qt = qt if exact else kernel_scales(qt)  # float32 scales (as Q4_K's d * sc) or float16 ones (Q4_0)
+    else:
+        qt = random_w8(n, k, group)
+    emb = QuantizedEmbedding(qt, dtype)
+    assert (emb.exact is not None) == exact and emb.packed is not None
+    ids = torch.tensor([start, start + 36, 12, start + 16, start + 15, 0, start + n, 40, 40, start + 5])
+    got = emb(ids, start)
+    want = qembedding_ref(ids, qt, dtype, start)
+    assert torch.equal(got, want)
+    assert torch.equal(got[5], torch.zeros(k, dtype=dtype)) and torch.equal(got[6], got[5])  # other ranks' rows
+    assert torch.equal(got[0], qt.dequantize()[0].to(dtype))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_gguf_embedding_rows_equal_the_dequantized_table(isa, name):
+    """Rows looked up in a GGUF table kept quantized are the rows of the float table the loader
+    held before (dequantized from the same blocks, then rounded to the model dtype), bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(5)
+    if name in ("Q4_K", "Q6_K"):
+        raw = _random_kquant_blocks(name, 40, 2, rng)
+    else:
+        raw = quantize(rng.standard_normal((40, 512)).astype(np.float32), GGMLQuantizationType[name])
+    table = torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]))
+    ids = torch.tensor([3, 39, 0, 17, 17, 25])
+    for dtype in (torch.float32, torch.bfloat16):
+        emb = QuantizedEmbedding(convert(name, raw), dtype)
+        assert torch.equal(emb(ids), table.to(dtype)[ids])
+
+
 def test_unsupported_gguf_type_is_not_converted():
     assert convert("Q5_K", np.zeros((1, 176), np.uint8)) is None
 
@@ -222,6 +277,9 @@ def test_bundled_gguf_runs_quantized(smollm2_gguf):
     model = llm.llm_engine.model
     qlayers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(qlayers) == 30 * 4 + 1  # qkv, o, gate_up, down per layer + the tied LM head (Q8_0)
+    # The Q8_0 embedding table stays quantized, its lookups reading the tied head's tiles: one copy.
+    emb = model.embed_tokens
+    assert emb.weight is None and emb.table.shared and emb.table.packed is model.lm_head.parts[0].packed
     # Stored size, not bfloat16: Q4_1 linears are 4 bits per weight plus one scale pair per 32.
     n_linear = sum(m.in_features * m.out_features for m in qlayers)
     assert sum(m.weight_bytes for m in qlayers) < 0.9 * n_linear  # < 0.9 bytes per weight (bf16: 2)

@@ -5,7 +5,8 @@
     dispatch.py     `use_kernel`: kernel or PyTorch, the rule of each op
     elementwise.py  norms, rotary, gated activations, bias, cast, embedding rows, argmax
     attention.py    the paged KV cache layout, cache writes and paged attention (float and int8)
-    gemm.py         dense GEMM on prepacked weights, skinny decode matmul, quantized GEMMs, fused MoE
+    gemm.py         dense GEMM on prepacked weights, skinny decode matmul, quantized GEMMs and
+                    embedding rows, fused MoE
     lora.py         batched LoRA (punica's shrink / expand, per-token adapter slot) and its reference
     reference.py    the PyTorch reference of each kernel (the fallback, and what tests compare against)
 
@@ -24,7 +25,7 @@ from armserve.kernels.elementwise import (  # noqa: F401
 )
 from armserve.kernels.gemm import (  # noqa: F401
     dense, fused_moe, gemm_bf16, gemm_f32, gemv, pack_bf16, pack_f32, packed_bf16_shape, packed_f32_shape, qgemm,
-    qgemm_dense, quantize_act,
+    qembedding, qgemm_dense, quantize_act,
 )
 from armserve.kernels.library import (  # noqa: F401
     KernelError, amx_available, available, bf16_dot, bind_threads, compiled_variants, cpu_features, dense_f32_isa,

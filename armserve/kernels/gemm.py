@@ -1,5 +1,6 @@
 """Matmuls: the dense GEMM on weights prepacked at load (bf16 and float32), the skinny decode
-matmul, the int8-activation GEMMs of quantized weights, and the fused MoE expert pass.
+matmul, the int8-activation GEMMs of quantized weights (and embedding rows gathered from such a
+weight), and the fused MoE expert pass.
 
 `dense` decides for itself (with the kernels off it unpacks the weight for PyTorch); the others
 always run their kernel, their callers having chosen: the weight format at load, `gemv`'s row
@@ -144,6 +145,21 @@ def qgemm_dense(fmt: str, out: torch.Tensor, col: int, x: torch.Tensor, packed: 
     call("armserve_gemm_q_bf16", 0 if fmt == "w4" else 1, DTYPE_CODES[out.dtype],
          out.data_ptr() + col * out.element_size(), x.data_ptr(), packed.data_ptr(), x.shape[0], n, x.shape[1],
          group, out.stride(0))
+
+
+def qembedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, k: int, group: int, dtype: torch.dtype,
+               start: int = 0, exact: torch.Tensor | None = None) -> torch.Tensor:
+    """Embedding rows [m, k] of `dtype` for int64 ids [m] from a table of n rows kept as a packed "w4"
+    or "w8" weight (csrc/qgemm.h): row ids[i] - start dequantized, zeros where that is outside [0, n).
+    `exact`: float32 [n, k / group, 2] (scale, scale * zero point) of a w4 table whose scales are not
+    float16 values (GGUF Q4_K), used instead of the packed float16 ones."""
+    assert ids.dtype == torch.int64 and ids.dim() == 1
+    assert exact is None or (exact.dtype == torch.float32 and exact.is_contiguous() and fmt == "w4")
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], k, dtype=dtype)
+    call("armserve_qembedding", 0 if fmt == "w4" else 1, DTYPE_CODES[dtype], out.data_ptr(), packed.data_ptr(),
+         None if exact is None else exact.data_ptr(), ids.data_ptr(), ids.shape[0], start, n, k, group)
+    return out
 
 
 _MOE_FORMATS = {"w4": 0, "w8": 1, "bf16": 2}

@@ -214,3 +214,15 @@ def qgemm_dense_ref(x: torch.Tensor, qt: QuantizedTensor) -> torch.Tensor:
 
     w = kernel_scales(qt).dequantize().to(torch.bfloat16)
     return (x.double() @ w.double().T).to(x.dtype)
+
+
+def qembedding_ref(ids: torch.Tensor, qt: QuantizedTensor, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+    """What `kernels.qembedding` computes: rows ids - start of the dequantized table `qt` (its own
+    scales, float32) rounded to `dtype`, zero rows where ids - start is outside the table."""
+    from armserve.quantization.formats import QuantizedTensor
+
+    local = ids - start
+    outside = (local < 0) | (local >= qt.codes.shape[0])
+    r = local.masked_fill(outside, 0)
+    rows = QuantizedTensor(qt.fmt, qt.codes[r], qt.scales[r], None if qt.szp is None else qt.szp[r], qt.group)
+    return rows.dequantize().to(dtype).masked_fill_(outside.unsqueeze(-1), 0)

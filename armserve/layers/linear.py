@@ -156,8 +156,9 @@ class Linear(nn.Module):
         self.split.load(getattr(self, name), shard, tensor)
 
     def finalize(self) -> None:
-        """Repack the weight into the kernel layout once (process_weights_after_loading)."""
-        if kernels.use_kernel("dense_pack", self.weight):
+        """Repack the weight into the kernel layout once (process_weights_after_loading; again
+        later does nothing)."""
+        if self.weight is not None and kernels.use_kernel("dense_pack", self.weight):
             pack = kernels.pack_f32 if self.weight.dtype == torch.float32 else kernels.pack_bf16
             self.packed = pack(self.weight.data)
             self.weight = None  # the packed copy is the weight now
@@ -254,11 +255,22 @@ class ParallelLMHead(Linear):
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         super().__init__(hidden_size, vocab_size, False, _vocab_split(vocab_size, hidden_size, get_parallel_context()))
 
+    def weight_loader(self, name: str, tensor: torch.Tensor, shard: Any = "all") -> None:
+        super().weight_loader(name, tensor, shard)
+        # Packed as soon as loaded: the largest matrix of most models, its float copy would
+        # otherwise wait beside every other weight until the load ends (a peak of one more head).
+        self.finalize()
+
 
 class VocabEmbedding(nn.Module):
     """Token embedding table (left uninitialised until the checkpoint fills it). Under tensor
     parallelism each rank holds a share of the rows, looks up the ids it holds (zeros for the
-    others), and the all-reduce puts the rows together."""
+    others), and the all-reduce puts the rows together.
+
+    A quantized checkpoint table (GGUF blocks) stays quantized: `weight_loader` keeps this rank's
+    rows as they came in `table` (no float weight), which the model turns into a lookup that
+    dequantizes only the rows asked for (quantization/embedding.py) once the weights are loaded.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
@@ -267,10 +279,21 @@ class VocabEmbedding(nn.Module):
         self.start = self.split.rows[0][2]
         self.group = tp.group if tp.world > 1 else None
         self.weight = _param(self.split.rows[0][3], hidden_size)
+        self.dtype = self.weight.dtype  # of the rows it returns
+        self.table: Any = None  # QuantizedTensor at load, then a quantization.embedding.QuantizedEmbedding
 
-    weight_loader = Linear.weight_loader  # this rank's rows of the checkpoint table
+    def weight_loader(self, name: str, tensor: Any, shard: Any = "all") -> None:
+        """This rank's rows of the checkpoint table: copied into `weight`, or kept quantized."""
+        if isinstance(tensor, torch.Tensor):
+            self.split.load(self.weight, shard, tensor)
+            return
+        self.table = self.split.take(shard, tensor)
+        self.weight = None  # never written: no float table
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is not None:  # ids of other ranks' rows come out as zeros
+            out = self.table(input_ids, self.start)
+            return out if self.group is None else self.group.all_reduce(out)
         if self.group is not None:
             local = input_ids - self.start
             outside = (local < 0) | (local >= self.weight.shape[0])

@@ -14,6 +14,7 @@ from armserve.layers.linear import ParallelContext, parallel_context
 from armserve.model_loader import gguf, safetensors
 from armserve.model_source import (ModelLoadError, ModelSource, bundled_model_path, generation_defaults,
                                    resolve_model_path)
+from armserve.memory import release_free_heap
 from armserve.models import UnsupportedArchitectureError, get_model_class, model_type_class
 from armserve.quantization import QuantizedTensor
 from armserve.quantization.checkpoint import armserve_quantization
@@ -154,4 +155,6 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         )
     model.process_weights_after_loading()  # repack the weights into the kernel layouts once
     model.eval()
+    release_free_heap()
     return model
+

@@ -7,6 +7,7 @@ kept as QuantizedTensors where they feed a linear layer, the rest dequantized.""
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from struct import error as struct_error
 from typing import Any, Iterator
@@ -14,6 +15,7 @@ from typing import Any, Iterator
 import torch
 
 from armserve.model_source import ModelLoadError, ModelSource
+from armserve.memory import release_free_heap
 from armserve.models import gguf_model_class
 from armserve.quantization import QuantizedTensor
 from armserve.quantization.gguf import convert
@@ -216,37 +218,57 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
     n_head = config.num_attention_heads
     n_kv = getattr(config, "num_key_value_heads", None) or n_head
     has_output = any(t.name == "output.weight" for t in reader.tensors)
-    for t in reader.tensors:
-        parts = t.name.split(".")
-        blk = parts[0] == "blk"
-        kind = parts[2] if blk else parts[0]
-        if blk and kind in _EXPERTS:
-            yield from _experts(t, parts, keep_quantized, path)
-            continue
-        base = (block_names if blk else names).get(kind)
-        if base is None:
-            continue
-        name = f"{layer_prefix}.{parts[1]}.{base}.{parts[3]}" if blk else f"{base}.{parts[1]}"
-        qt = None
-        if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
-            qt = convert(t.tensor_type.name, t.data)
-        w = qt if qt is not None else _dequantize(t, t.data, path)
-        if permute and kind in ("attn_q", "attn_k"):
-            w = _unpermute_qk(w, n_head if kind == "attn_q" else n_kv)
-        if isinstance(w, QuantizedTensor):
-            if kind == "token_embd":
-                # Lookups need float rows; a tied lm_head reads the same table as a quantized GEMM.
-                if not has_output:
-                    yield "lm_head.weight", w
-                w = w.dequantize()
+    tensors, mapping = list(reader.tensors), getattr(getattr(reader.data, "base", None), "_mmap", None)
+    # NOTE: the parsed header (one small array per vocabulary entry: ~250 MB for Qwen2.5's 151k
+    # tokens) is dropped before the weights come in, so that it does not add to the load's peak;
+    # the tensors' blocks stay reachable through their views of the file mapping.
+    del reader
+    release_reader()
+    release_free_heap()
+    for t in tensors:
+        try:
+            parts = t.name.split(".")
+            blk = parts[0] == "blk"
+            kind = parts[2] if blk else parts[0]
+            if blk and kind in _EXPERTS:
+                yield from _experts(t, parts, keep_quantized, path)
+                continue
+            base = (block_names if blk else names).get(kind)
+            if base is None:
+                continue
+            name = f"{layer_prefix}.{parts[1]}.{base}.{parts[3]}" if blk else f"{base}.{parts[1]}"
+            qt = None
+            if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
+                qt = convert(t.tensor_type.name, t.data)
+            w = qt if qt is not None else _dequantize(t, t.data, path)
+            if permute and kind in ("attn_q", "attn_k"):
+                w = _unpermute_qk(w, n_head if kind == "attn_q" else n_kv)
+            if isinstance(w, QuantizedTensor):
+                if kind == "token_embd" and not has_output:
+                    yield "lm_head.weight", w  # tied: the head's quantized GEMM and the lookups share the table
+                yield name, w
+                continue
+            if norm_offset and name.endswith("norm.weight"):
+                w -= norm_offset
+            if kind == "ffn_gate_inp_shexp" and w.dim() == 1:
+                w = w.unsqueeze(0)  # llama.cpp keeps Qwen2-MoE's shared-expert gate [hidden], HF [1, hidden]
             yield name, w
-            continue
-        if norm_offset and name.endswith("norm.weight"):
-            w -= norm_offset
-        if kind == "ffn_gate_inp_shexp" and w.dim() == 1:
-            w = w.unsqueeze(0)  # llama.cpp keeps Qwen2-MoE's shared-expert gate [hidden], HF [1, hidden]
-        yield name, w
-    release_reader()  # the weights are copies by now; the parsed header is no longer needed
+        finally:
+            _drop_pages(mapping, t)  # converted copies are what the model keeps, not the mapped blocks
+            release_free_heap()  # the conversion's temporaries, before they pile up in the heap
+
+
+def _drop_pages(mm: mmap.mmap | None, t) -> None:
+    """Unmap tensor `t`'s pages of the file mapping `mm` from this process (they stay in the page cache). The
+    reader maps the whole file and a load reads every tensor once: without this, the file's pages
+    count in the process's resident memory until the end of the load, on top of the converted
+    weights (the kernels read their own packed layout, so the mapped blocks are not kept)."""
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    first = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(mm), int(t.data_offset) + int(t.n_bytes))
+    if end > first:
+        mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def _experts(t, parts: list[str], keep_quantized: bool, path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,6 +23,7 @@ from armserve.layers.linear import (ColumnParallelLinear, Linear, ParallelLMHead
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from armserve.models.adapters import as_pooling_model
 from armserve.quantization import QuantizedLinear, QuantizedTensor, quantize_weight_int8
+from armserve.quantization.embedding import QuantizedEmbedding
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -240,18 +241,28 @@ class LlamaForCausalLM(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         """Prepack every weight for its GEMM kernel, once: bfloat16 / float32 dense weights and the
-        quantized layers' shards. A head tied to the embedding table gets a packed copy of it (the
-        lookup keeps the row-major table): vocab x hidden x 2 (4) more bytes, for the head's speed
-        at every batch size."""
+        quantized layers' shards. A quantized embedding table stays quantized (a tied head's packed
+        weight is its one copy). A head tied to a float table gets a packed copy of it (the lookup
+        keeps the row-major table): vocab x hidden x 2 (4) more bytes, for the head's speed at
+        every batch size."""
         for m in self.modules():
             if isinstance(m, (Linear, QuantizedLinear)):
                 m.finalize()
+        self._quantized_embedding()
         if self.lm_head is None and kernels.use_kernel("dense_pack", self.embed_tokens.weight):
             vocab, hidden = self.embed_tokens.weight.shape
             head = Linear(hidden, vocab)
             head.weight = nn.Parameter(self.embed_tokens.weight.data, requires_grad=False)
             head.finalize()
             object.__setattr__(self, "tied_head", head)  # not a submodule: its weight is the table's
+
+    def _quantized_embedding(self) -> None:
+        """A quantized embedding table loaded as such stays quantized; the tiles of a head tied to it
+        (loaded first, and packed as soon as loaded: quantization/linear.py) serve its lookups too."""
+        emb = self.embed_tokens
+        if isinstance(emb.table, QuantizedTensor):
+            head = self.lm_head if self.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear) else None
+            emb.table = QuantizedEmbedding(emb.table, emb.dtype, head)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -292,13 +303,16 @@ class LlamaForCausalLM(nn.Module):
                 module = self.get_submodule(path)
             except AttributeError:
                 module = None
-            if quantized or (isinstance(module, QuantizedLinear) and attr == "weight"):
+            if (quantized and not isinstance(module, VocabEmbedding)) or (isinstance(module, QuantizedLinear)
+                                                                          and attr == "weight"):
                 module = self._quantized_module(path, loaded)
             elif not isinstance(getattr(module, attr, None), nn.Parameter):
                 continue  # unknown extra tensors are ignored, like transformers does (or a bias of rank 0's only)
             try:
                 if hasattr(module, "weight_loader"):
                     module.weight_loader(attr, tensor, "all" if shard is None else shard)
+                    if quantized and isinstance(module, VocabEmbedding):
+                        self._quantized_embedding()  # packed now: the unpacked table never waits beside the rest
                 else:
                     _copy_whole(getattr(module, attr), tensor)
             except ValueError as e:

@@ -6,6 +6,7 @@
     quantize.py    the `armserve quantize` command (import it from there: it reads the model
                    through model_loader, which imports this package)
     linear.py      QuantizedLinear: int8 activations times int4 / int8 weights on the qgemm kernels
+    embedding.py   QuantizedEmbedding: a token table kept quantized, rows dequantized per lookup
 
 The kernels' PyTorch references (quantize_act_ref, qlinear_ref, qgemm_dense_ref) are in
 armserve/kernels/reference.py.

@@ -181,7 +181,23 @@ def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
 
 def pack(qt: QuantizedTensor) -> torch.Tensor:
     """The packed bytes the qgemm kernels read (csrc/qgemm.h): 16-row tiles, each group's weight
-    chunks followed by its scales (w4: float16 s and s * zero point; w8: float32 s)."""
+    chunks followed by its scales (w4: float16 s and s * zero point; w8: float32 s). Packed a few
+    MB of rows at a time into the result, so that the temporaries stay small beside it (an LM head
+    is 100M+ weights)."""
+    n, k = qt.codes.shape
+    tile = (8 * k if qt.fmt == "w4" else 16 * k) + 64 * (k // qt.group)  # bytes of a 16-row tile
+    out = torch.empty(-(-n // 16) * tile, dtype=torch.uint8)
+    step = max(16, (1 << 22) // k // 16 * 16)
+    for r in range(0, n, step):
+        e = min(r + step, n)
+        szp = None if qt.szp is None else qt.szp[r:e]
+        part = _pack_rows(QuantizedTensor(qt.fmt, qt.codes[r:e], qt.scales[r:e], szp, qt.group))
+        out[r // 16 * tile:r // 16 * tile + part.numel()] = part
+    return out
+
+
+def _pack_rows(qt: QuantizedTensor) -> torch.Tensor:
+    """`pack` of rows that fit in memory several times over."""
     n, k = qt.codes.shape
     g = qt.group
     n_pad = -(-n // 16) * 16

@@ -125,6 +125,20 @@ _CONVERTERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q8_0
 
 def convert(type_name: str, data: np.ndarray) -> QuantizedTensor | None:
     """armserve format of one GGUF tensor's raw blocks ([rows, bytes per row]), or None when
-    `type_name` has no direct conversion."""
+    `type_name` has no direct conversion. Converted a few MB of blocks at a time into the result:
+    the unpacking's temporaries (several times the blocks' size) stay small beside it."""
     fn = _CONVERTERS.get(type_name)
-    return None if fn is None else fn(data)
+    if fn is None:
+        return None
+    rows = data.shape[0]
+    step = max(1, (1 << 22) // max(1, data.shape[1]))
+    first = fn(data[:step])
+    if rows <= step:
+        return first
+    parts = [t for t in (first.codes, first.scales, first.szp) if t is not None]
+    full = [torch.empty((rows, *t.shape[1:]), dtype=t.dtype) for t in parts]
+    for r in range(0, rows, step):
+        got = first if r == 0 else fn(data[r:r + step])
+        for dst, src in zip(full, (t for t in (got.codes, got.scales, got.szp) if t is not None)):
+            dst[r:r + src.shape[0]] = src
+    return QuantizedTensor(first.fmt, full[0], full[1], full[2] if len(full) > 2 else None, first.group)

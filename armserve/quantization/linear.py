@@ -84,9 +84,16 @@ class QuantizedLinear(nn.Module):
         if qt.shape != (rows, self.in_features):
             raise ValueError(f"quantized shard {shard} has shape {qt.shape}, expected {(rows, self.in_features)}")
         self._pending[shard] = qt
+        if len(self._pending) == len(self.shards):
+            # NOTE: packed as soon as the layer is complete, not after the whole checkpoint: the
+            # unpacked codes (a byte per 4-bit weight) then never pile up beside the packed ones.
+            self.finalize()
 
     def finalize(self) -> None:
-        """Concatenate same-format shards and repack them for the kernels (once, at load)."""
+        """Concatenate same-format shards and repack them for the kernels (once, at load; again
+        later does nothing)."""
+        if self.parts and not self._pending:
+            return
         missing = [s for s, _ in self.shards if s not in self._pending]
         if missing:
             raise ValueError(f"quantized layer is missing shard(s) {missing}")
@@ -94,9 +101,14 @@ class QuantizedLinear(nn.Module):
         shards = (self._pending[s] for s, _ in self.shards)
         for (fmt, group), same in itertools.groupby(shards, key=lambda q: (q.fmt, q.group)):
             run = list(same)
-            szp = torch.cat([q.szp for q in run]) if fmt == "w4" else None
-            qt = kernel_scales(QuantizedTensor(fmt, torch.cat([q.codes for q in run]),
-                                               torch.cat([q.scales for q in run]), szp, group))
+
+            def cat(ts: list[torch.Tensor]) -> torch.Tensor:
+                return ts[0] if len(ts) == 1 else torch.cat(ts)  # (one shard: no copy)
+
+            szp = cat([q.szp for q in run]) if fmt == "w4" else None
+            qt = kernel_scales(QuantizedTensor(fmt, cat([q.codes for q in run]), cat([q.scales for q in run]), szp,
+                                               group))
+            del run
             # (the PyTorch path, `ref`, then applies the kernels' scales too)
             n = qt.codes.shape[0]
             packed = pack(qt) if kernels.use_kernel("qgemm_pack", qt.codes) else None
