@@ -69,7 +69,7 @@ class ModernBertLayer(nn.Module):
         self.approximate = _APPROXIMATE[config.hidden_activation]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: _Batch) -> torch.Tensor:
-        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         qkv = self.Wqkv(self.attn_norm(x))
         q, k, _ = qkv.split(H * D, dim=-1)
         self.rotary(positions, q, k)  # in place on the views of qkv
