@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from armserve.engine.async_llm import merge_delta_outputs
+from armserve.engine.request_stream import merge_delta_outputs
 from armserve.entrypoints.reasoning import ReasoningParser
 from armserve.outputs import CompletionOutput, Logprob, RequestOutput
 

@@ -34,94 +34,18 @@ from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand
 from armserve.engine.core_client import ProcessCore, ThreadCore, engine_process_default
 from armserve.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
+from armserve.engine.request_stream import RequestStream, deliver
 from armserve.pooling_params import PoolingParams
 from armserve.engine.stat_loggers import LoggingStatLogger, StatLogger, combine_stats
 from armserve.engine.stats import IterationStats, SchedulerStats
 from armserve.memory import release_free_heap
 from armserve.model_source import resolve_model_path
-from armserve.outputs import CompletionOutput, RequestOutput
+from armserve.outputs import RequestOutput
 from armserve.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "RequestStream", "merge_delta_outputs"]
+__all__ = ["AsyncLLM", "RequestStream"]
 
 logger = logging.getLogger("armserve")
-
-
-# ---- per-request streams ---------------------------------------------------------------------
-
-
-def merge_delta_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """Join two consecutive delta outputs of one request into one (`b` came later)."""
-    comps: dict[int, CompletionOutput] = {
-        c.index: replace(c, token_ids=list(c.token_ids), logprobs=None if c.logprobs is None else list(c.logprobs))
-        for c in a.outputs
-    }
-    for c in b.outputs:
-        prev = comps.get(c.index)
-        if prev is None:
-            comps[c.index] = c
-            continue
-        prev.text += c.text
-        prev.token_ids.extend(c.token_ids)
-        if c.logprobs is not None:
-            prev.logprobs = (prev.logprobs or []) + list(c.logprobs)
-        prev.cumulative_logprob = c.cumulative_logprob
-        prev.finish_reason = c.finish_reason
-        prev.stop_reason = c.stop_reason
-    # (prompt_logprobs are cumulative in the engine: the later output has them all)
-    return replace(b, outputs=[comps[i] for i in sorted(comps)])
-
-
-class RequestStream:
-    """The outputs of one request as an async iterator of deltas.
-
-    When the reader falls behind, queued deltas are merged, so a slow client gets fewer,
-    larger chunks instead of an ever-growing backlog. Closing an unfinished stream aborts
-    the request, which frees its KV blocks at once.
-    """
-
-    def __init__(self, request_id: str, owner: "AsyncLLM", loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._owner = owner
-        self._loop = loop
-        self._items: deque[RequestOutput | BaseException] = deque()
-        self._ready = asyncio.Event()
-        self._closed = False
-
-    def _put(self, item: RequestOutput | BaseException) -> None:  # event-loop thread only
-        self._items.append(item)
-        self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        """The next output (merged deltas); raises the engine's error if the request failed."""
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._items.popleft()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        while self._items and isinstance(self._items[0], RequestOutput):
-            item = merge_delta_outputs(item, self._items.popleft())  # type: ignore[arg-type]
-        if item.finished:
-            self.finished = True
-        return item
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        return await self.get()
-
-    def close(self) -> None:
-        """Stop reading; aborts the request if it has not finished. Safe to call twice."""
-        if not self._closed:
-            self._closed = True
-            if not self.finished:
-                self._owner.abort(self.request_id)
 
 
 # ---- the frontend ----------------------------------------------------------------------------
@@ -420,13 +344,13 @@ class AsyncLLM:
                 continue
             by_engine.setdefault(live.engine, []).append(rid)
             self._end(rid, live, error, deliveries)
-        _deliver(deliveries)
+        deliver(deliveries)
         return by_engine
 
     def _end(self, request_id: str, live: _Live, error: RequestFailedError,
              deliveries: list[tuple[RequestStream, Any]]) -> None:
         """Forget one request and hand `error` to its caller: its pending add_request now, or its
-        stream through `deliveries` (for `_deliver`)."""
+        stream through `deliveries` (for `deliver`)."""
         self._forget(request_id)
         if not _answer(live, error):
             deliveries.append((live.stream, error))
@@ -440,7 +364,7 @@ class AsyncLLM:
         deliveries: list[tuple[RequestStream, Any]] = []
         self._end(request_id, live, RequestTimeoutError(
             f"the request did not finish within its deadline of {seconds:g} s"), deliveries)
-        _deliver(deliveries)
+        deliver(deliveries)
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
         """Abort requests (thread-safe); their KV blocks are freed before the next step."""
@@ -483,7 +407,7 @@ class AsyncLLM:
                 deliveries.append((live.stream, out))
             # Recorded first: a client that sees its request finish finds it in the metrics.
             self._record(engine, snap, it)
-            _deliver(deliveries)
+            deliver(deliveries)
         elif kind == "accepted":
             _, rid, error = msg
             live = self._live.get(rid)
@@ -592,18 +516,6 @@ class AsyncLLM:
         self._fail_requests(error)
 
 
-def _deliver(deliveries: list[tuple[RequestStream, Any]]) -> None:
-    """Hand outputs to their event loops: one thread-safe callback per loop per step."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
-    for stream, item in deliveries:
-        by_loop.setdefault(stream._loop, []).append((stream, item))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:
-            pass  # that event loop is closed: nobody is listening
-
-
 def _answer(live: _Live, error: BaseException | None) -> bool:
     """Answer the request's pending add_request (accepted, or `error`); False if none is pending."""
     fut, live.accepted = live.accepted, None
@@ -623,8 +535,3 @@ def _resolve(fut: asyncio.Future, error: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(error)
-
-
-def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
-    for stream, item in items:
-        stream._put(item)
