@@ -52,6 +52,12 @@ def test_running_server_frontend_has_no_torch(server, tokenizer_dir):
     assert "libtorch" not in _maps(pid)
     cores = [c for c in _children(pid) if "libtorch" in _maps(c)]
     assert cores, "no engine core child maps libtorch: the check above proves nothing"
+    # the kernels the engine runs, reported by the engine (the front end loads none of them)
+    from armserve import kernels
+
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("armserve:kernels_info{"))
+    assert f'isa="{kernels.isa()}"' in line and 'available="true"' in line and line.endswith(" 1.0"), line
 
 
 def test_embedding_server_frontend_has_no_torch(embed_server):

@@ -15,7 +15,9 @@ BUILT_IN = {"x86_64": ["scalar", "avx2", "avx512", "amx_bf16"], "aarch64": ["sca
 
 
 def kernels_info(metrics: PrometheusMetrics) -> dict:
-    """The labels of the one `armserve:kernels_info` series, whose value must be 1."""
+    """The labels of the one `armserve:kernels_info` series, whose value must be 1, once the
+    engine's kernels.status() is set (a server sets it from its engine's "ready" report)."""
+    metrics.set_kernels(kernels.status())
     lines = [ln for ln in metrics.render().decode().splitlines() if ln.startswith("armserve:kernels_info{")]
     assert len(lines) == 1 and lines[0].endswith(" 1.0"), lines
     return dict(re.findall(r'(\w+)="([^"]*)"', lines[0]))

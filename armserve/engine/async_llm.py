@@ -166,6 +166,12 @@ class AsyncLLM:
     # ---- public API (any thread / the event loop) ------------------------------------------
 
     @property
+    def kernels_status(self) -> dict[str, str] | None:
+        """The engine's kernel library (kernels.status(), from its "ready" message; None for a
+        backend that does not report it)."""
+        return self._ready_info.get("kernels")
+
+    @property
     def is_running(self) -> bool:
         return self._dead is None and all(c.alive() for c in self._cores)
 

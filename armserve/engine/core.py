@@ -39,6 +39,7 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from armserve import kernels
 from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
 from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand, StopCommand
 from armserve.engine.llm_engine import LLMEngine
@@ -109,7 +110,8 @@ class EngineCore:
             self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size,
                                  "input": replace(engine.input_processor, tokenizer=None),
                                  "kv_cache_space": engine.config.kv_cache_space,
-                                 "tokenizer": engine.tokenizer if send_tokenizer else None}))
+                                 "tokenizer": engine.tokenizer if send_tokenizer else None,
+                                 "kernels": kernels.status()}))
             while True:
                 if not self._drain(block=not engine.has_unfinished_requests()):
                     break

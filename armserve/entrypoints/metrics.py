@@ -26,7 +26,6 @@ from prometheus_client import (
 )
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the server)
 
-from armserve import kernels
 from armserve.engine.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -117,6 +116,11 @@ class PrometheusMetrics:
 
     REJECTION_REASONS = ("overloaded", "body_too_large", "body_timeout", "draining")
 
+    def set_kernels(self, status: dict[str, str]) -> None:
+        """`armserve:kernels_info` from the engine's kernels.status()."""
+        self._kernels.clear()
+        self._kernels.labels(**status).set(1)
+
     def __init__(self, model_name: str, num_engines: int = 1) -> None:
         disable_created_metrics()  # the *_created series only double the size of a scrape
         self.registry = r = CollectorRegistry()
@@ -126,10 +130,11 @@ class PrometheusMetrics:
         labels = ["model_name", "engine"]
         # armserve's own (no vLLM twin): 1, with the kernel variant in use (`torch` on the PyTorch
         # path, then available="false" and the reason), so a dashboard sees a server running slow.
-        Gauge("armserve:kernels_info", "The C++ kernel library: the variant in use, the variants built in, and "
-              "why it is unavailable.", ["isa", "available", "variants", "reason"], registry=r).labels(
-            isa=kernels.isa(), available=str(kernels.available()).lower(),
-            variants=" ".join(kernels.compiled_variants()), reason=kernels.load_error() or "").set(1)
+        # Set from the engine's report (`set_kernels`): this process (a server's front end) never
+        # loads the kernels or torch.
+        self._kernels = Gauge("armserve:kernels_info", "The C++ kernel library: the variant in use, the variants "
+                              "built in, and why it is unavailable.", ["isa", "available", "variants", "reason"],
+                              registry=r)
 
         # armserve:<name>, and with `twin` also vllm:<name> (a series vLLM exports under that name
         # and meaning), updated together
@@ -209,7 +214,9 @@ class PrometheusMetrics:
     def set_cache_config(self, engine: Any) -> None:
         """vLLM's `cache_config_info` of a started `AsyncLLM`: a gauge at 1 whose labels are its KV
         cache's configuration, with vLLM's CacheConfig names (the CPU KV cache is what vLLM's CPU
-        backend counts in num_gpu_blocks), one series per engine."""
+        backend counts in num_gpu_blocks), one series per engine; and its kernels (`set_kernels`)."""
+        if engine.kernels_status is not None:
+            self.set_kernels(engine.kernels_status)
         cfg, ip = engine.config, engine.input_processor
         info = {"block_size": ip.block_size, "cache_dtype": cfg.kv_cache_dtype,
                 "enable_prefix_caching": cfg.enable_prefix_caching, "num_gpu_blocks": ip.num_kv_blocks,

@@ -30,6 +30,6 @@ from armserve.kernels.gemm import (  # noqa: F401
 from armserve.kernels.library import (  # noqa: F401
     KernelError, amx_available, available, bf16_dot, bind_threads, compiled_variants, cpu_features, dense_f32_isa,
     dense_isa, fallback_notice, isa, library_path, load_error, native_bf16, openmp_library, openmp_runtimes,
-    qgemm_isa, select_isa, set_amx, set_bf16_dot, supported_isas, thread_cores,
+    qgemm_isa, select_isa, set_amx, set_bf16_dot, status, supported_isas, thread_cores,
 )
 from armserve.kernels.lora import lora_expand_, lora_expand_ref, lora_shrink, lora_shrink_ref  # noqa: F401

@@ -222,6 +222,13 @@ def compiled_variants() -> list[str]:
     return lib.armserve_compiled_variants().decode().split() if lib is not None else []
 
 
+def status() -> dict[str, str]:
+    """The kernel library as /metrics reports it (`armserve:kernels_info`): the variant in use
+    (`torch` on the PyTorch path), whether it loaded, the variants built in, and why not."""
+    return {"isa": isa(), "available": str(available()).lower(), "variants": " ".join(compiled_variants()),
+            "reason": load_error() or ""}
+
+
 def library_path() -> str | None:
     """The kernel library file that is (or would be) loaded."""
     return _library_path()
