@@ -21,6 +21,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -106,7 +107,8 @@ def _read_tensors(req: LoRARequest) -> dict[str, torch.Tensor]:
     raise LoRAError(f"{where}: adapter_model.safetensors is missing")
 
 
-def _read_peft(req: LoRARequest, shapes: dict[tuple[int, str], tuple[int, int]]):
+def _read_peft(req: LoRARequest, shapes: dict[tuple[int, str], tuple[int, int]]
+               ) -> tuple[dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]], Callable[[str, int], float]]:
     """(layer, module) -> (module name, {"A", "B"}) of a PEFT folder, and its scaling(name, r)."""
     where = f"LoRA adapter {req.lora_name!r} ({req.lora_path})"
     cfg = _read_config(req)

@@ -26,6 +26,8 @@ from armserve.models import UnsupportedArchitectureError, gguf_model_class
 logger = logging.getLogger(__name__)
 
 _TENSOR = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+# (layer, module) -> (the tensor's name, {"A": lora_a, "B": lora_b}), as adapter.py's PEFT reader gives them
+Parts = dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]]
 
 
 def _arch_fits(arch: str, model_cls: type) -> bool:
@@ -41,7 +43,7 @@ def _arch_fits(arch: str, model_cls: type) -> bool:
 
 
 def read_gguf_lora(req: LoRARequest, model_cls: type, heads: tuple[int, int],
-                   out_features: dict[tuple[int, str], int]) -> tuple[dict, float]:
+                   out_features: dict[tuple[int, str], int]) -> tuple[Parts, float]:
     """(layer, module) -> (tensor name, {"A": [r, in], "B": [out, r]}) of `req`'s GGUF file, q/k's B
     back in Hugging Face row order, and the file's alpha (0: llama.cpp's scaling 1). `heads`: the
     base's (attention heads, KV heads); `out_features`: each module's output rows. LoRAError naming
@@ -69,7 +71,7 @@ def read_gguf_lora(req: LoRARequest, model_cls: type, heads: tuple[int, int],
                         "(an adapter for another model?)")
     names = {**BLOCK_NAMES, **model_cls.gguf_block_names}
     permuted = model_cls.gguf_permuted_qk
-    parts: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]] = {}
+    parts: Parts = {}
     for t in reader.tensors:
         m = _TENSOR.match(t.name)
         if m is None:
