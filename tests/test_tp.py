@@ -159,11 +159,12 @@ def linear_kinds(llm: LLM) -> dict[str, str]:
             if isinstance(m, (Linear, QuantizedLinear))}
 
 
-def write_llama_gguf(hf_folder: str, path: str) -> None:
+def write_llama_gguf(hf_folder: str, path: str, f32: bool = False) -> None:
     """A tiny Llama checkpoint as llama.cpp lays out a `llama` GGUF (q/k rows permuted for its
     rotary), its types mixed as K-quant files mix them: q and the MLP in Q4_0 blocks, v, the
     output projection and down in Q8_0, k in F32 (int8 beside its quantized q and v), the token
-    table in Q8_0 and no `output` tensor (the LM head is the table, as a quantized GEMM)."""
+    table in Q8_0 and no `output` tensor (the LM head is the table, as a quantized GEMM).
+    `f32`: a faithful copy instead: every tensor in F32, and the checkpoint's own LM head."""
     import json
 
     import numpy as np
@@ -187,10 +188,13 @@ def write_llama_gguf(hf_folder: str, path: str) -> None:
         if heads:  # llama.cpp's rotary row order
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         a = np.ascontiguousarray(t.float().numpy())
+        qtype = Q.F32 if f32 else qtype
         w.add_tensor(name, a if qtype == Q.F32 else quantize(a, qtype), raw_dtype=None if qtype == Q.F32 else qtype)
 
     add("token_embd.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
     add("output_norm.weight", sd["model.norm.weight"])
+    if f32 and "lm_head.weight" in sd:
+        add("output.weight", sd["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])

@@ -1,4 +1,5 @@
-"""A PEFT LoRA adapter folder, read and checked against the base model it will run on.
+"""A LoRA adapter, read and checked against the base model it will run on: a PEFT folder (here)
+or a llama.cpp GGUF LoRA file (gguf_adapter.py).
 
     folder/adapter_config.json          r, lora_alpha, use_rslora, target_modules, rank_pattern,
                                         alpha_pattern (PEFT's LoraConfig)
@@ -6,7 +7,8 @@
                                         .lora_A.weight [r, in] / .lora_B.weight [out, r]
     (or adapter_model.bin, the older torch.save format)
 
-Each module's delta is scaling * B @ A with scaling = alpha / r (rsLoRA: alpha / sqrt(r)); the
+Each module's delta is scaling * B @ A with scaling = alpha / r (rsLoRA: alpha / sqrt(r); a GGUF
+file: its one adapter.lora.alpha / r, or 1 without an alpha, as llama.cpp scales it); the
 scaling is folded into B here, once, so a module's rank and alpha may differ from the config's
 (rank_pattern / alpha_pattern) at no cost in the batch. Anything the engine cannot apply faithfully
 (DoRA, biases, embedding or head targets, modules_to_save) is refused by name, never ignored.
@@ -19,6 +21,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -53,7 +56,7 @@ def _pattern_value(patterns: dict, module_name: str, default):
 def _read_config(req: LoRARequest) -> dict:
     where = f"LoRA adapter {req.lora_name!r} ({req.lora_path})"
     if not os.path.isdir(req.lora_path):
-        raise LoRAError(f"{where}: no such folder")
+        raise LoRAError(f"{where}: no such folder or file")
     path = os.path.join(req.lora_path, "adapter_config.json")
     try:
         with open(path) as f:
@@ -104,13 +107,13 @@ def _read_tensors(req: LoRARequest) -> dict[str, torch.Tensor]:
     raise LoRAError(f"{where}: adapter_model.safetensors is missing")
 
 
-def load_adapter(req: LoRARequest, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int) -> LoRAAdapter:
-    """Read `req`'s folder and check it against the base: `shapes[(layer, module)]` = (in, out)
-    features of each module the base lets an adapter target. LoRAError naming any problem."""
+def _read_peft(req: LoRARequest, shapes: dict[tuple[int, str], tuple[int, int]]
+               ) -> tuple[dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]], Callable[[str, int], float]]:
+    """(layer, module) -> (module name, {"A", "B"}) of a PEFT folder, and its scaling(name, r)."""
     where = f"LoRA adapter {req.lora_name!r} ({req.lora_path})"
     cfg = _read_config(req)
     tensors = _read_tensors(req)
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    parts: dict[tuple[int, str], tuple[str, dict[str, torch.Tensor]]] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None:
@@ -123,26 +126,51 @@ def load_adapter(req: LoRARequest, shapes: dict[tuple[int, str], tuple[int, int]
                             f"{', '.join(TARGET_MODULES)}")
         if (layer, module) not in shapes:
             raise LoRAError(f"{where}: {key} targets layer {layer} {module}, which the base model does not have")
-        parts.setdefault((layer, module), {})[ab] = t
+        block = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        parts.setdefault((layer, module), (f"model.layers.{layer}.{block}.{module}", {}))[1][ab] = t
+    alpha0, rslora = cfg.get("lora_alpha", cfg["r"]), bool(cfg.get("use_rslora"))
+
+    def scaling(name: str, r: int) -> float:
+        alpha = _pattern_value(cfg.get("alpha_pattern"), name, alpha0)
+        return alpha / math.sqrt(r) if rslora else alpha / r
+
+    return parts, scaling
+
+
+def load_adapter(req: LoRARequest, shapes: dict[tuple[int, str], tuple[int, int]], max_rank: int,
+                 model_cls: type, heads: tuple[int, int]) -> LoRAAdapter:
+    """Read `req`'s PEFT folder or llama.cpp GGUF LoRA file and check it against the base:
+    `shapes[(layer, module)]` = (in, out) features of each module the base lets an adapter target;
+    `model_cls` and `heads` (attention heads, KV heads): the base's family and heads, for a GGUF
+    file's architecture, tensor names and q/k row order. LoRAError naming any problem."""
+    where = f"LoRA adapter {req.lora_name!r} ({req.lora_path})"
+    if os.path.isfile(req.lora_path):
+        from armserve.lora.gguf_adapter import read_gguf_lora
+
+        parts, alpha = read_gguf_lora(req, model_cls, heads, {key: n for key, (_, n) in shapes.items()})
+
+        def scaling(name: str, r: int) -> float:
+            return alpha / r if alpha else 1.0  # llama.cpp's llama_adapter_lora_weight::get_scale
+
+        a_name, b_name = "lora_a", "lora_b"
+    else:
+        parts, scaling = _read_peft(req, shapes)
+        a_name, b_name = "lora_A", "lora_B"
     if not parts:
         raise LoRAError(f"{where}: the adapter holds no LoRA weights")
     adapter = LoRAAdapter(req, 0)
-    alpha0, rslora = cfg.get("lora_alpha", cfg["r"]), bool(cfg.get("use_rslora"))
-    for (layer, module), ab in sorted(parts.items()):
-        name = f"model.layers.{layer}.{'mlp' if module in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{module}"
+    for (layer, module), (name, ab) in sorted(parts.items()):
         if set(ab) != {"A", "B"}:
-            raise LoRAError(f"{where}: {name} has lora_{'A' if 'A' in ab else 'B'} but no "
-                            f"lora_{'B' if 'A' in ab else 'A'}")
+            have, lack = (a_name, b_name) if "A" in ab else (b_name, a_name)
+            raise LoRAError(f"{where}: {name} has {have} but no {lack}")
         a, b = ab["A"], ab["B"]
         k, n = shapes[(layer, module)]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != (r, k) or tuple(b.shape) != (n, r):
-            raise LoRAError(f"{where}: {name} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this base "
-                            f"model needs [r, {k}] and [{n}, r] (an adapter for another model?)")
+            raise LoRAError(f"{where}: {name} has {a_name} {tuple(a.shape)} and {b_name} {tuple(b.shape)}; this "
+                            f"base model needs [r, {k}] and [{n}, r] (an adapter for another model?)")
         if r > max_rank:
             raise LoRAError(f"{where}: {name} has rank {r}, above max_lora_rank {max_rank} (raise --max-lora-rank)")
-        alpha = _pattern_value(cfg.get("alpha_pattern"), name, alpha0)
-        scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        adapter.weights[(layer, module)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
+        adapter.weights[(layer, module)] = (a.float().contiguous(), (b.float() * scaling(name, r)).contiguous())
         adapter.rank = max(adapter.rank, r)
     return adapter

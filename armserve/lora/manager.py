@@ -1,6 +1,6 @@
 """Adapters the engine serves: an LRU of adapters read onto the CPU and the slots of one batch.
 
-    add(LoRARequest)        read and check the folder (LoRAError naming the problem), cached;
+    add(LoRARequest)        read and check the folder or GGUF file (LoRAError naming the problem), cached;
                             past `max_cpu_loras` the least recently used adapter is dropped
                             (read again from its folder if a request needs it later)
     slots_for(requests)     the slot of each adapter a step runs, loaded into the layers' slot
@@ -37,6 +37,11 @@ class LoRAManager:
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.scales = torch.ones(max_loras, dtype=torch.float32)
         self.layers: list[tuple[int, LoRAWeights]] = []
+        # the base's family and (attention, KV) heads: what a GGUF LoRA file's names and q/k rows follow
+        self.model_cls = type(model)
+        config = getattr(model, "config", None)
+        heads = getattr(config, "num_attention_heads", 1)
+        self.heads = (heads, getattr(config, "num_key_value_heads", None) or heads)
         self.shapes: dict[tuple[int, str], tuple[int, int]] = {}  # (layer, module) -> (in, out) features
         for i, layer in enumerate(getattr(model, "layers", [])):
             for block, name in _LAYERS:
@@ -71,7 +76,7 @@ class LoRAManager:
                                 f"({cached.request.lora_path}); give each adapter its own id")
             self.cpu.move_to_end(req.lora_int_id)
             return cached
-        adapter = load_adapter(req, self.shapes, self.max_rank)
+        adapter = load_adapter(req, self.shapes, self.max_rank, self.model_cls, self.heads)
         self.cpu[req.lora_int_id] = adapter
         while len(self.cpu) > self.max_cpu_loras:
             self.cpu.popitem(last=False)

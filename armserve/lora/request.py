@@ -13,7 +13,8 @@ class LoRAError(ValueError):
 class LoRARequest:
     """An adapter: `lora_name` (what a server's `model` field names it), `lora_int_id` (a positive
     id unique per adapter: the KV cache and the adapter caches key on it) and `lora_path` (a PEFT
-    folder: adapter_config.json + adapter_model.safetensors). Positional `(name, id, path)` works.
+    folder: adapter_config.json + adapter_model.safetensors, or a llama.cpp GGUF LoRA file).
+    Positional `(name, id, path)` works.
     `base_model_name`: the model it was trained on, as `/v1/models` reports it (optional)."""
 
     lora_name: str

@@ -27,7 +27,7 @@ _NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_BLOCK_NAMES = {
+BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -102,14 +102,14 @@ def read_config(src: ModelSource):
     from transformers import AutoConfig
 
     reader = _reader(os.path.join(src.folder, src.gguf_file))
-    cls = gguf_model_class(_field(reader, "general.architecture") or "")
+    cls = gguf_model_class(header_field(reader, "general.architecture") or "")
 
     def read():
         with shared_with_transformers(src):
             return AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
 
     tensors = {t.name: t.data for t in reader.tensors}
-    return cls.gguf_config(lambda key: _field(reader, key), tensors, read)
+    return cls.gguf_config(lambda key: header_field(reader, key), tensors, read)
 
 
 # llama.cpp's `{arch}.pooling_type` (enum llama_pooling_type: 0 none, 4 rank) -> armserve's pooling
@@ -166,10 +166,10 @@ def wordpiece_tokenizer(src: ModelSource):
 
 def tokenizer_model(src: ModelSource) -> str | None:
     """`tokenizer.ggml.model` of a GGUF file (gpt2, llama, bert, ...)."""
-    return _field(_reader(os.path.join(src.folder, src.gguf_file)), "tokenizer.ggml.model")
+    return header_field(_reader(os.path.join(src.folder, src.gguf_file)), "tokenizer.ggml.model")
 
 
-def _field(reader, key: str):
+def header_field(reader, key: str):
     """A metadata value of the GGUF file: a string, a number, an array's length; None if absent."""
     from gguf import GGUFValueType
 
@@ -183,11 +183,11 @@ def _field(reader, key: str):
     return f.parts[f.data[0]].tolist()[0] if f.data else None
 
 
-def _unpermute_qk(w: torch.Tensor | QuantizedTensor, n_head: int) -> torch.Tensor | QuantizedTensor:
+def unpermute_qk(w: torch.Tensor | QuantizedTensor, n_head: int) -> torch.Tensor | QuantizedTensor:
     """Undo llama.cpp's interleaving of rotary pairs in q/k rows (weights, quantized too, and biases)."""
     if isinstance(w, QuantizedTensor):  # each row has its own scales: permute them alike
-        szp = None if w.szp is None else _unpermute_qk(w.szp, n_head)
-        return QuantizedTensor(w.fmt, _unpermute_qk(w.codes, n_head), _unpermute_qk(w.scales, n_head), szp, w.group)
+        szp = None if w.szp is None else unpermute_qk(w.szp, n_head)
+        return QuantizedTensor(w.fmt, unpermute_qk(w.codes, n_head), unpermute_qk(w.scales, n_head), szp, w.group)
     d = w.shape[0]
     rest = w.shape[1:]
     return w.reshape(n_head, d // n_head // 2, 2, *rest).transpose(1, 2).reshape(d, *rest)
@@ -211,7 +211,7 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF file {path} (corrupt or truncated?): {e}") from e
     permute = cls.gguf_permuted_qk
-    block_names = {**_BLOCK_NAMES, **cls.gguf_block_names}
+    block_names = {**BLOCK_NAMES, **cls.gguf_block_names}
     names = {**_NAMES, **getattr(cls, "gguf_names", {})}
     layer_prefix = getattr(cls, "gguf_layer_prefix", "model.layers")
     norm_offset = float(cls.gguf_norm_offset)
@@ -242,7 +242,7 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
                 qt = convert(t.tensor_type.name, t.data)
             w = qt if qt is not None else _dequantize(t, t.data, path)
             if permute and kind in ("attn_q", "attn_k"):
-                w = _unpermute_qk(w, n_head if kind == "attn_q" else n_kv)
+                w = unpermute_qk(w, n_head if kind == "attn_q" else n_kv)
             if isinstance(w, QuantizedTensor):
                 if kind == "token_embd" and not has_output:
                     yield "lm_head.weight", w  # tied: the head's quantized GEMM and the lookups share the table
