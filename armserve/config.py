@@ -128,7 +128,7 @@ DEFAULT_MAX_LOGPROBS = 20
 DEFAULT_GENERATION_CONFIG = "auto"
 # Speculative decoding (engine/spec_decode.py). The methods vLLM names; only these are built so far.
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
-SPEC_METHODS_BUILT = ("ngram", "suffix", "draft_model")
+SPEC_METHODS_BUILT = ("ngram", "suffix", "draft_model", "eagle3")
 # `quantization` a draft model may take: "w4a8" quantizes the draft's weights to int4 when it loads
 # (quantized self-drafting: `model` = the target's own checkpoint).
 SPEC_DRAFT_QUANTIZATIONS = ("w4a8",)
@@ -171,10 +171,11 @@ DEFAULT_MAX_LORA_RANK = 16
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """`speculative_config` (vLLM's keys): `method` ("ngram", "suffix", "draft_model"),
+    """`speculative_config` (vLLM's keys): `method` ("ngram", "suffix", "draft_model", "eagle3"),
     `num_speculative_tokens` (drafted tokens per step, at most), `prompt_lookup_min` /
     `prompt_lookup_max` (n-gram lengths searched), the `suffix_decoding_*` keys (method "suffix"),
-    `model` (method "draft_model": a draft checkpoint with the target's tokenizer),
+    `model` (method "draft_model": a draft checkpoint with the target's tokenizer; "eagle3": the
+    EAGLE-3 head's folder),
     `quantization` ("w4a8": the draft quantized to int4 at load), `draft_tensor_parallel_size` (1) and
     `disable_by_batch_size` (no speculation in a step with more running decodes than this)."""
 
@@ -226,9 +227,15 @@ class SpeculativeConfig:
             if self.quantization is not None and self.quantization not in SPEC_DRAFT_QUANTIZATIONS:
                 raise ConfigError(f"speculative_config: unknown draft quantization {self.quantization!r}; expected "
                                   f"{', '.join(SPEC_DRAFT_QUANTIZATIONS)} (or none: the draft as its checkpoint is)")
-            if self.draft_tensor_parallel_size not in (None, 1):
-                raise ConfigError("speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
-                                  "the target's first rank)")
+        if self.method == "eagle3":
+            if not self.model:
+                raise ConfigError("speculative_config: method 'eagle3' needs the head's checkpoint folder as 'model'")
+            if self.quantization is not None:
+                raise ConfigError("speculative_config: method 'eagle3' takes no 'quantization' (the head runs as "
+                                  "its checkpoint is)")
+        if self.method in ("draft_model", "eagle3") and self.draft_tensor_parallel_size not in (None, 1):
+            raise ConfigError("speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
+                              "the target's first rank)")
 
     def _check_suffix_keys(self) -> None:
         keys = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -368,10 +375,10 @@ class EngineConfig:
             raise ConfigError(f"hf_overrides must be a JSON object (a dict), got {type(self.hf_overrides).__name__}")
         if self.speculative_config is not None and self.backend != "torch":
             raise ConfigError(f"speculative_config is not supported by the {self.backend} backend")
-        if (self.speculative_config is not None and self.speculative_config.method == "draft_model"
+        if (self.speculative_config is not None and self.speculative_config.method in ("draft_model", "eagle3")
                 and self.tensor_parallel_size > 1):
-            raise ConfigError("speculative_config: method 'draft_model' with tensor_parallel_size > 1 is not "
-                              "supported yet")
+            raise ConfigError(f"speculative_config: method {self.speculative_config.method!r} with "
+                              "tensor_parallel_size > 1 is not supported yet")
         self._check_lora()
         if self.kv_cache_space is None:
             # (vLLM's CPU name, for setups written for it; armserve's own wins)
