@@ -57,8 +57,9 @@ def test_speculative_config_from_json_and_dict():
 def test_cli_flag_errors(capsys):
     from armserve.cli import build_parser, main
 
-    assert main(["generate", "--speculative-config", '{"method": "mtp"}', "--max-tokens", "1"]) == 2
-    assert "'mtp' is not supported yet" in capsys.readouterr().err
+    assert main(["generate", "--speculative-config", '{"method": "mtp", "quantization": "w4a8"}', "--max-tokens",
+                 "1"]) == 2
+    assert "'mtp' takes no 'quantization'" in capsys.readouterr().err
     assert main(["generate", "--speculative-config", "{oops", "--max-tokens", "1"]) == 2
     assert "speculative_config is not valid JSON" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])

@@ -1,7 +1,8 @@
-"""EAGLE-3 draft heads (speculative_config method "eagle3"): the drafts of a tiny random head in
-vLLM's checkpoint format against a plain-PyTorch reference of the published design (target
-hidden states from transformers), greedy output identical to decoding without speculation (with
-drafts accepted and rejected, preemption and prefix caching), and bad heads as named errors."""
+"""Heads that draft from the target's hidden states: EAGLE-3 (speculative_config method "eagle3")
+and DeepSeek-V3's MTP layer ("mtp"). The drafts of tiny random heads in the checkpoint formats
+vLLM loads against plain-PyTorch references of the published designs (target hidden states from
+transformers), greedy output identical to decoding without speculation (EAGLE-3: with drafts
+accepted and rejected, preemption and prefix caching), and bad heads as named errors."""
 
 from __future__ import annotations
 
@@ -143,16 +144,9 @@ def reference_logits(target, t, ctx: list[int], drafts: list[int]) -> torch.Tens
         return reference_head(t, target.model.embed_tokens.weight, tokens, hidden)[0][-1]
 
 
-def test_drafts_match_the_reference(target4, tmp_path):
-    """Every draft logit row the head computes (first drafts right after a target step, later ones
-    in the proposing steps) equals the reference's for that sequence and the drafts before it."""
-    from transformers import AutoModelForCausalLM
-
-    vocab = json.load(open(os.path.join(target4, "config.json")))["vocab_size"]
-    t = random_head_tensors(vocab)
-    head = write_head(str(tmp_path / "head"), t, _head_config(vocab))
-    llm = LLM(target4, dtype="float32", kv_cache_space=0.02, max_model_len=256, block_size=16,
-              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+def spy_on_drafts(llm) -> list:
+    """Wraps the engine's head proposer: every draft logits row it computes is noted as (the known
+    tokens, the drafts before it, the engine's logits row, the draft it chose)."""
     proposer = llm.llm_engine.backend.scheduler.proposer
     calls: list[torch.Tensor] = []  # each draft_token_ids call's logits
     orig_ids = proposer.head.draft_token_ids
@@ -182,10 +176,27 @@ def test_drafts_match_the_reference(target4, tmp_path):
         return drafts
 
     proposer.head.draft_token_ids, proposer.record, proposer.propose_batch = draft_ids, record, propose
+    return checks
+
+
+def test_drafts_match_the_reference(target4, tmp_path):
+    """Every draft logit row the head computes (first drafts right after a target step, later ones
+    in the proposing steps) equals the reference's for that sequence and the drafts before it."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = json.load(open(os.path.join(target4, "config.json")))["vocab_size"]
+    t = random_head_tensors(vocab)
+    head = write_head(str(tmp_path / "head"), t, _head_config(vocab))
+    llm = LLM(target4, dtype="float32", kv_cache_space=0.02, max_model_len=256, block_size=16,
+              speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
+    checks = spy_on_drafts(llm)
     prompts = [[5, 17, 300, 41, 9], list(range(200, 240)), [7, 7, 7, 1000, 2000, 3000, 12]]
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert len(checks) >= 15 and sum(1 for c in checks if c[1]) >= 4
+    graphs = llm.llm_engine.backend.runner.graphs
+    if graphs.enabled:  # the target's hidden states came from replayed steps too
+        assert graphs.replays + graphs.verify_replays > 0
     target = AutoModelForCausalLM.from_pretrained(target4, dtype=torch.float32).eval()
     to_draft = {int(tid): i for i, tid in enumerate(torch.arange(DRAFT_VOCAB) + t["d2t"])}
     for ctx, before, got, token in checks:
@@ -314,3 +325,138 @@ def test_eagle3_config_errors():
         EngineConfig(model="m", speculative_config={"method": "eagle3"})
     with pytest.raises(ConfigError, match="'eagle3' with tensor_parallel_size > 1"):
         EngineConfig(model="m", tensor_parallel_size=2, speculative_config={"method": "eagle3", "model": "h"})
+
+
+# ---- DeepSeek-V3 MTP ---------------------------------------------------------------------------
+
+
+def _mtp_tensors(config, index: int) -> dict[str, torch.Tensor]:
+    """A random MTP layer under DeepSeek-V3's names: a random DeepSeek-V3 decoder layer (the
+    checkpoint's layer `index`, made by transformers) and the MTP parts around it."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(**{**config.to_dict(), "num_hidden_layers": index + 1})
+    torch.manual_seed(3)
+    layer = transformers.DeepseekV3ForCausalLM(cfg).model.layers[index]
+    g = torch.Generator().manual_seed(4)
+    h, v = config.hidden_size, config.vocab_size
+    out = {}
+    for k, t in layer.state_dict().items():
+        if k == "mlp.experts.gate_up_proj":  # (transformers fuses the experts; checkpoints name each)
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"model.layers.{index}.mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                out[f"model.layers.{index}.mlp.experts.{e}.up_proj.weight"] = up.clone()
+        elif k == "mlp.experts.down_proj":
+            for e, w in enumerate(t):
+                out[f"model.layers.{index}.mlp.experts.{e}.down_proj.weight"] = w.clone()
+        else:
+            out[f"model.layers.{index}.{k}"] = t.detach().clone()
+    out[f"model.layers.{index}.mlp.gate.e_score_correction_bias"] = 0.1 * torch.randn(config.n_routed_experts,
+                                                                                        generator=g)
+    for k in ("enorm", "hnorm", "shared_head.norm"):
+        out[f"model.layers.{index}.{k}.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
+    for k in ("input_layernorm", "post_attention_layernorm"):
+        out[f"model.layers.{index}.{k}.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
+    out[f"model.layers.{index}.eh_proj.weight"] = 0.2 * torch.randn(h, 2 * h, generator=g)
+    out[f"model.layers.{index}.shared_head.head.weight"] = 0.2 * torch.randn(v, h, generator=g)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepseek_mtp(tokenizer_dir, tmp_path_factory):
+    """(the tiny DeepSeek-V3 checkpoint, a copy of it with an MTP layer at index num_hidden_layers
+    in a second safetensors file, that layer's tensors)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from conftest import tiny_deepseek_checkpoints
+
+    base = tiny_deepseek_checkpoints(tokenizer_dir)["deepseek_v3"]
+    config = AutoConfig.from_pretrained(base)
+    out = str(tmp_path_factory.mktemp("mtp") / "deepseek-v3-mtp")
+    shutil.copytree(base, out)
+    t = _mtp_tensors(config, config.num_hidden_layers)
+    save_file({k: v.contiguous() for k, v in t.items()}, os.path.join(out, "mtp.safetensors"))
+    return base, out, t
+
+
+def reference_mtp(ref, t, n: int, target_hidden: torch.Tensor, embed: torch.Tensor, tokens: list[int]):
+    """The MTP layer over its whole sequence (row p: token tokens[p] at position p, the target's
+    final hidden state target_hidden[p]): (logits, normed outputs) of every row. `ref`: a one-layer
+    transformers DeepSeek-V3 holding the MTP's decoder layer, shared_head.norm as its final norm."""
+    p = f"model.layers.{n}."
+    e = embed[torch.tensor(tokens)].clone()
+    e[0] = 0  # position 0
+    x = torch.cat([_rms(e, t[p + "enorm.weight"]), _rms(target_hidden, t[p + "hnorm.weight"])], -1)
+    x = x @ t[p + "eh_proj.weight"].T
+    out = ref(inputs_embeds=x[None], output_hidden_states=True)
+    normed = out.hidden_states[-1][0]
+    return normed @ t[p + "shared_head.head.weight"].T, normed
+
+
+def test_mtp_drafts_match_the_reference_and_greedy_is_unchanged(deepseek_mtp):
+    import transformers
+
+    base, ckpt, t = deepseek_mtp
+    kw = dict(dtype="float32", kv_cache_space=0.02, max_model_len=128, block_size=16)
+    llm = LLM(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kw)
+    checks = spy_on_drafts(llm)
+    prompts = [[5, 17, 300, 41, 9], list(range(200, 230)), [7, 7, 7, 1000, 2000, 3000, 12]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = _run(llm, prompts, params)
+    assert got == _run(LLM(base, **kw), prompts, params)
+    assert llm.llm_engine.backend.scheduler.spec_stats.num_draft_tokens > 0
+    assert len(checks) >= 10 and sum(1 for c in checks if c[1]) >= 3
+
+    target = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    config = target.config
+    n = config.num_hidden_layers
+    ref = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{**config.to_dict(), "num_hidden_layers": 1, "first_k_dense_replace": 0})).eval()
+    p = f"model.layers.{n}."
+    state = {"model.layers.0." + k[len(p):]: v for k, v in t.items() if k.startswith(p) and not any(
+        s in k for s in ("enorm", "hnorm", "eh_proj", "shared_head"))}
+    state["model.norm.weight"] = t[p + "shared_head.norm.weight"]
+    experts = range(config.n_routed_experts)
+    for e in experts:
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            del state[f"model.layers.0.mlp.experts.{e}.{w}.weight"]
+    state["model.layers.0.mlp.experts.gate_up_proj"] = torch.stack([torch.cat(
+        [t[f"{p}mlp.experts.{e}.gate_proj.weight"], t[f"{p}mlp.experts.{e}.up_proj.weight"]]) for e in experts])
+    state["model.layers.0.mlp.experts.down_proj"] = torch.stack([t[f"{p}mlp.experts.{e}.down_proj.weight"]
+                                                                 for e in experts])
+    missing, _ = ref.load_state_dict(state, strict=False)
+    assert set(missing) <= {"model.embed_tokens.weight", "lm_head.weight"}, missing
+    embed = target.model.embed_tokens.weight
+    with torch.no_grad():
+        for ctx, before, logits, token in checks:
+            hidden = target(torch.tensor([ctx]), output_hidden_states=True).hidden_states[-1][0][:-1]
+            tokens = list(ctx[1:])
+            for d in before:  # later steps: the previous draft, the layer's own normed output
+                _, normed = reference_mtp(ref, t, n, hidden, embed, tokens)
+                tokens.append(d)
+                hidden = torch.cat([hidden, normed[-1:]])
+            want = reference_mtp(ref, t, n, hidden, embed, tokens)[0][-1]
+            torch.testing.assert_close(logits, want, atol=2e-3, rtol=1e-3)
+            assert logits[token] == logits.max()
+
+
+def test_mtp_errors_are_named(deepseek_mtp, target4, tmp_path):
+    import shutil
+
+    base, ckpt, _ = deepseek_mtp
+    kw = dict(kv_cache_space=0.01, max_model_len=64)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="is missing .* tensor.* of MTP layer 3"):
+        LLM(base, speculative_config=spec, **kw)  # (its config names one MTP layer, its weights have none)
+    with pytest.raises(ConfigError, match="the target is a LlamaForCausalLM"):
+        LLM(target4, speculative_config=spec, **kw)
+    none = str(tmp_path / "no-mtp")
+    shutil.copytree(ckpt, none)
+    cfg = json.load(open(os.path.join(none, "config.json")))
+    json.dump({**cfg, "num_nextn_predict_layers": 0}, open(os.path.join(none, "config.json"), "w"))
+    with pytest.raises(ConfigError, match="no num_nextn_predict_layers"):
+        LLM(none, speculative_config=spec, **kw)

@@ -1,5 +1,7 @@
-"""Speculative decoding with an EAGLE-3 head (`speculative_config` method "eagle3",
-models/eagle3.py): a one-layer head drafts from the target's own hidden states.
+"""Speculative decoding with a head that drafts from the target's own hidden states: an EAGLE-3
+head (`speculative_config` method "eagle3", models/eagle3.py) or a DeepSeek-V3 MTP layer ("mtp",
+models/deepseek_mtp.py). The head: `combine(aux)` makes its hidden input from the target's kept
+hidden states, `forward(ids, positions, hidden)` -> (normed, fed back), `draft_token_ids(normed)`.
 
 Its KV cache has the target's block layout under the target's block ids (a draft model's
 arrangement, engine/draft_proposer.py), so a request's block table serves both. Two halves:
@@ -33,9 +35,9 @@ from armserve.engine.spec_decode import SpecState, draft_limit, request_state
 from armserve.layers.attention import set_attention_metadata
 
 
-class Eagle3Proposer:
-    """Drafts from an EAGLE-3 head (`runner`: a ModelRunner over the head, for its KV cache and
-    step layout, on the target's block ids)."""
+class EagleProposer:
+    """Drafts from an EAGLE-3 head or MTP layer (`runner`: a ModelRunner over the head, for its KV
+    cache and step layout, on the target's block ids)."""
 
     batched = True  # proposes for all of a step's requests at once, after their slots are allocated
 

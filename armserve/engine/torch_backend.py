@@ -24,7 +24,7 @@ from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, 
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.draft_proposer import DraftModelProposer, load_draft_model
-from armserve.engine.eagle_proposer import Eagle3Proposer
+from armserve.engine.eagle_proposer import EagleProposer
 from armserve.engine.spec_decode import NgramProposer
 from armserve.engine.suffix_decode import SuffixProposer
 from armserve.engine.stats import SchedulerStats
@@ -91,6 +91,10 @@ class TorchBackend:
 
             # (the target now keeps the hidden states the head reads)
             draft, draft_config = load_eagle3_head(spec.model, self.model, hf, self.dtype)  # type: ignore
+        elif spec is not None and spec.method == "mtp":  # type: ignore[union-attr]
+            from armserve.models.deepseek_mtp import load_mtp_layer
+
+            draft, draft_config = load_mtp_layer(spec.model or config.model, self.model, hf, self.dtype)  # type: ignore
         # (under tensor parallelism each rank caches only its share of the KV heads; a draft model's
         # cache shares the space, block for block)
         num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,
@@ -106,9 +110,9 @@ class TorchBackend:
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         proposer = None
-        if draft is not None and spec.method == "eagle3":  # type: ignore[union-attr]
+        if draft is not None and spec.method in ("eagle3", "mtp"):  # type: ignore[union-attr]
             # (the head's steps run eagerly: its forward takes hidden states besides token ids)
-            proposer = Eagle3Proposer(spec, ModelRunner(  # type: ignore[arg-type]
+            proposer = EagleProposer(spec, ModelRunner(  # type: ignore[arg-type]
                 draft, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype, self.max_model_len, True))
         elif draft is not None:
             proposer = DraftModelProposer(spec, ModelRunner(  # type: ignore[arg-type]
@@ -146,7 +150,7 @@ class TorchBackend:
         self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids,
                                                   compile_timeout=config.grammar_compile_timeout)
         self.runner.structured = self.structured
-        self.eagle = proposer if isinstance(proposer, Eagle3Proposer) else None
+        self.eagle = proposer if isinstance(proposer, EagleProposer) else None
         self._requests: dict[str, list[Request]] = {}  # request id -> its sequences, until all have finished
         self._seq_of: dict[str, tuple[str, int]] = {}  # sequence (Request) id -> (request id, index)
         from armserve import kernels
