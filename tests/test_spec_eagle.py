@@ -97,7 +97,8 @@ def _rope(x, pos, theta=10000.0):  # x [T, heads, d], rotate-half layout
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
-def reference_head(t: dict[str, torch.Tensor], embed: torch.Tensor, tokens: list[int], hidden: torch.Tensor):
+def reference_head(t: dict[str, torch.Tensor], embed: torch.Tensor, tokens: list[int], hidden: torch.Tensor,
+                   norm_before_residual: bool = False):
     """The head over its whole sequence (row p: token tokens[p], hidden[p], position p), causal:
     (draft logits, outputs before the final norm) of every row."""
     T = len(tokens)
@@ -113,7 +114,7 @@ def reference_head(t: dict[str, torch.Tensor], embed: torch.Tensor, tokens: list
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
     a = att.transpose(0, 1).reshape(T, HEADS * HEAD_DIM) @ t["midlayer.self_attn.o_proj.weight"].T
-    r = a + hidden  # the fused hidden state is the residual
+    r = a + (h if norm_before_residual else hidden)  # the fused hidden state (normed or not) is the residual
     m = _rms(r, t["midlayer.post_attention_layernorm.weight"])
     m = (F.silu(m @ t["midlayer.mlp.gate_proj.weight"].T) * (m @ t["midlayer.mlp.up_proj.weight"].T)
          ) @ t["midlayer.mlp.down_proj.weight"].T
@@ -131,17 +132,17 @@ def _target_aux(target, ctx: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([hs[i][0] for i in (2, n // 2, n - 3)], -1)[:-1]
 
 
-def reference_logits(target, t, ctx: list[int], drafts: list[int]) -> torch.Tensor:
+def reference_logits(target, t, ctx: list[int], drafts: list[int], nbr: bool = False) -> torch.Tensor:
     """The reference head's draft-vocabulary logits for the next draft after the known tokens
-    `ctx` and the drafts before it."""
+    `ctx` and the drafts before it (`nbr`: norm_before_residual)."""
     with torch.no_grad():
         hidden = _target_aux(target, tuple(ctx)) @ t["fc.weight"].T
         tokens = list(ctx[1:])  # row p: the token at p + 1
         for d in drafts:  # each further step: the draft before it and the head's own output
-            _, pre = reference_head(t, target.model.embed_tokens.weight, tokens, hidden)
+            _, pre = reference_head(t, target.model.embed_tokens.weight, tokens, hidden, nbr)
             tokens.append(d)
             hidden = torch.cat([hidden, pre[-1:]])
-        return reference_head(t, target.model.embed_tokens.weight, tokens, hidden)[0][-1]
+        return reference_head(t, target.model.embed_tokens.weight, tokens, hidden, nbr)[0][-1]
 
 
 def spy_on_drafts(llm) -> list:
@@ -179,28 +180,42 @@ def spy_on_drafts(llm) -> list:
     return checks
 
 
-def test_drafts_match_the_reference(target4, tmp_path):
+def _speculators_head(path: str, t: dict[str, torch.Tensor], vocab: int) -> str:
+    """The same head in the `speculators` format (vLLM reads both): `layers.0.*` names, the layer's
+    config nested, norm_before_residual on by default."""
+    layer = {k: v for k, v in _head_config(vocab).items() if k not in ("architectures", "draft_vocab_size")}
+    cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "draft_vocab_size": DRAFT_VOCAB,
+           "transformer_layer_config": layer, "speculators_config": {"algorithm": "eagle3"}}
+    return write_head(path, {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}, cfg)
+
+
+@pytest.mark.parametrize("fmt", ["eagle", "speculators"])
+def test_drafts_match_the_reference(target4, tmp_path, fmt):
     """Every draft logit row the head computes (first drafts right after a target step, later ones
-    in the proposing steps) equals the reference's for that sequence and the drafts before it."""
+    in the proposing steps) equals the reference's for that sequence and the drafts before it;
+    SafeAILab's format and the speculators format (norm before the residual) alike."""
     from transformers import AutoModelForCausalLM
 
     vocab = json.load(open(os.path.join(target4, "config.json")))["vocab_size"]
     t = random_head_tensors(vocab)
-    head = write_head(str(tmp_path / "head"), t, _head_config(vocab))
+    if fmt == "eagle":
+        head = write_head(str(tmp_path / "head"), t, _head_config(vocab))
+    else:
+        head = _speculators_head(str(tmp_path / "head"), t, vocab)
     llm = LLM(target4, dtype="float32", kv_cache_space=0.02, max_model_len=256, block_size=16,
               speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
     checks = spy_on_drafts(llm)
     prompts = [[5, 17, 300, 41, 9], list(range(200, 240)), [7, 7, 7, 1000, 2000, 3000, 12]]
     llm.generate([{"prompt_token_ids": p} for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert len(checks) >= 15 and sum(1 for c in checks if c[1]) >= 4
+                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(checks) >= 12 and sum(1 for c in checks if c[1]) >= 4
     graphs = llm.llm_engine.backend.runner.graphs
     if graphs.enabled:  # the target's hidden states came from replayed steps too
         assert graphs.replays + graphs.verify_replays > 0
     target = AutoModelForCausalLM.from_pretrained(target4, dtype=torch.float32).eval()
     to_draft = {int(tid): i for i, tid in enumerate(torch.arange(DRAFT_VOCAB) + t["d2t"])}
     for ctx, before, got, token in checks:
-        want = reference_logits(target, t, ctx, before)
+        want = reference_logits(target, t, ctx, before, nbr=fmt == "speculators")
         torch.testing.assert_close(got, want, atol=2e-3, rtol=1e-3)
         assert got[to_draft[token]] == got.max()  # the draft: the argmax, mapped by d2t
 

@@ -18,7 +18,8 @@ offsets; absent when the draft vocabulary is the target's), `t2d` [vocab_size] (
 target ids the draft vocabulary holds), `embed_tokens` (absent: the target's table is shared).
 Config: `draft_vocab_size`, `target_hidden_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`
 (default: layers 2, n // 2 and n - 3 of an n-layer target), `norm_before_residual`,
-`norm_before_fc`, `fc_norm`, `norm_output`.
+`norm_before_fc`, `fc_norm`, `norm_output`. The `speculators` format (RedHat's; config.json with
+`speculators_model_type` "eagle3" and `transformer_layer_config`) loads as vLLM reads it.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def load_eagle3_head(path: str, target: nn.Module, target_config, dtype: torch.d
         return ConfigError(f"speculative_config: the EAGLE-3 head {path!r} {msg}")
 
     src = model_loader.resolve_model_path(path)
-    config = model_loader.load_config(src)
+    config = _speculators_config(src.folder) or model_loader.load_config(src)
     if config.architectures[0] not in ARCHITECTURES:
         raise fail(f"is a {config.architectures[0]}, not an EAGLE-3 head ({', '.join(ARCHITECTURES)})")
     t_hidden, t_vocab = target_config.hidden_size, target_config.vocab_size
@@ -211,6 +212,37 @@ def load_eagle3_head(path: str, target: nn.Module, target_config, dtype: torch.d
         object.__setattr__(head, "shared_embed", target.embed_tokens)  # (not a submodule: the target's)
     head.eval()
     return head, config
+
+
+def _speculators_config(folder: str):
+    """The head config of a checkpoint in the `speculators` format (config.json with
+    `speculators_model_type` "eagle3" and the layer's config in `transformer_layer_config`), as
+    vLLM reads it: its eagle keys over the layer's Llama config; None for other folders."""
+    import json
+    import os
+
+    from transformers import LlamaConfig
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None  # (load_config names the problem)
+    if not isinstance(raw, dict) or "speculators_model_type" not in raw:
+        return None
+    from armserve.config import ConfigError
+
+    layer = raw.get("transformer_layer_config")
+    if raw["speculators_model_type"] != "eagle3" or not isinstance(layer, dict) or layer.get(
+            "model_type", "llama") != "llama":
+        raise ConfigError(f"speculative_config: {folder} is a speculators checkpoint of type "
+                          f"{raw['speculators_model_type']!r} over a {layer.get('model_type') if isinstance(layer, dict) else None!r} "
+                          "layer; an EAGLE-3 head over a Llama layer is what loads")
+    keys = {k: raw[k] for k in ("draft_vocab_size", "target_hidden_size", "norm_before_fc", "fc_norm", "norm_output",
+                                "eagle_aux_hidden_state_layer_ids") if raw.get(k) is not None}
+    fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
+    return LlamaConfig(**{**fields, **keys, "norm_before_residual": raw.get("norm_before_residual", True),
+                          "architectures": [ARCHITECTURES[1]]})
 
 
 def _vocabulary_map(draft_vocab: int, vocab: int, d2t, t2d, fail) -> torch.Tensor:
