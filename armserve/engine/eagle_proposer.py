@@ -78,7 +78,11 @@ class EagleProposer:
             return
         hidden = self.head.combine(aux.index_select(0, torch.tensor(rows, dtype=torch.long)))
         normed, fed, row_end = self._forward(sched, hidden)
-        ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]  # decodes next
+        # first drafts for the requests that decode next and may draft then (one backed off after
+        # rejections keeps its head KV current, but pays for no draft logits)
+        nxt = self.step + 1
+        ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens
+                 and (r.spec.k > 0 or nxt >= r.spec.resume_step)]  # type: ignore[union-attr]
         if not ready:
             return
         sel = torch.tensor([row_end[i] for i in ready], dtype=torch.long)
