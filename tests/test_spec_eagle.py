@@ -424,7 +424,7 @@ def test_mtp_drafts_match_the_reference_and_greedy_is_unchanged(deepseek_mtp):
     got = _run(llm, prompts, params)
     assert got == _run(LLM(base, **kw), prompts, params)
     assert llm.llm_engine.backend.scheduler.spec_stats.num_draft_tokens > 0
-    assert len(checks) >= 10 and sum(1 for c in checks if c[1]) >= 3
+    assert len(checks) >= 6 and sum(1 for c in checks if c[1]) >= 3
 
     target = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     config = target.config
