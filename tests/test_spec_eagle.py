@@ -202,7 +202,9 @@ def test_drafts_match_the_reference(target4, tmp_path, fmt):
         head = write_head(str(tmp_path / "head"), t, _head_config(vocab))
     else:
         head = _speculators_head(str(tmp_path / "head"), t, vocab)
+    # (a budget of 16 tokens: the long prompt is prefilled in chunks while the others decode)
     llm = LLM(target4, dtype="float32", kv_cache_space=0.02, max_model_len=256, block_size=16,
+              max_num_batched_tokens=16,
               speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
     checks = spy_on_drafts(llm)
     prompts = [[5, 17, 300, 41, 9], list(range(200, 240)), [7, 7, 7, 1000, 2000, 3000, 12]]
@@ -275,7 +277,20 @@ def test_greedy_identical_with_accepted_and_rejected_drafts(cycle_pair, tokenize
     want = _run(plain, prompts, params)
     assert want[0][:3] == cycle[5:8]  # (the target follows its cycle)
     backend = spec.llm_engine.backend
+    proposer, firsts = backend.scheduler.proposer, []
+    orig = proposer.propose_batch
+
+    def propose(items):  # (each request's first draft, and the two tokens before it)
+        drafts = orig(items)
+        firsts.extend((req.all_token_ids[-2:], d[0]) for (req, _, _), d in zip(items, drafts) if d)
+        return drafts
+
+    proposer.propose_batch = propose
     assert _run(spec, prompts, params) == want
+    # on the cycle, the first draft is the token after next of the hidden state's token: always right
+    nxt = {c: cycle[(i + 1) % 16] for i, c in enumerate(cycle)}
+    on_cycle = [(last, d) for last, d in firsts if nxt.get(last[0]) == last[1]]
+    assert len(on_cycle) >= 40 and all(d == nxt[last[1]] for last, d in on_cycle)
     st = backend.scheduler.spec_stats
     assert st.num_accepted_tokens >= 60 and st.num_draft_tokens > st.num_accepted_tokens
     assert st.num_accepted_tokens_per_pos[0] > 5 * st.num_accepted_tokens_per_pos[1]
