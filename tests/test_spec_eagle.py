@@ -92,7 +92,8 @@ def _rope(x, pos, theta=10000.0):  # x [T, heads, d], rotate-half layout
     d = x.shape[-1]
     inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = pos[:, None].double() * inv[None]
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float(), torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float()
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
@@ -163,8 +164,8 @@ def spy_on_drafts(llm) -> list:
         before = {id(s.request): s.request.spec and s.request.spec.eagle for s in out.scheduled}
         calls.clear()
         orig_record(out, starts, aux)
-        ready = [s.request for s in out.scheduled
-                 if s.request.spec and s.request.spec.eagle is not None and s.request.spec.eagle is not before[id(s.request)]]
+        ready = [s.request for s in out.scheduled if s.request.spec and s.request.spec.eagle is not None
+                 and s.request.spec.eagle is not before[id(s.request)]]
         for n, req in enumerate(ready):
             checks.append((list(req.all_token_ids), [], calls[-1][n], req.spec.eagle[2]))
 

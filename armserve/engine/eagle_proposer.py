@@ -107,11 +107,11 @@ class EagleProposer:
             rows.append((i, req, k, blocks, ready[3]))
         for j in range(1, max((r[2] for r in rows), default=0)):
             rows = [r for r in rows if r[2] > j]
-            sched = [ScheduledRequest(_View(req.num_tokens + j - 2, []), 1, blocks, [drafts[i][-1]])  # type: ignore[arg-type]
-                     for i, req, _, blocks, _ in rows]
-            normed, fed, row_end = self._forward(sched, torch.cat([r[4] for r in rows]))
-            tokens = self.head.draft_token_ids(normed)  # (single-token rows: in schedule order)
-            for n, (r, t) in enumerate(zip(rows, tokens)):
+            # draft j - 1 at position num_tokens + j - 2 (the head's rows trail the target's by one)
+            sched = [ScheduledRequest(_View(req.num_tokens + j - 2, []), 1, blocks,  # type: ignore[arg-type]
+                                      [drafts[i][-1]]) for i, req, _, blocks, _ in rows]
+            normed, fed, _ = self._forward(sched, torch.cat([r[4] for r in rows]))
+            for r, t in zip(rows, self.head.draft_token_ids(normed)):  # (one row each, in order)
                 drafts[r[0]].append(t)
             rows = [(*r[:4], fed[n:n + 1]) for n, r in enumerate(rows)]
         return drafts

@@ -144,7 +144,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsTensors]  # request id -> this chunk's prompt logprobs
     # scheduled index -> its accepted draft tokens (speculative decoding), which come before `sampled`
     accepted: dict[int, list[int]] | None = None
-    # EAGLE-3 (`ModelRunner.keep_aux`): the target's kept hidden states [rows, layers x hidden], each
+    # EAGLE-3 / MTP (`ModelRunner.keep_aux`): the target's kept hidden states [rows, layers x hidden], each
     # scheduled request's query rows (drafts included) one after another, in schedule order
     aux_hidden: torch.Tensor | None = None
 
@@ -191,7 +191,7 @@ class ModelRunner:
         slots = num_blocks * block_size
         self.sampler = Sampler()
         self.structured = None  # the engine's StructuredOutputManager, once a request needs one
-        self.keep_aux = False  # EAGLE-3: return the model's `aux_hidden` rows with each step's output
+        self.keep_aux = False  # EAGLE-3 / MTP: return the model's `aux_hidden` rows with each step's output
         max_blocks = -(-(max_model_len or slots) // block_size)
         if getattr(a0, "latent_dim", None):
             self._allocate_latent(attn_layers, num_blocks)

@@ -233,11 +233,11 @@ def _speculators_config(folder: str):
     from armserve.config import ConfigError
 
     layer = raw.get("transformer_layer_config")
-    if raw["speculators_model_type"] != "eagle3" or not isinstance(layer, dict) or layer.get(
-            "model_type", "llama") != "llama":
+    layer_type = layer.get("model_type", "llama") if isinstance(layer, dict) else None
+    if raw["speculators_model_type"] != "eagle3" or layer_type != "llama":
         raise ConfigError(f"speculative_config: {folder} is a speculators checkpoint of type "
-                          f"{raw['speculators_model_type']!r} over a {layer.get('model_type') if isinstance(layer, dict) else None!r} "
-                          "layer; an EAGLE-3 head over a Llama layer is what loads")
+                          f"{raw['speculators_model_type']!r} over a {layer_type!r} layer; an EAGLE-3 head over "
+                          "a Llama layer is what loads")
     keys = {k: raw[k] for k in ("draft_vocab_size", "target_hidden_size", "norm_before_fc", "fc_norm", "norm_output",
                                 "eagle_aux_hidden_state_layer_ids") if raw.get(k) is not None}
     fields = {k: v for k, v in layer.items() if k not in ("architectures", "model_type")}
