@@ -339,6 +339,14 @@ def test_bad_heads_are_named_errors(target4_model, tmp_path, change, words):
         load_eagle3_head(head, model, config, torch.float32)
 
 
+def test_a_missing_head_is_named(target4_model, tmp_path):
+    from armserve.models.eagle3 import load_eagle3_head
+
+    model, config = target4_model
+    with pytest.raises(ConfigError, match="EAGLE-3 head .*nowhere' cannot be read: .*does not exist"):
+        load_eagle3_head(str(tmp_path / "nowhere"), model, config, torch.float32)
+
+
 def test_a_bad_head_fails_the_engine_start(target4, tmp_path):
     vocab = json.load(open(os.path.join(target4, "config.json")))["vocab_size"]
     t = random_head_tensors(vocab)

@@ -101,7 +101,10 @@ def load_mtp_layer(path: str, target: nn.Module, target_config, dtype: torch.dty
     n_mtp = int(getattr(target_config, "num_nextn_predict_layers", 0) or 0)
     if n_mtp < 1:
         raise fail("the target's config has no num_nextn_predict_layers (its checkpoint holds no MTP layer)")
-    src = model_loader.resolve_model_path(path)
+    try:
+        src = model_loader.resolve_model_path(path)
+    except model_loader.ModelLoadError as e:
+        raise fail(str(e)) from None
     if src.is_gguf:
         raise fail(f"{path} is a GGUF file; MTP layers are read from Hugging Face checkpoints")
     n = target_config.num_hidden_layers

@@ -167,8 +167,11 @@ def load_eagle3_head(path: str, target: nn.Module, target_config, dtype: torch.d
     def fail(msg: str) -> ConfigError:
         return ConfigError(f"speculative_config: the EAGLE-3 head {path!r} {msg}")
 
-    src = model_loader.resolve_model_path(path)
-    config = _speculators_config(src.folder) or model_loader.load_config(src)
+    try:
+        src = model_loader.resolve_model_path(path)
+        config = _speculators_config(src.folder) or model_loader.load_config(src)
+    except model_loader.ModelLoadError as e:
+        raise fail(f"cannot be read: {e}") from None
     if config.architectures[0] not in ARCHITECTURES:
         raise fail(f"is a {config.architectures[0]}, not an EAGLE-3 head ({', '.join(ARCHITECTURES)})")
     t_hidden, t_vocab = target_config.hidden_size, target_config.vocab_size
