@@ -209,6 +209,7 @@ def test_drafts_match_the_reference(target4, tmp_path, fmt):
               speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": 3})
     checks = spy_on_drafts(llm)
     prompts = [[5, 17, 300, 41, 9], list(range(200, 240)), [7, 7, 7, 1000, 2000, 3000, 12]]
+    # (fewer tokens than a back-off lasts: no request drafts again over head KV it skipped)
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(checks) >= 12 and sum(1 for c in checks if c[1]) >= 4
@@ -444,7 +445,7 @@ def test_mtp_drafts_match_the_reference_and_greedy_is_unchanged(deepseek_mtp):
     llm = LLM(ckpt, speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **kw)
     checks = spy_on_drafts(llm)
     prompts = [[5, 17, 300, 41, 9], list(range(200, 230)), [7, 7, 7, 1000, 2000, 3000, 12]]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # (within a back-off: see above)
     got = _run(llm, prompts, params)
     assert got == _run(LLM(base, **kw), prompts, params)
     assert llm.llm_engine.backend.scheduler.spec_stats.num_draft_tokens > 0

@@ -16,10 +16,11 @@ arrangement, engine/draft_proposer.py), so a request's block table serves both. 
              head step per further draft, each on the head's previous output and draft.
 
 The rows of rejected drafts are overwritten by the next record before anything attends to them.
-A step the scheduler runs without speculation (a large batch) skips the record: those positions
-keep stale head KV, and such a request drafts nothing until a record has run for it. Stale head
-KV (skipped steps, a prefix-cache hit on blocks another request filled) only lowers acceptance:
-the target verifies every token. The head drafts its argmax, a point mass, so the rejection rule
+A step the scheduler runs without speculation (a large batch) skips the record, and so does a
+request backed off from drafting (engine/spec_decode.py) until the step before it drafts again:
+those positions keep stale head KV, and a request drafts nothing until a record has run for it.
+Stale head KV (skipped steps, a prefix-cache hit on blocks another request filled) only lowers
+acceptance: the target verifies every token. The head drafts its argmax, a point mass, so the rejection rule
 is the n-gram one (engine/rejection_sampler.py).
 """
 
@@ -63,11 +64,16 @@ class EagleProposer:
         sched: list[ScheduledRequest] = []
         reqs: list[Request] = []
         base = 0
+        nxt = self.step + 1
         for s, c0 in zip(out.scheduled, starts):
             req = s.request
             r0, base = base, base + s.num_new_tokens
             c1 = req.num_computed_tokens
-            if req.is_finished or c1 <= c0 or self.state(req) is None:
+            st = None if req.is_finished or c1 <= c0 else self.state(req)
+            # NOTE: a request backed off from drafting (its drafts were rejected) skips the head
+            # until the step before it drafts again: its head KV of those positions stays stale
+            # (a little less acceptance then), and a head that is wrong costs next to nothing.
+            if st is None or (st.k == 0 and nxt < st.resume_step):
                 continue
             rows.extend(range(r0, r0 + c1 - c0))
             # position p pairs the target's hidden state at p with the token at p + 1
@@ -78,11 +84,7 @@ class EagleProposer:
             return
         hidden = self.head.combine(aux.index_select(0, torch.tensor(rows, dtype=torch.long)))
         normed, fed, row_end = self._forward(sched, hidden)
-        # first drafts for the requests that decode next and may draft then (one backed off after
-        # rejections keeps its head KV current, but pays for no draft logits)
-        nxt = self.step + 1
-        ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens
-                 and (r.spec.k > 0 or nxt >= r.spec.resume_step)]  # type: ignore[union-attr]
+        ready = [i for i, r in enumerate(reqs) if r.num_computed_tokens + 1 == r.num_tokens]  # decodes next
         if not ready:
             return
         sel = torch.tensor([row_end[i] for i in ready], dtype=torch.long)
