@@ -126,9 +126,8 @@ DEFAULT_MAX_LOGPROBS = 20
 # Where a server's default sampling parameters come from (vLLM's --generation-config): "auto" the
 # model folder's generation_config.json, "vllm" none (the API's own defaults), else a folder.
 DEFAULT_GENERATION_CONFIG = "auto"
-# Speculative decoding (engine/spec_decode.py). The methods vLLM names; only these are built so far.
+# Speculative decoding (engine/spec_decode.py): the methods (vLLM's names).
 SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
-SPEC_METHODS_BUILT = ("ngram", "suffix", "draft_model")
 # `quantization` a draft model may take: "w4a8" quantizes the draft's weights to int4 when it loads
 # (quantized self-drafting: `model` = the target's own checkpoint).
 SPEC_DRAFT_QUANTIZATIONS = ("w4a8",)
@@ -171,10 +170,11 @@ DEFAULT_MAX_LORA_RANK = 16
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """`speculative_config` (vLLM's keys): `method` ("ngram", "suffix", "draft_model"),
+    """`speculative_config` (vLLM's keys): `method` ("ngram", "suffix", "draft_model", "eagle3", "mtp"),
     `num_speculative_tokens` (drafted tokens per step, at most), `prompt_lookup_min` /
     `prompt_lookup_max` (n-gram lengths searched), the `suffix_decoding_*` keys (method "suffix"),
-    `model` (method "draft_model": a draft checkpoint with the target's tokenizer),
+    `model` (method "draft_model": a draft checkpoint with the target's tokenizer; "eagle3": the
+    EAGLE-3 head's folder; "mtp": the checkpoint holding the MTP layers, by default the target's),
     `quantization` ("w4a8": the draft quantized to int4 at load), `draft_tensor_parallel_size` (1) and
     `disable_by_batch_size` (no speculation in a step with more running decodes than this)."""
 
@@ -195,9 +195,6 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"speculative_config: unknown method {self.method!r}; expected one of "
                               f"{', '.join(SPEC_METHODS)}")
-        if self.method not in SPEC_METHODS_BUILT:
-            raise ConfigError(f"speculative_config: method {self.method!r} is not supported yet; "
-                              f"available: {', '.join(SPEC_METHODS_BUILT)}")
         for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                      "draft_tensor_parallel_size", "disable_by_batch_size", "suffix_decoding_max_tree_depth"):
             v = getattr(self, name)
@@ -226,9 +223,14 @@ class SpeculativeConfig:
             if self.quantization is not None and self.quantization not in SPEC_DRAFT_QUANTIZATIONS:
                 raise ConfigError(f"speculative_config: unknown draft quantization {self.quantization!r}; expected "
                                   f"{', '.join(SPEC_DRAFT_QUANTIZATIONS)} (or none: the draft as its checkpoint is)")
-            if self.draft_tensor_parallel_size not in (None, 1):
-                raise ConfigError("speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
-                                  "the target's first rank)")
+        if self.method == "eagle3" and not self.model:
+            raise ConfigError("speculative_config: method 'eagle3' needs the head's checkpoint folder as 'model'")
+        if self.method in ("eagle3", "mtp") and self.quantization is not None:
+            raise ConfigError(f"speculative_config: method {self.method!r} takes no 'quantization' (the head runs "
+                              "as its checkpoint is)")
+        if self.method in ("draft_model", "eagle3", "mtp") and self.draft_tensor_parallel_size not in (None, 1):
+            raise ConfigError("speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
+                              "the target's first rank)")
 
     def _check_suffix_keys(self) -> None:
         keys = ("suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
@@ -368,10 +370,10 @@ class EngineConfig:
             raise ConfigError(f"hf_overrides must be a JSON object (a dict), got {type(self.hf_overrides).__name__}")
         if self.speculative_config is not None and self.backend != "torch":
             raise ConfigError(f"speculative_config is not supported by the {self.backend} backend")
-        if (self.speculative_config is not None and self.speculative_config.method == "draft_model"
+        if (self.speculative_config is not None and self.speculative_config.method in ("draft_model", "eagle3", "mtp")
                 and self.tensor_parallel_size > 1):
-            raise ConfigError("speculative_config: method 'draft_model' with tensor_parallel_size > 1 is not "
-                              "supported yet")
+            raise ConfigError(f"speculative_config: method {self.speculative_config.method!r} with "
+                              "tensor_parallel_size > 1 is not supported yet")
         self._check_lora()
         if self.kv_cache_space is None:
             # (vLLM's CPU name, for setups written for it; armserve's own wins)

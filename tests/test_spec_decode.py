@@ -29,7 +29,7 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
     ({"method": "medusa"}, "unknown method 'medusa'"),
     ({"method": "draft_model"}, "needs a draft 'model'"),
     ({"method": "draft_model", "model": "x", "quantization": "fp8"}, "unknown draft quantization"),
-    ({"method": "eagle3"}, "'eagle3' is not supported yet"),
+    ({"method": "eagle3"}, "'eagle3' needs the head's checkpoint folder"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_min 4"),
@@ -57,8 +57,9 @@ def test_speculative_config_from_json_and_dict():
 def test_cli_flag_errors(capsys):
     from armserve.cli import build_parser, main
 
-    assert main(["generate", "--speculative-config", '{"method": "mtp"}', "--max-tokens", "1"]) == 2
-    assert "'mtp' is not supported yet" in capsys.readouterr().err
+    assert main(["generate", "--speculative-config", '{"method": "mtp", "quantization": "w4a8"}', "--max-tokens",
+                 "1"]) == 2
+    assert "'mtp' takes no 'quantization'" in capsys.readouterr().err
     assert main(["generate", "--speculative-config", "{oops", "--max-tokens", "1"]) == 2
     assert "speculative_config is not valid JSON" in capsys.readouterr().err
     args = build_parser().parse_args(["serve", "--speculative-config", '{"method": "ngram"}'])

@@ -144,6 +144,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsTensors]  # request id -> this chunk's prompt logprobs
     # scheduled index -> its accepted draft tokens (speculative decoding), which come before `sampled`
     accepted: dict[int, list[int]] | None = None
+    # EAGLE-3 / MTP (`ModelRunner.keep_aux`): the target's kept hidden states [rows, layers x hidden], each
+    # scheduled request's query rows (drafts included) one after another, in schedule order
+    aux_hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -188,6 +191,7 @@ class ModelRunner:
         slots = num_blocks * block_size
         self.sampler = Sampler()
         self.structured = None  # the engine's StructuredOutputManager, once a request needs one
+        self.keep_aux = False  # EAGLE-3 / MTP: return the model's `aux_hidden` rows with each step's output
         max_blocks = -(-(max_model_len or slots) // block_size)
         if getattr(a0, "latent_dim", None):
             self._allocate_latent(attn_layers, num_blocks)
@@ -492,7 +496,23 @@ class ModelRunner:
                 torch.cat([x.logprobs for x in parts]),
                 torch.cat([x.ranks for x in parts]),
             )
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, accepted)
+        aux = None
+        if self.keep_aux:
+            aux = self._aux_rows(sched, row_end, verify[1] if verify is not None else None)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, accepted, aux)
+
+    def _aux_rows(self, sched, row_end: list[int] | None, q: int | None) -> torch.Tensor:
+        """The model's kept hidden states of every scheduled query row, in schedule order, as one
+        new tensor (a graph's buffers are rewritten by its next replay)."""
+        if row_end is not None:  # eager: rows in the runner's order, each request's ending at row_end
+            parts, rows = self.model.aux_hidden, []
+            for i, s in enumerate(sched):
+                rows.extend(range(row_end[i] - s.num_new_tokens + 1, row_end[i] + 1))
+        else:  # a replayed (or just captured) step: sequence i's rows from i * q (a decode step: q 1)
+            parts, q = self.graphs.last.aux, q or 1  # type: ignore[union-attr]
+            rows = [i * q + j for i, s in enumerate(sched) for j in range(s.num_new_tokens)]
+        idx = torch.tensor(rows, dtype=torch.long)
+        return torch.cat([p.index_select(0, idx) for p in parts], dim=1)
 
     @staticmethod
     def _prompt_logprob_chunks(sched, row_end: list[int] | None):

@@ -44,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_batched_tokens: int = 0
+    speculating: bool = False  # the step may draft (not turned off for a large batch)
 
     @property
     def is_empty(self) -> bool:
@@ -121,6 +122,7 @@ class Scheduler:
             proposer = None  # a batch this large: verifying drafts costs more than it saves
         if proposer is not None:
             proposer.step += 1
+            out.speculating = True
         batched = proposer is not None and getattr(proposer, "batched", False)
         pending: list[tuple[ScheduledRequest, int]] = []  # (a draft model's requests, tokens to draft)
         i = 0

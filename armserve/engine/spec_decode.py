@@ -23,7 +23,8 @@ from armserve.engine.request import Request
 class SpecState:
     """One request's n-gram index (or draft-model progress) and its adaptive draft length."""
 
-    __slots__ = ("maps", "indexed", "k", "resume_step", "backoff", "draft_computed", "epoch", "suffix")
+    __slots__ = ("maps", "indexed", "k", "resume_step", "backoff", "draft_computed", "epoch", "suffix",
+                 "eagle")
 
     def __init__(self, nmin: int, nmax: int, k: int) -> None:
         self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(nmax, nmin - 1, -1)}
@@ -36,6 +37,9 @@ class SpecState:
         self.draft_computed = 0
         self.epoch = 0
         self.suffix = None  # suffix decoding's per-request trees (engine/suffix_decode.py)
+        # an EAGLE-3 head's first draft (engine/eagle_proposer.py): (position, preemption count,
+        # token, the hidden state it feeds back), from the last step's record
+        self.eagle = None
 
     def update(self, num_drafted: int, num_accepted: int, max_k: int, step: int) -> None:
         """Adapt to one verification: a fully accepted run earns a token more, a run with nothing

@@ -72,6 +72,7 @@ class StepGraph:
         self._context_len, self._block_tables = self.context_len.numpy(), self.block_tables.numpy()
         self.recording: capture.Recording | None = None
         self.logits: torch.Tensor | None = None
+        self.aux: list[torch.Tensor] | None = None  # EAGLE-3: the target's kept hidden states, rewritten each replay
         self.generation = library.kernel_generation
 
     def set_inputs(self, ids: list[int], positions: list[int], block_ids: list[list[int]],
@@ -125,6 +126,8 @@ class StepGraph:
         try:
             with capture.recording() as rec:
                 logits = model.compute_logits(model(self.ids, self.positions))
+            if getattr(model, "aux_hidden_layers", ()):
+                self.aux = list(model.aux_hidden)
         finally:
             set_attention_metadata(None)
             set_lora_indices(None)
@@ -158,6 +161,7 @@ class StepGraphs:
         self.lora_graphs: dict[int, StepGraph] = {}  # steps in which some sequence runs an adapter
         self.replays = 0  # decode steps served by a replay (tests, stats)
         self.verify_replays = 0
+        self.last: StepGraph | None = None  # the graph of the last step served (its `aux`)
 
     def run(self, ids: list[int], positions: list[int], block_ids: list[list[int]],
             lora_slots: list[int] | None = None) -> torch.Tensor | None:
@@ -178,6 +182,7 @@ class StepGraphs:
             graphs[b] = g
             g.set_inputs(ids, positions, block_ids, self.pad_block, lora_slots)
             logits = g.capture(self.model)
+            self.last = g
             if not self._check(g) and b != n:
                 # computed on padded rows: PyTorch's GEMMs may round a row differently with
                 # more rows beside it, so run the step as an eager one would (it rewrites the
@@ -188,6 +193,7 @@ class StepGraphs:
             return None
         g.set_inputs(ids, positions, block_ids, self.pad_block, lora_slots)
         self.replays += 1
+        self.last = g
         return g.replay()[:n]
 
     def run_verify(self, tokens: list[list[int]], starts: list[int],
@@ -208,6 +214,7 @@ class StepGraphs:
             g = self.verify_graphs[(b, q)] = StepGraph(b, self.max_blocks, self.block_size, q)
             g.set_verify_inputs(tokens, starts, block_ids, self.pad_block)
             logits = g.capture(self.model)
+            self.last = g
             # (not replayable: something fell back to PyTorch, which may round the real rows
             # differently beside padding ones; the eager step rewrites the same slots)
             return (logits, q) if self._check(g) else None
@@ -215,6 +222,7 @@ class StepGraphs:
             return None
         g.set_verify_inputs(tokens, starts, block_ids, self.pad_block)
         self.verify_replays += 1
+        self.last = g
         return g.replay(), q
 
     def _check(self, g: StepGraph) -> bool:

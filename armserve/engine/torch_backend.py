@@ -24,6 +24,7 @@ from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, 
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.draft_proposer import DraftModelProposer, load_draft_model
+from armserve.engine.eagle_proposer import EagleProposer
 from armserve.engine.spec_decode import NgramProposer
 from armserve.engine.suffix_decode import SuffixProposer
 from armserve.engine.stats import SchedulerStats
@@ -85,6 +86,15 @@ class TorchBackend:
         draft = draft_config = None
         if spec is not None and spec.method == "draft_model":  # type: ignore[union-attr]
             draft, draft_config = load_draft_model(spec, hf, self.dtype)  # type: ignore[arg-type]
+        elif spec is not None and spec.method == "eagle3":  # type: ignore[union-attr]
+            from armserve.models.eagle3 import load_eagle3_head
+
+            # (the target now keeps the hidden states the head reads)
+            draft, draft_config = load_eagle3_head(spec.model, self.model, hf, self.dtype)  # type: ignore
+        elif spec is not None and spec.method == "mtp":  # type: ignore[union-attr]
+            from armserve.models.deepseek_mtp import load_mtp_layer
+
+            draft, draft_config = load_mtp_layer(spec.model or config.model, self.model, hf, self.dtype)  # type: ignore
         # (under tensor parallelism each rank caches only its share of the KV heads; a draft model's
         # cache shares the space, block for block)
         num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,
@@ -100,7 +110,11 @@ class TorchBackend:
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         proposer = None
-        if draft is not None:
+        if draft is not None and spec.method in ("eagle3", "mtp"):  # type: ignore[union-attr]
+            # (the head's steps run eagerly: its forward takes hidden states besides token ids)
+            proposer = EagleProposer(spec, ModelRunner(  # type: ignore[arg-type]
+                draft, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype, self.max_model_len, True))
+        elif draft is not None:
             proposer = DraftModelProposer(spec, ModelRunner(  # type: ignore[arg-type]
                 draft, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype, self.max_model_len,
                 config.enforce_eager))
@@ -136,6 +150,7 @@ class TorchBackend:
         self.structured = StructuredOutputManager(self.tokenizer, hf.vocab_size, self.eos_token_ids,
                                                   compile_timeout=config.grammar_compile_timeout)
         self.runner.structured = self.structured
+        self.eagle = proposer if isinstance(proposer, EagleProposer) else None
         self._requests: dict[str, list[Request]] = {}  # request id -> its sequences, until all have finished
         self._seq_of: dict[str, tuple[str, int]] = {}  # sequence (Request) id -> (request id, index)
         from armserve import kernels
@@ -222,8 +237,13 @@ class TorchBackend:
             for s in sched.scheduled
         )
 
+        eagle = self.eagle is not None and sched.speculating
+        self.runner.keep_aux = eagle  # (the head needs the target's hidden states of this step)
         result = self.runner.execute(sched)
+        starts = [s.request.num_computed_tokens for s in sched.scheduled] if eagle else None
         new_tokens = self.scheduler.update_from_output(sched, result.sampled, result.accepted)
+        if starts is not None:
+            self.eagle.record(sched, starts, result.aux_hidden)  # type: ignore[union-attr]
         prompt_lp = result.prompt_logprobs
         for child, lpt in prompt_lp.items():
             out.prompt_logprobs[seq_of[child][0]] = (lpt.token_ids.tolist(), lpt.logprobs.tolist(), lpt.ranks.tolist())

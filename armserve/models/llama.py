@@ -37,6 +37,14 @@ def layer_sliding_windows(config) -> list[int | None]:
     return [window] * n
 
 
+def copy_rows(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x that a decode step's recording can replay (the kernels' cast on a few rows;
+    PyTorch's clone beyond, where steps are not recorded)."""
+    if kernels.use_kernel("small", x):
+        return kernels.cast(x, x.dtype)
+    return x.clone()
+
+
 def _copy_whole(param: torch.Tensor, tensor: torch.Tensor) -> None:
     """A parameter no layer splits (norms, router biases): the checkpoint tensor as it is."""
     if param.shape != tensor.shape:
@@ -129,11 +137,17 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp
+        # EAGLE-3 (engine/eagle_proposer.py): a copy of the residual stream entering this layer,
+        # taken each forward while `keep_input` is set
+        self.keep_input = False
+        self.kept_input: torch.Tensor | None = None
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm.start_or_add(x, residual)
+        if self.keep_input:  # (the norm's fused add left the layer's input in `residual`)
+            self.kept_input = copy_rows(residual)
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -219,8 +233,35 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual)
-        x, _ = self.norm(x, residual)
+        x, residual = self.norm(x, residual)
+        if self.aux_hidden_layers:
+            self.aux_hidden = self._collect_aux(residual)
         return x
+
+    # ---- EAGLE-3: hidden states of a few layers for the draft head (engine/eagle_proposer.py) ----
+
+    aux_hidden_layers: tuple[int, ...] = ()
+    aux_hidden: list[torch.Tensor] | None = None
+
+    def set_aux_hidden_layers(self, layer_ids: tuple[int, ...]) -> None:
+        """Make each forward keep the residual stream entering each of `layer_ids` (vLLM's
+        numbering: 0 = the embeddings, num_hidden_layers = the last layer's output before the
+        final norm) in `aux_hidden`, in that order. A ValueError names what this model cannot."""
+        n = len(self.layers)
+        bad = [i for i in layer_ids if not isinstance(i, int) or not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"aux hidden state layer ids {bad} are outside this {n}-layer model's 0..{n}")
+        if type(self).forward is not LlamaForCausalLM.forward or not all(
+                isinstance(layer, LlamaDecoderLayer) for layer in self.layers):
+            raise ValueError(f"{type(self).__name__} does not expose its hidden states to a draft head")
+        for i, layer in enumerate(self.layers):
+            layer.keep_input = i in layer_ids
+        self.aux_hidden_layers = tuple(layer_ids)
+
+    def _collect_aux(self, final: torch.Tensor) -> list[torch.Tensor]:
+        n = len(self.layers)
+        last = copy_rows(final) if n in self.aux_hidden_layers else None  # (the final norm's fused sum)
+        return [last if i == n else self.layers[i].kept_input for i in self.aux_hidden_layers]  # type: ignore[misc]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits [rows, vocab] (the dense kernel writes them unrounded from its fp32 sums);
