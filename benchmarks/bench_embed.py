@@ -12,9 +12,10 @@ used only when already built there (`--embeddings`, on an F32 GGUF of the same c
 with llama.cpp's own convert_hf_to_gguf.py; requests of 32 inputs to /v1/embeddings, 8 parallel
 slots).
 
-Each (engine, threads, workload) runs in a process of its own with OMP_NUM_THREADS set, so thread
-pools never mix: load, warm up on the same inputs, then the best of `--repeats` timed passes over
-all inputs. Workloads: `short`, random sentences of 8-24 words (about 12-32 tokens); `512`, inputs
+Each (engine, threads, workload) runs in a process of its own with OMP_NUM_THREADS set (vLLM:
+VLLM_CPU_OMP_THREADS_BIND to that many cores, as it ignores OMP_NUM_THREADS), so thread pools
+never mix: load, warm up on the same inputs, then the best of `--repeats` timed passes over all
+inputs. Workloads: `short`, random sentences of 8-24 words (about 12-32 tokens); `512`, inputs
 of exactly 512 tokens (both engines allowed 512: MiniLM's own limit is 256). sentence-transformers
 encodes in its default batches of 32; armserve gets every input at once (`LLM.embed`) and batches
 them under its token budget (2048 tokens per step offline). Engines: sentence-transformers float32,
@@ -149,8 +150,11 @@ def measure(engine: str, threads: int, folder: str, workload: str, n: int, repea
         from peers import install_vllm
 
         python = install_vllm()
-        # (vLLM caps max_model_len at sentence_bert_config's 256 unless told: the position table has 512)
-        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1", PYTHONPATH=HERE)
+        # (vLLM caps max_model_len at sentence_bert_config's 256 unless told: the position table has 512;
+        # its default binding, "auto", ignores OMP_NUM_THREADS and takes a NUMA node's cores less one
+        # reserved for its scheduler process: 1 thread on a 2-core machine in both rows)
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_ALLOW_LONG_MAX_MODEL_LEN="1", PYTHONPATH=HERE,
+                   VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, range(threads))))
     elif engine == "llama-server":
         from peers import free_port
 
@@ -245,7 +249,8 @@ normalize), offline: `LLM.embed` over every input at once vs `SentenceTransforme
 and the peers ({", ".join(engines[3:]) or "none"}: vLLM CPU's `LLM(runner="pooling").embed` float32, llama-server
 `--embeddings` on an F32 GGUF, 8 slots, /v1/embeddings requests of 32 inputs), all allowed 512 tokens;
 {args.short} short sentences or {args.long} 512-token inputs per pass, best of {args.repeats} passes after a
-warm-up, each configuration in its own process with OMP_NUM_THREADS = threads. `best vs peers`: armserve's
+warm-up, each configuration in its own process with OMP_NUM_THREADS = threads (vLLM: its threads bound to that many
+cores, VLLM_CPU_OMP_THREADS_BIND). `best vs peers`: armserve's
 better setting over the best peer. `load`: the load average after each run, in column order.
 
 | inputs | threads | {" | ".join(e + " sentences/s" if e == "sentence-transformers" else e for e in engines)} | float32 vs ST | auto vs ST | best vs peers | load |

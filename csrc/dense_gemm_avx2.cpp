@@ -29,12 +29,15 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
     // form one dependency chain (latency-bound otherwise: 14 GB/s at m = 1).
     constexpr bool kSplit = R * H <= 4;
     __m256 c[R][H], d[R][H];
+    ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
+      ARMSERVE_UNROLL
       for (int h = 0; h < H; ++h) c[r][h] = d[r][h] = _mm256_setzero_ps();
     const int64_t bs = kp * 32;  // a block, in weights
     for (int64_t p = 0; p < kp; ++p) {
       __m256 we[H], wo[H];
       if (kStream)
+        ARMSERVE_UNROLL
         for (int b = 0; b < B; ++b) {
           if constexpr (F32) {
             armserve_dense::prefetch_stream(wf + b * bs + p * 32);
@@ -45,6 +48,7 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
         }
       else
         pf.step();
+      ARMSERVE_UNROLL
       for (int h = 0; h < H; ++h) {
         if constexpr (F32) {  // columns 8 (h % 2) .. + 7 of block h / 2
           const float* src = wf + (h / 2) * bs + p * 32 + (h % 2) * 8;
@@ -57,8 +61,10 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
           wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
         }
       }
+      ARMSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m256 x0 = _mm256_broadcast_ss(x + r * xs + 2 * p), x1 = _mm256_broadcast_ss(x + r * xs + 2 * p + 1);
+        ARMSERVE_UNROLL
         for (int h = 0; h < H; ++h) {
           c[r][h] = _mm256_fmadd_ps(we[h], x0, c[r][h]);
           if (kSplit)
@@ -68,7 +74,9 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
         }
       }
     }
+    ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
+      ARMSERVE_UNROLL
       for (int h = 0; h < H; ++h)
         _mm256_storeu_ps(acc + r * B * 16 + h * 8, kSplit ? _mm256_add_ps(c[r][h], d[r][h]) : c[r][h]);
   }

@@ -36,22 +36,29 @@ struct Avx512Bf16 : armserve_dense::PanelPrefetch<Avx512Bf16> {
     // it streamed 14.5 GB/s where 4 interleaved chains over consecutive k-pairs (an earlier choice,
     // from Zen 5) streamed 10.7; with the L2 prefetch (prefetch_stream) 17.4 against 12.9.
     __m512 c[R][B];
+    ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
+      ARMSERVE_UNROLL
       for (int b = 0; b < B; ++b) c[r][b] = _mm512_setzero_ps();
     const int64_t bs = kp * 32;
     for (int64_t p = 0; p < kp; ++p) {
       if (!kStream) pf.step();
       __m512bh wv[B];
+      ARMSERVE_UNROLL
       for (int b = 0; b < B; ++b) {
         if (kStream) armserve_dense::prefetch_stream(w + b * bs + p * 32);
         wv[b] = (__m512bh)_mm512_loadu_si512(w + b * bs + p * 32);
       }
+      ARMSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m512bh xv = (__m512bh)_mm512_set1_epi32(int(x[r * xs + p]));
+        ARMSERVE_UNROLL
         for (int b = 0; b < B; ++b) c[r][b] = _mm512_dpbf16_ps(c[r][b], wv[b], xv);
       }
     }
+    ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
+      ARMSERVE_UNROLL
       for (int b = 0; b < B; ++b) _mm512_storeu_ps(acc + (r * B + b) * 16, c[r][b]);
   }
 };
@@ -75,12 +82,15 @@ struct Avx512 : armserve_dense::PanelPrefetch<Avx512<F32>> {
     // Few accumulators (m = 1, 2): odd k into a second set, two dependency chains, not one.
     constexpr bool kSplit = R * B <= 8;
     __m512 c[R][B], d[R][B];
+    ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
+      ARMSERVE_UNROLL
       for (int b = 0; b < B; ++b) c[r][b] = d[r][b] = _mm512_setzero_ps();
     const int64_t bs = kp * 32;  // a block, in weights
     for (int64_t p = 0; p < kp; ++p) {
       if (!kStream) pf.step();
       __m512 we[B], wo[B];
+      ARMSERVE_UNROLL
       for (int b = 0; b < B; ++b) {
         if constexpr (F32) {
           const float* src = wf + b * bs + p * 32;
@@ -97,8 +107,10 @@ struct Avx512 : armserve_dense::PanelPrefetch<Avx512<F32>> {
           wo[b] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
         }
       }
+      ARMSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
         const __m512 x0 = _mm512_set1_ps(x[r * xs + 2 * p]), x1 = _mm512_set1_ps(x[r * xs + 2 * p + 1]);
+        ARMSERVE_UNROLL
         for (int b = 0; b < B; ++b) {
           c[r][b] = _mm512_fmadd_ps(we[b], x0, c[r][b]);
           if (kSplit)
@@ -108,7 +120,9 @@ struct Avx512 : armserve_dense::PanelPrefetch<Avx512<F32>> {
         }
       }
     }
+    ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
+      ARMSERVE_UNROLL
       for (int b = 0; b < B; ++b)
         _mm512_storeu_ps(acc + (r * B + b) * 16, kSplit ? _mm512_add_ps(c[r][b], d[r][b]) : c[r][b]);
   }

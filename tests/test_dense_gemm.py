@@ -291,3 +291,28 @@ def test_gemm_f32_column_range_threads_and_recording(isa):
         assert ((one[:, col:col + n].double() - exact).abs() <= bound_f32(x, w)).all(), m
     x = torch.randn(3, k)
     assert_replays(lambda out: kernels.gemm_f32(x, p, n, k, out=out), torch.empty(3, n))
+
+
+def test_rows_over_several_chunks(isa):
+    """More rows than a 256 KiB chunk of activations holds (K = 1536: a few tens of rows a chunk,
+    dense_gemm_impl.h row_chunk), each chunk across every panel before the next, a partial last
+    chunk, into a column range of a wider output; float32 and bf16 weights, one thread and two."""
+    torch.manual_seed(8)
+    n, k, m, col = 100, 1536, 130, 5
+    for f32 in (True, False):
+        dtype = torch.float32 if f32 else torch.bfloat16
+        w, x = torch.randn(n, k).to(dtype), torch.randn(m, k).to(dtype)
+        pack, gemm = (kernels.pack_f32, kernels.gemm_f32) if f32 else (kernels.pack_bf16, kernels.gemm_bf16)
+        p = pack(w)
+
+        def run():
+            out = torch.full((m, n + 2 * col), 7.0)
+            gemm(x, p, n, k, out=out[:, col:col + n])
+            return out
+
+        one, two = on_one_and_two_threads(run)
+        assert torch.equal(one, two), dtype
+        assert (one[:, :col] == 7).all() and (one[:, col + n:] == 7).all(), "wrote outside its columns"
+        exact = x.double() @ w.double().t()
+        tol = bound_f32(x, w) if f32 else bound(x, w)
+        assert ((one[:, col:col + n].double() - exact).abs() <= tol).all(), dtype

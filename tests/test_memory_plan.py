@@ -1,10 +1,13 @@
 """The memory plan (engine/memory_plan.py) from metadata alone, against transformers' own count of
 the model's parameters; the KV cache default (vLLM's CPU rule, config.py) and the error of a given
-KV space that does not fit the machine."""
+KV space that does not fit the machine; malloc keeping freed memory (memory.keep_freed_memory)."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -74,3 +77,40 @@ def test_armserve_info_prints_the_plan(tiny_llama, capsys):
     assert set(plan["weights"]) == {"dense", "quantized", "embedding", "head"}
     assert plan["total"] == plan["weights_total"] + plan["kv_space"] + plan["runtime"]
     assert plan["kv_bytes_per_token"] == info["bytes_per_token"]
+
+
+# Two 12 MiB activations allocated, touched and freed per "layer", as an encoder step does.
+_FAULTS_SCRIPT = """
+import ctypes, resource, sys
+from armserve.memory import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+n = 12 << 20
+def layer():
+    a = libc.malloc(n); ctypes.memset(a, 1, n)
+    b = libc.malloc(n); ctypes.memset(b, 1, n)
+    libc.free(a); libc.free(b)
+layer()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10): layer()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def _layer_faults(mode: str, **env: str) -> tuple[bool, int]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], env={**clean, **env}, check=True,
+                         capture_output=True, text=True).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_keep_freed_memory_stops_the_page_faults_of_each_layer():
+    """glibc's defaults hand such blocks back and fault them in again every layer; kept, they are
+    reused. An environment that tunes malloc itself is left alone."""
+    kept, faults = _layer_faults("keep")
+    _, default_faults = _layer_faults("default")
+    assert default_faults > 10 * 3072  # (glibc's behaviour the function is for: 2 x 3072 pages a layer)
+    assert kept and faults < 1000, faults
+    assert not _layer_faults("keep", MALLOC_TRIM_THRESHOLD_="100000")[0]

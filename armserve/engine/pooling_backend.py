@@ -32,6 +32,7 @@ from armserve.engine.kv_cache_manager import KVCacheManager
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.stats import SchedulerStats
+from armserve.memory import keep_freed_memory
 from armserve.layers.pooler import classify_probs, finish, pool
 from armserve.model_loader.pooling import pooler_config, sentence_max_len
 from armserve.model_loader import gguf
@@ -70,6 +71,7 @@ class PoolingBackend:
         # A request runs whole in one step: the budget holds at least the longest one.
         self.budget = max(config.max_num_batched_tokens or 0, self.max_model_len)  # type: ignore[arg-type]
         threads = init_threads()
+        keep_freed_memory()  # (each layer's activations, freed and allocated again: memory.py)
         self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
         if getattr(hf, "classifier_from_token", None):
             hf.classifier_token_ids = _token_ids(self.tokenizer, hf.classifier_from_token)
