@@ -159,7 +159,7 @@ def case_bf16(args, logdir: str) -> list[dict]:
         port = peers.free_port()
         out.append(run_one(armserve_spec(model, port, 2048, args.kv_gib, "bfloat16"), logdir, port))
     if "vllm" in args.systems:
-        py = peers.install_vllm()
+        py = args.vllm_python or peers.install_vllm()
         port = peers.free_port()
         spec = peers.ServerSpec("vllm", [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
                                          "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port",
@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated subset of armserve, llama.cpp (gguf case), vllm (bf16 case)")
     p.add_argument("--tokens", type=int, default=16384, help="gguf case: KV cache tokens (llama-server -c)")
     p.add_argument("--kv-gib", type=float, default=2.0, help="bf16 case: KV cache GiB for both systems")
+    p.add_argument("--vllm-python", default=None,
+                   help="bf16 case: the python of an existing vLLM venv (default: installed on first use)")
     p.add_argument("--no-doc", action="store_true", help="print the section instead of writing docs/benchmarks.md")
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
