@@ -118,9 +118,12 @@ def armserve_kv_bytes_per_token(model: str, dtype: str | None) -> int:
     return json.loads(out.stdout)["kv_cache"]["bytes_per_token"]
 
 
+STARTUP_TIMEOUT = 900.0  # seconds for a server to answer /health (--startup-timeout)
+
+
 def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
     print(f"starting {spec.label}: {' '.join(spec.cmd)}", flush=True)
-    srv = peers.Server(spec, port, os.path.join(logdir, f"{spec.label}.log"))
+    srv = peers.Server(spec, port, os.path.join(logdir, f"{spec.label}.log"), STARTUP_TIMEOUT)
     try:
         one_request(srv.url)
         time.sleep(1.0)  # let the request's transient buffers go
@@ -191,17 +194,21 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float]) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    global STARTUP_TIMEOUT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=["gguf", "bf16"], required=True)
     p.add_argument("--systems", default="armserve,llama.cpp,vllm",
                    help="comma-separated subset of armserve, llama.cpp (gguf case), vllm (bf16 case)")
     p.add_argument("--tokens", type=int, default=16384, help="gguf case: KV cache tokens (llama-server -c)")
     p.add_argument("--kv-gib", type=float, default=2.0, help="bf16 case: KV cache GiB for both systems")
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT,
+                   help="seconds each server may take to start (vLLM compiles for minutes on a loaded machine)")
     p.add_argument("--vllm-python", default=None,
                    help="bf16 case: the python of an existing vLLM venv (default: installed on first use)")
     p.add_argument("--no-doc", action="store_true", help="print the section instead of writing docs/benchmarks.md")
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
+    STARTUP_TIMEOUT = args.startup_timeout
     logdir = os.path.join(HERE, "results", "memory", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(logdir, exist_ok=True)
     before = load_average()
