@@ -147,12 +147,11 @@ class OpenAIServing:
                         "vllm to ignore them)", self.default_sampling)
         # NOTE: the worker has a tokenizer of its own: the event loop's keeps tokenizing small
         # requests meanwhile, and one Rust tokenizer is not meant to be used by two threads at once.
-        # The worker unpickles it on its first request: a second tokenizer is 35+ MiB for a 150k
-        # vocabulary (more while it is made), which a server that never sees a large body never needs.
+        # The worker unpickles it now, off the event loop (seconds for a 150k vocabulary, holding the
+        # GIL): a deep copy here left ~70 MiB of copying scratch in the heap beside the copy's 35.
         self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="armserve-tokenize")
-        self._prep_pickle: bytes | None = pickle.dumps(self.tokenizer)
         self._prep_tokenizer: Any = None
-        release_free_heap()  # the serializer's scratch
+        self._prep_ready = self._prep_pool.submit(self._worker_tokenizer, pickle.dumps(self.tokenizer))
 
     async def parse(self, raw: Request, model: type[_M]) -> _M:
         """The request body as `model`: JSON parsing and validation, on the worker thread when the
@@ -205,12 +204,13 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._prep_pool, self._on_worker, fn)
 
     def _on_worker(self, fn: Callable[[Any], _T]) -> _T:
-        """`fn` with the worker's tokenizer (on the worker thread, the only one that touches it)."""
-        if self._prep_tokenizer is None:
-            self._prep_tokenizer = pickle.loads(self._prep_pickle)  # type: ignore[arg-type]
-            self._prep_pickle = None
-            release_free_heap()  # what unpickling it left behind
+        self._prep_ready.result()  # (done: the pool's one thread ran it first; raises if it failed)
         return fn(self._prep_tokenizer)
+
+    def _worker_tokenizer(self, pickled: bytes) -> None:
+        """Make the worker's tokenizer (on the worker thread, the only one that touches it)."""
+        self._prep_tokenizer = pickle.loads(pickled)
+        release_free_heap()  # what pickling and unpickling it left behind
 
     def context_error(self, but: str, param: str) -> APIError:
         """The 400 of a request that cannot fit max_model_len; `but` says why, then what to do."""
