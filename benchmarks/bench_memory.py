@@ -174,11 +174,11 @@ def case_bf16(args, logdir: str) -> list[dict]:
     return out
 
 
-def section(case: str, rows: list[dict], what: str, load: tuple[float, float]) -> str:
+def section(case: str, rows: list[dict], what: str, load: tuple[float, float], rev: str) -> str:
     ours = next((r for r in rows if r["label"] == "armserve"), None)
     lines = [f"## Memory: {what} (issue 35)", "",
              f"Machine: {machine_description()}. Load average {load[0]:.2f} before / {load[1]:.2f} after. "
-             f"armserve rev `{git_revision()}`. PSS: the whole process tree after one chat request of 16 tokens; "
+             f"armserve rev `{rev}`. PSS: the whole process tree after one chat request of 16 tokens; "
              "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request.", "",
              "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve |",
              "|---|---|---|---|---|---|---|"]
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     STARTUP_TIMEOUT = args.startup_timeout
     logdir = os.path.join(HERE, "results", "memory", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(logdir, exist_ok=True)
-    before = load_average()
+    before, rev = load_average(), git_revision()  # (the revision the servers ran: the run takes minutes)
     try:
         rows = case_gguf(args, logdir) if args.case == "gguf" else case_bf16(args, logdir)
     except peers.PeerUnavailable as e:
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     what = (f"Qwen2.5-Coder-0.5B Q4_K_M GGUF, {args.tokens} tokens of KV cache" if args.case == "gguf"
             else f"TinyLlama-1.1B-shaped Llama, bfloat16, {args.kv_gib:g} GiB of KV cache")
-    body = section(args.case, rows, what, (before, load_average()))
+    body = section(args.case, rows, what, (before, load_average()), rev)
     with open(os.path.join(logdir, "result.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(body)
