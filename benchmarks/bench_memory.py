@@ -118,9 +118,12 @@ def armserve_kv_bytes_per_token(model: str, dtype: str | None) -> int:
     return json.loads(out.stdout)["kv_cache"]["bytes_per_token"]
 
 
+STARTUP_TIMEOUT = 900.0  # seconds for a server to answer /health (--startup-timeout)
+
+
 def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
     print(f"starting {spec.label}: {' '.join(spec.cmd)}", flush=True)
-    srv = peers.Server(spec, port, os.path.join(logdir, f"{spec.label}.log"))
+    srv = peers.Server(spec, port, os.path.join(logdir, f"{spec.label}.log"), STARTUP_TIMEOUT)
     try:
         one_request(srv.url)
         time.sleep(1.0)  # let the request's transient buffers go
@@ -159,7 +162,7 @@ def case_bf16(args, logdir: str) -> list[dict]:
         port = peers.free_port()
         out.append(run_one(armserve_spec(model, port, 2048, args.kv_gib, "bfloat16"), logdir, port))
     if "vllm" in args.systems:
-        py = peers.install_vllm()
+        py = args.vllm_python or peers.install_vllm()
         port = peers.free_port()
         spec = peers.ServerSpec("vllm", [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
                                          "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1", "--port",
@@ -171,11 +174,11 @@ def case_bf16(args, logdir: str) -> list[dict]:
     return out
 
 
-def section(case: str, rows: list[dict], what: str, load: tuple[float, float]) -> str:
+def section(case: str, rows: list[dict], what: str, load: tuple[float, float], rev: str) -> str:
     ours = next((r for r in rows if r["label"] == "armserve"), None)
     lines = [f"## Memory: {what} (issue 35)", "",
              f"Machine: {machine_description()}. Load average {load[0]:.2f} before / {load[1]:.2f} after. "
-             f"armserve rev `{git_revision()}`. PSS: the whole process tree after one chat request of 16 tokens; "
+             f"armserve rev `{rev}`. PSS: the whole process tree after one chat request of 16 tokens; "
              "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request.", "",
              "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve |",
              "|---|---|---|---|---|---|---|"]
@@ -191,18 +194,24 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float]) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    global STARTUP_TIMEOUT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", choices=["gguf", "bf16"], required=True)
     p.add_argument("--systems", default="armserve,llama.cpp,vllm",
                    help="comma-separated subset of armserve, llama.cpp (gguf case), vllm (bf16 case)")
     p.add_argument("--tokens", type=int, default=16384, help="gguf case: KV cache tokens (llama-server -c)")
     p.add_argument("--kv-gib", type=float, default=2.0, help="bf16 case: KV cache GiB for both systems")
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT,
+                   help="seconds each server may take to start (vLLM compiles for minutes on a loaded machine)")
+    p.add_argument("--vllm-python", default=None,
+                   help="bf16 case: the python of an existing vLLM venv (default: installed on first use)")
     p.add_argument("--no-doc", action="store_true", help="print the section instead of writing docs/benchmarks.md")
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
+    STARTUP_TIMEOUT = args.startup_timeout
     logdir = os.path.join(HERE, "results", "memory", time.strftime("%Y%m%d-%H%M%S"))
     os.makedirs(logdir, exist_ok=True)
-    before = load_average()
+    before, rev = load_average(), git_revision()  # (the revision the servers ran: the run takes minutes)
     try:
         rows = case_gguf(args, logdir) if args.case == "gguf" else case_bf16(args, logdir)
     except peers.PeerUnavailable as e:
@@ -210,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     what = (f"Qwen2.5-Coder-0.5B Q4_K_M GGUF, {args.tokens} tokens of KV cache" if args.case == "gguf"
             else f"TinyLlama-1.1B-shaped Llama, bfloat16, {args.kv_gib:g} GiB of KV cache")
-    body = section(args.case, rows, what, (before, load_average()))
+    body = section(args.case, rows, what, (before, load_average()), rev)
     with open(os.path.join(logdir, "result.json"), "w") as f:
         json.dump(rows, f, indent=1)
     print(body)

@@ -97,6 +97,13 @@ void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* as
 // (s, szp) replacing a w4 table's inline float16 scales (GGUF Q4_K's d * sc is not a float16 value).
 void armserve_qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, const float* exact,
                          const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k, int64_t group);
+// Token embedding rows of a GGUF table as the file stores it (e.g. where its memory map has it: the
+// table is never copied): `type` is the ggml type (0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 8 Q8_0,
+// 12 Q4_K, 14 Q6_K, 30 BF16), row r of n at blocks + r * row_bytes, k values each. out [m, k] (dtype)
+// row i = row ids[i] - start dequantized in float32 as armserve's loader converts such blocks
+// (csrc/gguf_rows.h), then rounded to dtype; zeros where ids[i] - start is outside [0, n).
+void armserve_gguf_embedding(int32_t type, int32_t dtype, void* out, const void* blocks, int64_t row_bytes,
+                             const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k);
 
 // Mixture-of-Experts MLP of one layer (moe_impl.h): out [T, hidden] float32 = the sum over j < top_k
 // of weights[t, j] * E_{ids[t, j]}(x[t]), with E(x) = down(silu(gate(x)) * up(x)). Per expert e,
@@ -200,7 +207,8 @@ const char* armserve_signature(const char* name);
   X(armserve_gemm_f32)                                                                                         \
   X(armserve_lora_shrink)                                                                                      \
   X(armserve_lora_expand)                                                                                      \
-  X(armserve_qembedding)
+  X(armserve_qembedding)                                                                                       \
+  X(armserve_gguf_embedding)
 
 // Everything Python binds (armserve/kernels/library.py asks for this list and each signature).
 #define ARMSERVE_EXPORTS(X)                                                                                    \

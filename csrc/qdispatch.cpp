@@ -75,4 +75,9 @@ void armserve_qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, c
                          const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k, int64_t group) {
   qtable()->qembedding(fmt, dtype, out, w, exact, ids, m, start, n, k, group);
 }
+
+void armserve_gguf_embedding(int32_t type, int32_t dtype, void* out, const void* blocks, int64_t row_bytes,
+                             const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k) {
+  qtable()->gguf_embedding(type, dtype, out, blocks, row_bytes, ids, m, start, n, k);
+}
 }

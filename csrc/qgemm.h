@@ -38,6 +38,7 @@ struct QKernelTable {  // member types from the exported functions (api.h)
   decltype(&armserve_gemm_w8) gemm_w8;
   decltype(&armserve_fused_moe) fused_moe;  // moe_impl.h: the experts' GEMMs and SiLU of this variant
   decltype(&armserve_qembedding) qembedding;  // rows of a packed table, dequantized (qgemm_impl.h)
+  decltype(&armserve_gguf_embedding) gguf_embedding;  // rows of a GGUF table as stored (gguf_rows.h)
 };
 
 const QKernelTable* armserve_qtable_scalar();

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "gguf_rows.h"
 #include "kernels_impl.h"
 #include "qgemm.h"
 
@@ -233,8 +234,27 @@ struct QKernels {
     });
   }
 
+  // Embedding rows of a GGUF table where the file's memory map has it (api.h, armserve_gguf_embedding):
+  // each row dequantized into a float32 scratch row by gguf_rows.h, then stored in dtype.
+  static void gguf_embedding(int32_t type, int32_t dtype, void* out, const void* blocks, int64_t row_bytes,
+                             const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k) {
+    const int es = dtype_size(dtype);
+    armserve_par::for_static(m, m * k >= (1 << 16), [&](int64_t i) {
+      char* o = static_cast<char*>(out) + i * k * es;
+      const int64_t r = ids[i] - start;
+      float* row = scratch(0, k);
+      // another rank's row (or an id the caller let through): zeros, never a stray read
+      if (r < 0 || r >= n || !gguf_row(type, static_cast<const uint8_t*>(blocks) + r * row_bytes, k, row)) {
+        std::memset(o, 0, k * es);
+        return;
+      }
+      Isa::store(dtype, row, o, k);
+    });
+  }
+
   static const QKernelTable* table(const char* name) {
-    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8, Moe<Isa, IsaQ>::run, qembedding};
+    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8, Moe<Isa, IsaQ>::run, qembedding,
+                                   gguf_embedding};
     return &t;
   }
 };

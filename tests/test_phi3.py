@@ -144,6 +144,9 @@ def test_phi3_gguf_matches_transformers(phi3, tmp_path, name):
         assert rg.get(key) == (None if key not in rw else pytest.approx(rw[key], rel=1e-6)), key
     llm = tiny(f32, tokenizer=folder)
     assert type(llm.llm_engine.model).__name__ == "Phi3ForCausalLM"
+    # the untied token table is read where the file is mapped (quantization/embedding.py), not copied
+    table = llm.llm_engine.model.embed_tokens.table
+    assert (type(table).__name__ == "MappedEmbedding") == (name == "default")
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(folder, o.prompt_token_ids) for o in outs]

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams, kernels
-from armserve.kernels.reference import qembedding_ref, qgemm_dense_ref, qlinear_ref, quantize_act_ref
+from armserve.kernels.reference import gguf_embedding_ref, qembedding_ref, qgemm_dense_ref, qlinear_ref, quantize_act_ref
 from armserve.quantization import QuantizedLinear, QuantizedTensor, kernel_scales, pack, quantize_weight
-from armserve.quantization.embedding import QuantizedEmbedding
-from armserve.quantization.gguf import convert
+from armserve.quantization.embedding import MappedEmbedding, QuantizedEmbedding
+from armserve.quantization.gguf import convert, gguf_rows
 from conftest import assert_next_token_logprobs_close
 
 SMALL = os.environ.get("ARMSERVE_TEST_SMALL") == "1"
@@ -268,6 +268,36 @@ def test_gguf_embedding_rows_equal_the_dequantized_table(isa, name):
         assert torch.equal(emb(ids), table.to(dtype)[ids])
 
 
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_mapped_gguf_embedding_matches_reference(isa, name):
+    """Rows read from a GGUF table as the file stores it (never converted) are, on every ISA, the
+    reference's (the loader's conversion) and the rows of the `gguf` package's own dequantized
+    table, bit for bit; ids outside a vocabulary share give zero rows."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(7)
+    n, k, start = 40, 512, 5
+    floats = rng.standard_normal((n, k)).astype(np.float32)
+    if name in ("Q4_K", "Q6_K"):
+        raw = _random_kquant_blocks(name, n, 2, rng)
+    elif name in ("F32", "F16"):
+        raw = floats.astype(np.float16 if name == "F16" else np.float32)
+    elif name == "BF16":
+        raw = (floats.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    else:
+        raw = quantize(floats, GGMLQuantizationType[name])
+    table = torch.from_numpy(dequantize(raw, GGMLQuantizationType[name]).reshape(n, k).astype(np.float32))
+    share = gguf_rows(name, raw, n, k).narrow(0, start, 30)  # a rank's rows [5, 35)
+    ids = torch.tensor([start, start + 29, 0, 17, 17, start + 30, 39, 6])
+    inside = (ids >= start) & (ids < start + 30)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        got = MappedEmbedding(share, dtype)(ids, start)
+        assert torch.equal(got, gguf_embedding_ref(ids, share, dtype, start))
+        assert torch.equal(got[inside], table.to(dtype)[ids[inside]])
+        assert not got[~inside].any()
+
+
 def test_unsupported_gguf_type_is_not_converted():
     assert convert("Q5_K", np.zeros((1, 176), np.uint8)) is None
 
@@ -283,6 +313,14 @@ def test_bundled_gguf_runs_quantized(smollm2_gguf):
     # Stored size, not bfloat16: Q4_1 linears are 4 bits per weight plus one scale pair per 32.
     n_linear = sum(m.in_features * m.out_features for m in qlayers)
     assert sum(m.weight_bytes for m in qlayers) < 0.9 * n_linear  # < 0.9 bytes per weight (bf16: 2)
+    # The memory plan, made from the file's metadata before loading, counts what the model holds.
+    from armserve.benchmarks.roofline import module_weight_bytes
+
+    plan = llm.llm_engine.backend.memory_plan.weights
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan == {"head": model.lm_head.weight_bytes, "embedding": 0, "dense": dense,
+                    "quantized": sum(m.weight_bytes for m in qlayers) - model.lm_head.weight_bytes}
+    assert module_weight_bytes(model) == sum(plan.values())  # what a decode step reads
     # A completion with a wide margin (greedy chat answers of a 135M model flip on tiny changes).
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=1, logprobs=1),
                        use_tqdm=False)[0].outputs[0]

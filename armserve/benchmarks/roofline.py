@@ -149,15 +149,18 @@ def describe(roof: dict[str, Any]) -> str:
 
 def module_weight_bytes(model) -> int:
     """`weight_bytes_per_token` for a loaded torch module (an untied input embedding left out)."""
-    params = dict(model.named_parameters())  # tied tensors appear once
-    # Prepacked dense weights (layers/linear.py Linear.finalize) replace their parameter; a tied
-    # head's packed copy is what decode reads instead of the table.
-    packed = {n + ".weight": m.packed for n, m in model.named_modules() if getattr(m, "packed", None) is not None}
+    sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}  # tied tensors appear once
+    # Prepacked dense weights (layers/linear.py Linear.finalize) replace their parameter, and so
+    # do quantized layers' packed parts (quantization/linear.py); a tied head's packed copy is what
+    # decode reads instead of the table.
+    for n, m in model.named_modules():
+        if getattr(m, "packed", None) is not None:
+            sizes[n + ".weight"] = m.packed.numel() * m.packed.element_size()
+        elif isinstance(getattr(m, "parts", None), list) and hasattr(m, "weight_bytes"):
+            sizes[n + ".weight"] = m.weight_bytes
     tied_head = getattr(model, "tied_head", None)
-    untied = any(n.endswith("lm_head.weight") for n in params) or "lm_head.weight" in packed
+    untied = "lm_head.weight" in sizes
     if tied_head is not None and tied_head.packed is not None:
-        packed["lm_head.weight"] = tied_head.packed
+        sizes["lm_head.weight"] = tied_head.packed.numel() * tied_head.packed.element_size()
         untied = True
-    params.update(packed)
-    return sum(p.numel() * p.element_size() for n, p in params.items()
-               if not (untied and n.endswith("embed_tokens.weight")))
+    return sum(b for n, b in sizes.items() if not (untied and n.endswith("embed_tokens.weight")))

@@ -21,6 +21,7 @@ from armserve.config import DEFAULT_KV_CACHE_MEMORY_FRACTION, ConfigError, Engin
 from armserve.engine.model_runner import kv_cache_bytes_per_token
 from armserve.memory import available_memory, numa_node_count, total_memory
 from armserve.model_source import ModelSource
+from armserve.quantization.gguf import GGUF_ROW_TYPES
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -53,15 +54,23 @@ def _safetensors_header(path: str) -> dict:
         return json.loads(f.read(n))
 
 
-def checkpoint_tensors(src: ModelSource) -> list[tuple[str, int, int, bool]]:
-    """(name, elements, bytes as stored, quantized) of every tensor of the checkpoint, from the
-    GGUF tensor infos or the safetensors headers (no tensor data is read)."""
-    out: list[tuple[str, int, int, bool]] = []
+def checkpoint_tensors(src: ModelSource) -> list[tuple[str, int, int, int | None, str]]:
+    """(name, elements, bytes as stored, bytes held quantized, stored type) of every tensor of the checkpoint,
+    from the GGUF tensor infos or the safetensors headers (no tensor data is read). The last is
+    None for a tensor the engine holds in float: the packed layout's size for GGUF blocks the loader
+    converts (quantization/gguf.py; other block types are dequantized), the stored size for
+    `armserve quantize` tensors."""
+    out: list[tuple[str, int, int, int | None, str]] = []
     if src.is_gguf:
         from armserve.model_loader.gguf import _reader  # the header parse the load shares
+        from armserve.quantization.formats import packed_bytes
+        from armserve.quantization.gguf import GGUF_FORMATS
 
         for t in _reader(os.path.join(src.folder, src.gguf_file)).tensors:
-            out.append((t.name, int(t.n_elements), int(t.n_bytes), t.tensor_type.name not in _GGUF_FLOAT))
+            numel, k, kind = int(t.n_elements), int(t.shape[0]), t.tensor_type.name
+            fmt = GGUF_FORMATS.get(kind)
+            held = packed_bytes(fmt[0], numel // k, k, fmt[1]) if fmt and len(t.shape) == 2 else None
+            out.append((t.name, numel, int(t.n_bytes), held, kind))
         return out
     rows: list[tuple[str, int, int, str]] = []
     for path in sorted(glob.glob(os.path.join(src.folder, "*.safetensors"))):
@@ -74,29 +83,32 @@ def checkpoint_tensors(src: ModelSource) -> list[tuple[str, int, int, bool]]:
             rows.append((name, numel, info["data_offsets"][1] - info["data_offsets"][0], info["dtype"]))
     # (a module with integer codes is quantized as a whole: its float scales and zero points too)
     quantized_modules = {n.rpartition(".")[0] for n, _, _, dt in rows if dt in _INT_DTYPES}
-    return [(n, numel, size, n.rpartition(".")[0] in quantized_modules) for n, numel, size, _ in rows]
+    return [(n, numel, size, size if n.rpartition(".")[0] in quantized_modules else None, dt)
+            for n, numel, size, dt in rows]
 
 
 def weight_bytes(src: ModelSource, hf, dtype: torch.dtype, quantization: str | None = None) -> dict[str, int]:
-    """Bytes of weights by kind as the engine holds them: quantized blocks as stored (unless
-    `quantization` is "none"), float tensors and the token embedding in `dtype`, and a tied head
-    as its own copy in `dtype` (the layout the head's GEMM reads)."""
+    """Bytes of weights by kind as the engine holds them: quantized weights in the kernels' packed
+    layout (unless `quantization` is "none"), float ones in `dtype`. A GGUF token table beside its
+    own head stays in the file's memory map as stored (counted as stored: its pages once every row
+    was looked up); a table tied to a quantized head is that head's weight (counted there); a head
+    tied to a float table gets its own copy in `dtype` (the layout the head's GEMM reads)."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
     keep_quantized = quantization != "none"
     sizes = dict.fromkeys(WEIGHT_KINDS, 0)
-    embedding_elements = 0
-    for name, numel, stored, quantized in checkpoint_tensors(src):
-        kind = _kind(name, quantized)
-        if kind == "embedding":
-            embedding_elements += numel
-            # NOTE: the token embedding is dequantized to `dtype` at load today; count it as held.
-            sizes[kind] += numel * itemsize
-        elif quantized and keep_quantized:
-            sizes[kind] += stored
+    tensors = checkpoint_tensors(src)
+    has_head = any(_kind(name, held is not None) == "head" for name, _, _, held, _ in tensors)
+    for name, numel, stored, held, stored_type in tensors:
+        kind = _kind(name, held is not None)
+        if not keep_quantized:
+            held = None
+        if kind == "embedding" and src.is_gguf and has_head and keep_quantized and stored_type in GGUF_ROW_TYPES:
+            sizes[kind] += stored  # mapped (quantization/embedding.py MappedEmbedding)
+        elif kind == "embedding" and not has_head and getattr(hf, "tie_word_embeddings", False):
+            sizes["head"] += held if held is not None else numel * itemsize
+            sizes[kind] += 0 if held is not None else numel * itemsize  # (a float table: the lookups' own)
         else:
-            sizes[kind] += numel * itemsize
-    if sizes["head"] == 0 and getattr(hf, "tie_word_embeddings", False):
-        sizes["head"] = embedding_elements * itemsize
+            sizes[kind] += held if held is not None else numel * itemsize
     return sizes
 
 

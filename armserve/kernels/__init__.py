@@ -25,7 +25,7 @@ from armserve.kernels.elementwise import (  # noqa: F401
 )
 from armserve.kernels.gemm import (  # noqa: F401
     dense, fused_moe, gemm_bf16, gemm_f32, gemv, pack_bf16, pack_f32, packed_bf16_shape, packed_f32_shape, qgemm,
-    qembedding, qgemm_dense, quantize_act,
+    gguf_embedding, qembedding, qgemm_dense, quantize_act,
 )
 from armserve.kernels.library import (  # noqa: F401
     KernelError, amx_available, available, bf16_dot, bind_threads, compiled_variants, cpu_features, dense_f32_isa,

@@ -162,6 +162,19 @@ def qembedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, k: int
     return out
 
 
+def gguf_embedding(ids: torch.Tensor, address: int, type_code: int, row_bytes: int, n: int, k: int,
+                   dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+    """Embedding rows [m, k] of `dtype` for int64 ids [m] from a GGUF table as the file stores it:
+    n rows of ggml type `type_code` (quantization/gguf.py GGUF_ROW_TYPES) at `address`, `row_bytes`
+    apart (the caller keeps them mapped). Row ids[i] - start dequantized, zeros outside [0, n)."""
+    assert ids.dtype == torch.int64 and ids.dim() == 1
+    ids = ids.contiguous()
+    out = torch.empty(ids.shape[0], k, dtype=dtype)
+    call("armserve_gguf_embedding", type_code, DTYPE_CODES[dtype], out.data_ptr(), address, row_bytes, ids.data_ptr(),
+         ids.shape[0], start, n, k)
+    return out
+
+
 _MOE_FORMATS = {"w4": 0, "w8": 1, "bf16": 2}
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from armserve.quantization.formats import QuantizedTensor
+    from armserve.quantization.gguf import GGUFRows
 
 
 def rms_norm_ref(
@@ -226,3 +227,12 @@ def qembedding_ref(ids: torch.Tensor, qt: QuantizedTensor, dtype: torch.dtype, s
     r = local.masked_fill(outside, 0)
     rows = QuantizedTensor(qt.fmt, qt.codes[r], qt.scales[r], None if qt.szp is None else qt.szp[r], qt.group)
     return rows.dequantize().to(dtype).masked_fill_(outside.unsqueeze(-1), 0)
+
+
+def gguf_embedding_ref(ids: torch.Tensor, table: GGUFRows, dtype: torch.dtype, start: int = 0) -> torch.Tensor:
+    """What `kernels.gguf_embedding` computes: rows ids - start of the GGUF table, dequantized as the
+    loader converts its blocks (float32), rounded to `dtype`; zero rows outside the table."""
+    local = ids - start
+    outside = (local < 0) | (local >= table.shape[0])
+    rows = table.dequantize(local.masked_fill(outside, 0).numpy())
+    return rows.to(dtype).masked_fill_(outside.unsqueeze(-1), 0)

@@ -18,7 +18,7 @@ from armserve.model_source import ModelLoadError, ModelSource
 from armserve.memory import release_free_heap
 from armserve.models import gguf_model_class
 from armserve.quantization import QuantizedTensor
-from armserve.quantization.gguf import convert
+from armserve.quantization.gguf import convert, gguf_rows
 
 # llama.cpp's standard tensor names -> Hugging Face's (a family adds or overrides block names
 # with its `gguf_block_names`)
@@ -237,6 +237,14 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
             if base is None:
                 continue
             name = f"{layer_prefix}.{parts[1]}.{base}.{parts[3]}" if blk else f"{base}.{parts[1]}"
+            if keep_quantized and kind == "token_embd" and has_output and parts[-1] == "weight":
+                # NOTE: an untied token table stays where the file is mapped, as stored: lookups
+                # dequantize the rows they read (quantization/embedding.py MappedEmbedding), and
+                # the table's pages are the page cache's, not a copy (~150 MB for a 150k vocabulary).
+                rows = gguf_rows(t.tensor_type.name, t.data, int(t.n_elements) // int(t.shape[0]), int(t.shape[0]))
+                if rows is not None:
+                    yield name, rows
+                    continue
             qt = None
             if keep_quantized and parts[-1] == "weight" and (kind in _LINEAR or kind == "token_embd"):
                 qt = convert(t.tensor_type.name, t.data)

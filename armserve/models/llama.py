@@ -23,7 +23,8 @@ from armserve.layers.linear import (ColumnParallelLinear, Linear, ParallelLMHead
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
 from armserve.models.adapters import as_pooling_model
 from armserve.quantization import QuantizedLinear, QuantizedTensor, quantize_weight_int8
-from armserve.quantization.embedding import QuantizedEmbedding
+from armserve.quantization.embedding import MappedEmbedding, QuantizedEmbedding
+from armserve.quantization.gguf import GGUFRows
 
 
 def layer_sliding_windows(config) -> list[int | None]:
@@ -299,8 +300,11 @@ class LlamaForCausalLM(nn.Module):
 
     def _quantized_embedding(self) -> None:
         """A quantized embedding table loaded as such stays quantized; the tiles of a head tied to it
-        (loaded first, and packed as soon as loaded: quantization/linear.py) serve its lookups too."""
+        (loaded first, and packed as soon as loaded: quantization/linear.py) serve its lookups too.
+        An untied GGUF table stays in the file's memory map."""
         emb = self.embed_tokens
+        if isinstance(emb.table, GGUFRows):  # read where the GGUF file is mapped (model_loader/gguf.py)
+            emb.table = MappedEmbedding(emb.table, emb.dtype)
         if isinstance(emb.table, QuantizedTensor):
             head = self.lm_head if self.tie_word_embeddings and isinstance(self.lm_head, QuantizedLinear) else None
             emb.table = QuantizedEmbedding(emb.table, emb.dtype, head)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 from armserve import kernels
-from armserve.kernels.reference import qembedding_ref
+from armserve.kernels.reference import gguf_embedding_ref, qembedding_ref
 from armserve.quantization.formats import QuantizedTensor, kernel_scales, pack
+from armserve.quantization.gguf import GGUF_ROW_TYPES, GGUFRows
 from armserve.quantization.linear import QuantizedLinear
 
 
@@ -64,4 +65,30 @@ class QuantizedEmbedding:
             raise RuntimeError("the quantized embedding table was packed for kernels that are now unavailable")
         out = kernels.qembedding(ids.reshape(-1), self.packed, self.fmt, self.n, self.k, self.group, self.dtype,
                                  start, self.exact)
+        return out.view(*ids.shape, self.k)
+
+
+class MappedEmbedding:
+    """Rows of a GGUF token table read where the file's memory map has it (the `gguf_embedding`
+    kernel dequantizes the rows a step looks up, as llama.cpp does): the table is never copied, only
+    the pages of rows looked up become resident, and they are page cache that every process mapping
+    the file shares (data-parallel replicas, tensor-parallel ranks). For a model whose head is its
+    own tensor; a tied table is the head's packed weight instead (QuantizedEmbedding)."""
+
+    nbytes = 0  # nothing held beside the file's pages
+
+    def __init__(self, table: GGUFRows, dtype: torch.dtype) -> None:
+        self.table, self.dtype = table, dtype
+        self.n, self.k = table.shape
+        self.type_code = GGUF_ROW_TYPES[table.type_name]
+        self.address = table.rows.ctypes.data
+
+    def __call__(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Rows ids - start ([m] int64 -> [m, k]), zeros for ids outside [start, start + n)."""
+        flat = ids.reshape(-1)
+        if kernels.use_kernel("embedding", self.dtype):
+            out = kernels.gguf_embedding(flat, self.address, self.type_code, self.table.rows.shape[1], self.n, self.k,
+                                         self.dtype, start)
+        else:
+            out = gguf_embedding_ref(flat, self.table, self.dtype, start)
         return out.view(*ids.shape, self.k)

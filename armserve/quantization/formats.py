@@ -179,14 +179,24 @@ def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
     return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), qt.szp.half().float(), qt.group)
 
 
+def packed_bytes(fmt: str, n: int, k: int, group: int) -> int:
+    """Bytes of an [n, k] weight packed for the qgemm kernels (`pack`): whole 16-row tiles of
+    codes (w4: half a byte a weight, w8: a byte) and 64 bytes of scales per group."""
+    return -(-n // 16) * _tile_bytes(fmt, k, group)
+
+
+def _tile_bytes(fmt: str, k: int, group: int) -> int:
+    return (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)
+
+
 def pack(qt: QuantizedTensor) -> torch.Tensor:
     """The packed bytes the qgemm kernels read (csrc/qgemm.h): 16-row tiles, each group's weight
     chunks followed by its scales (w4: float16 s and s * zero point; w8: float32 s). Packed a few
     MB of rows at a time into the result, so that the temporaries stay small beside it (an LM head
     is 100M+ weights)."""
     n, k = qt.codes.shape
-    tile = (8 * k if qt.fmt == "w4" else 16 * k) + 64 * (k // qt.group)  # bytes of a 16-row tile
-    out = torch.empty(-(-n // 16) * tile, dtype=torch.uint8)
+    tile = _tile_bytes(qt.fmt, k, qt.group)  # bytes of a 16-row tile
+    out = torch.empty(packed_bytes(qt.fmt, n, k, qt.group), dtype=torch.uint8)
     step = max(16, (1 << 22) // k // 16 * 16)
     for r in range(0, n, step):
         e = min(r + step, n)

@@ -11,14 +11,66 @@ float detour.
            w = d * sc * (q - 32))                               -> w8, group 16
 Layouts follow llama.cpp's ggml-common.h block structs (read for the bit positions only).
 Other types are not converted (the caller dequantizes them to float).
+
+A token table is not converted at all when the model's head is its own tensor: `GGUFRows` keeps
+it as the file stores it, for the `gguf_embedding` kernel to read where the file is mapped.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from armserve.quantization.formats import QuantizedTensor
+
+# ggml_type codes of the types whose rows the `gguf_embedding` kernel reads as stored (csrc/gguf_rows.h)
+GGUF_ROW_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
+# armserve format and group each converted type becomes (the converters below)
+GGUF_FORMATS = {"Q4_0": ("w4", 32), "Q4_1": ("w4", 32), "Q4_K": ("w4", 32), "Q5_0": ("w8", 32), "Q8_0": ("w8", 32),
+                "Q6_K": ("w8", 16)}
+
+
+@dataclass
+class GGUFRows:
+    """A GGUF table's rows as the file stores them: uint8 [n, bytes per row], a view of the file's
+    memory map (nothing copied; the map stays open while a view of it lives), `k` values a row."""
+
+    type_name: str
+    rows: np.ndarray
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows.shape[0], self.k
+
+    def narrow(self, dim: int, start: int, length: int) -> GGUFRows:
+        """Rows [start, start + length) (a tensor-parallel rank's vocabulary share), still a view."""
+        if dim != 0:
+            raise ValueError("a GGUF table kept as stored is split by rows only")
+        return GGUFRows(self.type_name, self.rows[start:start + length], self.k)
+
+    def dequantize(self, r: np.ndarray) -> torch.Tensor:
+        """float32 [len(r), k] of rows r, as the loader converts them: the `gguf_embedding`
+        kernel's reference."""
+        data = np.ascontiguousarray(self.rows[r])
+        if self.type_name == "F32":
+            return torch.from_numpy(data.view(np.float32).copy())
+        if self.type_name == "F16":
+            return torch.from_numpy(data.view(np.float16).astype(np.float32))
+        if self.type_name == "BF16":
+            return torch.from_numpy((data.view(np.uint16).astype(np.uint32) << 16).view(np.float32))
+        return convert(self.type_name, data).dequantize()  # type: ignore[union-attr]
+
+
+def gguf_rows(type_name: str, data: np.ndarray, rows: int, k: int) -> GGUFRows | None:
+    """A GGUF tensor's blocks (`data`, the reader's view) as GGUFRows, or None for a type the
+    `gguf_embedding` kernel does not read."""
+    if type_name not in GGUF_ROW_TYPES:
+        return None
+    table = np.ascontiguousarray(data).reshape(rows, -1).view(np.uint8)  # (a view: the data is contiguous)
+    return GGUFRows(type_name, table, k)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
