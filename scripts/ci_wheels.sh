@@ -35,7 +35,9 @@ $NICE python3 tests_arm/e2e_reference.py "$WORK/reference.json"
 t "x86_64: $(basename "$X86") into a fresh venv, PATH without compilers"
 VENV=$WORK/venv
 python3 -m venv "$VENV"
-NOCC=(env PATH="$VENV/bin")  # the rest of the environment (pip's index settings) as it is
+# The rest of the environment (pip's index settings) as it is, but no PYTHONPATH: a caller's (a source
+# checkout's, say) would be imported before the wheel.
+NOCC=(env -u PYTHONPATH PATH="$VENV/bin")
 "${NOCC[@]}" python -m pip install -q --only-binary=:all: "$X86" 2>&1 |
   { grep -v "^WARNING: Location 'file://" || true; }
 # Run from an empty directory: nothing of the repository may be imported.
