@@ -8,7 +8,9 @@ Used by setup.py (native build during `pip install`) and directly for cross buil
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import shutil
 import subprocess
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -89,26 +91,81 @@ def sources(arch: str) -> list[tuple[str, list[str]]]:
     return [(os.path.join(HERE, src), flags) for src, flags in VARIANTS[arch].items()]
 
 
+# ARMSERVE_BUILD_CACHE=DIR: keep each compiled object there, keyed by the compiler, its flags and
+# the csrc/ files, and reuse it when they are unchanged. CI compiles the same objects several times
+# (scripts/setup.sh's x86 build, ci_arm64.sh's cross build, then build_wheels.sh for both), and
+# .ci/run sets it. Unset: every object is compiled.
+CACHE_ENV = "ARMSERVE_BUILD_CACHE"
+
+
+def _cache_paths(cxx: str, arch: str, sources_flags: list[tuple[str, list[str]]]) -> dict[str, str]:
+    """source path -> its cached object's path, for the csrc/ sources (whose includes are all in
+    csrc/); {} without a cache."""
+    cache = os.environ.get(CACHE_ENV)
+    if not cache:
+        return {}
+    base = hashlib.sha256()
+    # The compiler: where it is and what it says it is (a changed toolchain changes the key).
+    version = subprocess.run([cxx, "--version"], capture_output=True, check=True).stdout
+    base.update(f"{shutil.which(cxx)}\0{arch}\0".encode() + version)
+    for name in sorted(os.listdir(HERE)):
+        if name.endswith(".h"):
+            with open(os.path.join(HERE, name), "rb") as f:
+                base.update(name.encode() + b"\0" + f.read())
+    folder = os.path.join(cache, os.path.basename(cxx))
+    paths = {}
+    for src, flags in sources_flags:
+        h = base.copy()
+        with open(src, "rb") as f:
+            h.update("\0".join([*COMMON, *flags, os.path.basename(src)]).encode() + b"\0" + f.read())
+        paths[src] = os.path.join(folder, f"{os.path.basename(src)}.{h.hexdigest()[:32]}.o")
+    return paths
+
+
+def _store(obj: str, cached: str) -> None:
+    """Put a fresh object in the cache, dropping that source's older objects (atomic for readers)."""
+    folder = os.path.dirname(cached)
+    os.makedirs(folder, exist_ok=True)
+    prefix = os.path.basename(cached).rsplit(".", 2)[0] + "."
+    for old in os.listdir(folder):
+        if old.startswith(prefix) and old.endswith(".o"):
+            os.remove(os.path.join(folder, old))
+    tmp = f"{cached}.{os.getpid()}.tmp"
+    shutil.copyfile(obj, tmp)
+    os.replace(tmp, cached)
+
+
 def build(cxx: str, arch: str, out: str, extra_sources: list[tuple[str, list[str]]] = (), jobs: int = 2,
           build_dir: str | None = None) -> None:
     """Compile every variant (in parallel) into `build_dir` and link `out`."""
     build_dir = build_dir or os.path.join(os.path.dirname(os.path.abspath(out)), f".build-{arch}")
     os.makedirs(build_dir, exist_ok=True)
+    # Only the library's own sources are cached: extra ones (module.cpp) include headers from elsewhere.
+    cached = _cache_paths(cxx, arch, sources(arch))
     objs, procs = [], []
     for src, flags in list(sources(arch)) + list(extra_sources):
         obj = os.path.join(build_dir, os.path.basename(src) + ".o")
         objs.append(obj)
-        procs.append(subprocess.Popen([cxx, *COMMON, *flags, "-I", HERE, "-c", src, "-o", obj]))
+        hit = cached.get(src)
+        if hit:
+            try:
+                shutil.copyfile(hit, obj)
+                continue
+            except FileNotFoundError:  # not cached yet (or replaced by a build of other sources)
+                pass
+        procs.append((subprocess.Popen([cxx, *COMMON, *flags, "-I", HERE, "-c", src, "-o", obj]), obj, hit))
         if len(procs) >= jobs:
-            _wait(procs.pop(0))
+            _wait(*procs.pop(0))
     for p in procs:
-        _wait(p)
+        _wait(*p)
     subprocess.check_call([cxx, *LINK, *objs, *LIBS, "-o", out])
 
 
-def _wait(p: subprocess.Popen) -> None:
+def _wait(p: subprocess.Popen, obj: str, cached: str | None) -> None:
     if p.wait() != 0:
         raise subprocess.CalledProcessError(p.returncode, p.args)
+    if cached:
+        _store(obj, cached)
 
 
 if __name__ == "__main__":

@@ -4,18 +4,28 @@
 #      python3.11, and aarch64 wheels (torch, numpy, pytest, transformers, ...) in a site dir, all
 #      cached under $ARMSERVE_ARM_CACHE (default ~/.cache/armserve-arm) so a second run is fast;
 #   2. cross-builds the kernel library and stages an aarch64 copy of the armserve package;
-#   3. runs tests/test_kernels.py and tests_arm/ under qemu-aarch64-static at -cpu neoverse-n1
-#      (neon + scalar) and max,sve{128,256,512}=on (sve + neon + scalar), checking from pytest's
-#      report that exactly the expected ISA variants were tested and nothing was skipped;
-#   4. end to end, at each of those CPUs: greedy tokens of a tiny random Llama from armserve's engine
-#      with the aarch64 kernels on (every variant the CPU runs), equal to the tokens the x86 run produced.
+#   3. runs the kernel tests (tests/test_kernels.py, ...) and tests_arm/ under qemu-aarch64-static,
+#      each kernel variant at the emulated CPUs where its code or dispatch can differ (ARMSERVE_ARM_CPUS,
+#      "cpu:variant+variant ..."; tests_arm/isa_filter.py deselects the other variants' cases):
+#        neoverse-n1      scalar + neon  (NEON with dotprod, no bf16/i8mm/SVE: SDOT GEMM, fp32 bf16 dots)
+#        max,sve128=on    neon + sve     (NEON's i8mm/BFDOT paths; SVE-128, which takes NEON's SMMLA tiles)
+#        max,sve256=on    sve            (NEON and scalar code do not read the vector length)
+#        max,sve512=on    sve
+#      The scalar variant's code and dispatch do not depend on the CPU (csrc/dispatch.cpp variant_bf16,
+#      qdispatch.cpp, dense_dispatch.cpp), so it runs once. Tests not parametrized by variant run at
+#      every CPU with the CPU's best variant, and tests_arm/test_arm_isa.py checks features and
+#      dispatch at every CPU. pytest's report must show exactly the listed variants, nothing skipped;
+#   4. end to end, at each of those CPUs (ARMSERVE_ARM_E2E_CPUS): greedy tokens of a tiny random Llama
+#      from armserve's engine with the aarch64 kernels on (each listed variant), equal to the tokens
+#      the x86 run produced (ARMSERVE_ARM_REFERENCE: that run's JSON if already made).
+# ARMSERVE_ARM_KERNEL_CPUS (default: all): the CPUs where the kernel tests run; elsewhere only tests_arm/.
 # ARMSERVE_ARM_WHEEL=path/to/armserve-...-manylinux_*_aarch64.whl (scripts/ci_wheels.sh): step 2 installs
 # that prebuilt wheel with pip instead of cross-building, and the tests run in a copy of the rootfs
 # without libgomp (the wheel must run on the OpenMP runtime torch bundles alone).
-# About 9 minutes from cold on a 2-core machine (apt included), 5.5 when cached. The kernel tests
-# run at full size (under a minute per CPU even at SVE-512); ARMSERVE_ARM_SMALL=1 shrinks them
-# (ARMSERVE_TEST_SMALL).
-# Logs: $ARMSERVE_ARM_CACHE/logs/.
+# ARMSERVE_BUILD_CACHE (csrc/build.py): compiled objects shared with scripts/build_wheels.sh.
+# About 9 minutes from cold on a quiet 2-core machine (apt included). The kernel tests run at full
+# size; ARMSERVE_ARM_SMALL=1 shrinks them (ARMSERVE_TEST_SMALL).
+# Logs (with each CPU's slowest tests): $ARMSERVE_ARM_CACHE/logs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -26,8 +36,10 @@ CACHE=${ARMSERVE_ARM_CACHE:-$HOME/.cache/armserve-arm}
 ROOTFS=$CACHE/rootfs
 SITE=$CACHE/site
 TORCH_VERSION=2.9.1
-CPUS=${ARMSERVE_ARM_CPUS:-"neoverse-n1 max,sve128=on max,sve256=on max,sve512=on"}
+CPUS=${ARMSERVE_ARM_CPUS:-"neoverse-n1:scalar+neon max,sve128=on:neon+sve max,sve256=on:sve max,sve512=on:sve"}
 E2E_CPUS=${ARMSERVE_ARM_E2E_CPUS:-$CPUS}
+KERNEL_CPUS=${ARMSERVE_ARM_KERNEL_CPUS:-$CPUS}
+REFERENCE=${ARMSERVE_ARM_REFERENCE:-}
 SMALL=${ARMSERVE_ARM_SMALL:-0}
 WHEEL=${ARMSERVE_ARM_WHEEL:-}
 # Kernel test files run at every CPU: tests parametrized by an `isa` fixture (ids `[neon-...]`).
@@ -113,35 +125,59 @@ fi
 python3 -m compileall -q "$STAGE/armserve" >/dev/null || true
 
 # ---- 4a. the x86 side of the end-to-end check ----------------------------------------------------
-t "x86 reference tokens"
-$NICE python3 tests_arm/e2e_reference.py "$STAGE/e2e_reference.json"
+if [ -z "$REFERENCE" ]; then
+  t "x86 reference tokens"
+  REFERENCE=$STAGE/e2e_reference.json
+  $NICE python3 tests_arm/e2e_reference.py "$REFERENCE"
+fi
 
 # ---- 3 + 4b. tests under emulation ----------------------------------------------------------------
-# PYTHONSAFEPATH: `python -m pytest` must not put the repo (with its x86 _C.so) before $STAGE.
-run_arm() { # cpu log pytest-args...
-  local cpu=$1 log=$2
-  shift 2
-  QEMU_CPU=$cpu ARMSERVE_EXPECT_CPU=$cpu ARMSERVE_TEST_SMALL=$SMALL ARMSERVE_E2E_REFERENCE="$STAGE/e2e_reference.json" \
-    PYTHONSAFEPATH=1 PYTHONPATH="$STAGE:$SITE" PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=2 \
+# PYTHONSAFEPATH: `python -m pytest` must not put the repo (with its x86 _C.so) before $STAGE; tests_arm
+# is on the path for the isa_filter plugin. ARMSERVE_ARM_ISAS: the variants tested at this CPU.
+run_arm() { # cpu isas log pytest-args...
+  local cpu=$1 isas=$2 log=$3
+  shift 3
+  QEMU_CPU=$cpu ARMSERVE_EXPECT_CPU=$cpu ARMSERVE_ARM_ISAS=$isas ARMSERVE_TEST_SMALL=$SMALL \
+    ARMSERVE_E2E_REFERENCE="$REFERENCE" PYTHONSAFEPATH=1 PYTHONPATH="$STAGE:$SITE:$REPO/tests_arm" \
+    PYTHONDONTWRITEBYTECODE=1 OMP_NUM_THREADS=2 \
     $NICE qemu-aarch64-static -L "$RUN_ROOTFS" "$RUN_ROOTFS/usr/bin/python3.11" \
-    -m pytest -v -rP -p no:cacheprovider -o addopts= "$@" >"$log" 2>&1
+    -m pytest -v -rP -p no:cacheprovider -p isa_filter --durations=15 -o addopts= "$@" >"$log" 2>&1
+}
+# "cpu:isa+isa" -> cpu; its variants (without ":": every variant the CPU runs).
+cpu_of() { echo "${1%%:*}"; }
+isas_of() {
+  case $1 in
+    *:*) echo "${1#*:}" | tr '+' ' ' ;;
+    neoverse-n1) echo "scalar neon" ;;
+    *) echo "scalar neon sve" ;;
+  esac
+}
+in_list() { # cpu list: whether the list names cpu (with or without ":variants")
+  local e
+  for e in $2; do [ "$(cpu_of "$e")" = "$1" ] && return 0; done
+  return 1
 }
 
 FAILED=0
-for cpu in $CPUS; do
-  case $cpu in
-    neoverse-n1) want="scalar neon" ;;
-    *) want="scalar neon sve" ;;
-  esac
-  # shellcheck disable=SC2206
-  tests=($KERNEL_TESTS tests_arm/test_arm_isa.py)
-  case " $E2E_CPUS " in *" $cpu "*) tests+=(tests_arm/test_arm_e2e.py) ;; esac
+for spec in $CPUS; do
+  cpu=$(cpu_of "$spec")
+  want=$(isas_of "$spec")
+  tests=()
+  kernel_tests=0
+  if in_list "$cpu" "$KERNEL_CPUS"; then
+    # shellcheck disable=SC2206
+    tests=($KERNEL_TESTS)
+    kernel_tests=1
+  fi
+  tests+=(tests_arm/test_arm_isa.py)
+  e2e=0
+  if in_list "$cpu" "$E2E_CPUS"; then tests+=(tests_arm/test_arm_e2e.py); e2e=1; fi
   log=$LOGS/pytest-${cpu//[,=]/_}.log
   t "tests at -cpu $cpu (${tests[*]}), expecting ISAs: $want"
   status=0
   # Tests that need a model (needs_model: the bundled SmolLM2 package) are covered here by
   # test_arm_e2e.py, which compares the engine's tokens with the x86 run's.
-  run_arm "$cpu" "$log" "${tests[@]}" -m "not needs_model" || status=$?
+  run_arm "$cpu" "$want" "$log" "${tests[@]}" -m "not needs_model" || status=$?
   tail -n 1 "$log"
   if [ $status -ne 0 ]; then
     grep -E "FAILED|ERROR|Error|assert" "$log" | head -n 60 || true
@@ -149,15 +185,19 @@ for cpu in $CPUS; do
     continue
   fi
   # The report must show every expected variant exercised (kernel tests are parametrized by ISA),
-  # none that this CPU lacks, and nothing skipped.
+  # no other (one this CPU lacks, or one tested at another CPU), and nothing skipped.
   if grep -qE " SKIPPED| XFAIL| XPASS" "$log"; then
     echo "tests were skipped at -cpu $cpu:"; grep -E " SKIPPED| XFAIL| XPASS" "$log"; FAILED=1
   fi
   for isa in scalar neon sve; do
     n=$(grep -cE "^tests/test_[a-z0-9_]+\.py::[a-z0-9_]+\[($isa\]|$isa-).* PASSED" "$log" || true)
     case " $want " in
-      *" $isa "*) [ "$n" -gt 0 ] || { echo "no $isa kernel test passed at -cpu $cpu"; FAILED=1; } ;;
-      *) [ "$n" -eq 0 ] || { echo "$n $isa kernel tests ran at -cpu $cpu, whose CPU lacks it"; FAILED=1; } ;;
+      *" $isa "*)
+        if [ $kernel_tests -eq 1 ] && [ "$n" -eq 0 ]; then echo "no $isa kernel test passed at -cpu $cpu"; FAILED=1; fi
+        if [ $e2e -eq 1 ] && ! grep -qE "^-cpu $cpu $isa: tokens equal" "$log"; then
+          echo "no end-to-end check of $isa at -cpu $cpu"; FAILED=1
+        fi ;;
+      *) [ "$n" -eq 0 ] || { echo "$n $isa kernel tests ran at -cpu $cpu, which should not run them"; FAILED=1; } ;;
     esac
     echo "  $isa: $n kernel tests passed"
   done
