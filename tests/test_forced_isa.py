@@ -59,7 +59,8 @@ VARIANTS = [v for v in kernel_isas() if v != _auto_isa()]
 
 
 def _pytest(variant: str, keyword: str, log: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *FILES, "-k", keyword]
+    # -o addopts=: one process per variant, not the suite's two xdist workers each
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-x", *FILES, "-k", keyword]
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, "ARMSERVE_ISA": variant}, stdout=out,
                                 stderr=subprocess.STDOUT), log
