@@ -73,7 +73,9 @@ def _pytest(variant: str, keyword: str, log: str) -> tuple[subprocess.Popen, str
 
 def _finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
     try:
-        code = proc.wait(1500)
+        # (a guard against a hang, not a time limit: ~4 minutes on a quiet machine, past 25 with the
+        # suite's other worker beside it on a 2-core machine loaded 15 deep)
+        code = proc.wait(3600)
     except subprocess.TimeoutExpired:
         proc.kill()
         code = proc.wait()
