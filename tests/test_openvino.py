@@ -67,12 +67,13 @@ def test_greedy_float32_equals_torch_backend_and_transformers(ov_smollm2, torch_
     tok = AutoTokenizer.from_pretrained(smollm2_hf_reference)
     hf = AutoModelForCausalLM.from_pretrained(smollm2_hf_reference, dtype=torch.float32)
     for prompt, ids in zip(PROMPTS, got):
-        # (a plain argmax loop: generate's min_new_tokens would forbid the EOS ignore_eos lets through)
+        # transformers' greedy continuation is the one whose every token is the argmax of the logits
+        # given the tokens before it (EOS included, which ignore_eos lets through): one forward over
+        # prompt + ids checks all 32 steps, as a 32-forward argmax loop would
         x = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            for _ in range(32):
-                x = torch.cat([x, hf(x).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        assert x[0, -32:].tolist() == ids, prompt
+            logits = hf(torch.cat([x, torch.tensor([ids])], dim=1)).logits[0, x.shape[1] - 1: -1]
+        assert logits.argmax(-1).tolist() == ids, prompt
 
 
 def test_sampling_params_match_the_torch_backend(ov_smollm2, torch_smollm2):

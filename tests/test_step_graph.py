@@ -14,6 +14,7 @@ import torch
 from armserve import LLM, SamplingParams, kernels
 from armserve.kernels.reference import rms_norm_ref
 
+from conftest import cached
 from test_spec_decode import markov_llama  # noqa: F401 (a fixture: a tiny Llama whose text repeats)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
@@ -163,17 +164,16 @@ def biased_copy(src: str) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    dst = src + "-biased"
-    if not os.path.isfile(os.path.join(dst, "model.safetensors")):
-        shutil.copytree(src, dst + ".tmp", dirs_exist_ok=True)
+    def make(tmp: str) -> None:
+        shutil.copytree(src, tmp)
         sd = load_file(os.path.join(src, "model.safetensors"))
         g = torch.Generator().manual_seed(0)
         for name, t in sd.items():
             if name.endswith("proj.bias"):
                 t.copy_(torch.randn(t.shape, generator=g) * 2)
-        save_file(sd, os.path.join(dst + ".tmp", "model.safetensors"), metadata={"format": "pt"})
-        os.replace(dst + ".tmp", dst)
-    return dst
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+
+    return cached(src + "-biased", "model.safetensors", make)
 
 
 @pytest.mark.parametrize("arch", ["llama3-rope-tied", "mistral", "qwen2"])
