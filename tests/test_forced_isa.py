@@ -67,8 +67,11 @@ def _pytest(variant: str, keyword: str, log: str) -> tuple[subprocess.Popen, str
     # -o addopts=: one process per variant, not the suite's two xdist workers each
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-x", *FILES, "-k", keyword]
     with open(log, "w") as out:
-        return subprocess.Popen(cmd, cwd=HERE, env={**os.environ, "ARMSERVE_ISA": variant}, stdout=out,
-                                stderr=subprocess.STDOUT), log
+        # The checkout's armserve, as the suite itself imports it (`python3 -m pytest` from the root puts
+        # the root on sys.path; this child runs in tests/), not whatever copy is installed.
+        path = os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "ARMSERVE_ISA": variant, "PYTHONPATH": path}
+        return subprocess.Popen(cmd, cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT), log
 
 
 def _finish(proc: subprocess.Popen, log: str) -> tuple[int, str]:
