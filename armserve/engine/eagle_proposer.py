@@ -29,32 +29,20 @@ from __future__ import annotations
 import torch
 
 from armserve.config import SpeculativeConfig
-from armserve.engine.draft_proposer import _View
+from armserve.engine.draft_proposer import DraftModelProposer, _View
 from armserve.engine.request import Request
 from armserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from armserve.engine.spec_decode import SpecState, draft_limit, request_state
+from armserve.engine.spec_decode import SpecState
 from armserve.layers.attention import set_attention_metadata
 
 
-class EagleProposer:
+class EagleProposer(DraftModelProposer):
     """Drafts from an EAGLE-3 head or MTP layer (`runner`: a ModelRunner over the head, for its KV
     cache and step layout, on the target's block ids)."""
 
-    batched = True  # proposes for all of a step's requests at once, after their slots are allocated
-
     def __init__(self, config: SpeculativeConfig, runner) -> None:
-        self.config = config
-        self.runner = runner
+        super().__init__(config, runner)  # per-request state and draft length as a draft model's
         self.head = runner.model
-        self.k = config.num_speculative_tokens
-        self.step = 0
-
-    def state(self, req: Request) -> SpecState | None:
-        return request_state(req, 1, 0, self.k)  # (no n-gram tables)
-
-    def draft_length(self, req: Request, limit: int) -> int:
-        """How many tokens to draft for `req` this step (its adaptive k, capped by `limit`)."""
-        return draft_limit(self.state(req), self.step, limit)
 
     @torch.inference_mode()
     def record(self, out: SchedulerOutput, starts: list[int], aux: torch.Tensor) -> None:
