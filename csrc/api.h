@@ -89,6 +89,10 @@ void armserve_gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* as
                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
 void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
+// codes [n, k] (fmt 0 = w4: uint8 0..15, 1 = w8: int8) and float32 scales (w4: and szp) [n, k / group] ->
+// the packed tiles the two GEMMs above read (formats.py `pack` is the reference), at load.
+void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const float* szp, int64_t n, int64_t k,
+                     int64_t group, void* packed);
 // Token embedding rows of a quantized table held in the packed tiles above (fmt 0 = w4, 1 = w8; n rows,
 // k columns, `group` columns per scale): out [m, k] (dtype) row i = dequant(W)[ids[i] - start], or zeros
 // where ids[i] - start is outside [0, n) (a tensor-parallel rank's vocabulary share). Only the rows asked
@@ -215,6 +219,7 @@ const char* armserve_signature(const char* name);
   ARMSERVE_RECORDABLE(X)                                                                                       \
   X(armserve_pack_bf16)                                                                                        \
   X(armserve_pack_f32)                                                                                         \
+  X(armserve_pack_q)                                                                                           \
   X(armserve_gemm_q_bf16)                                                                                      \
   X(armserve_fused_moe)                                                                                        \
   X(armserve_argmax)                                                                                           \

@@ -3,6 +3,7 @@
 // i8mm's SMMLA for prefill where present), SVE (NEON i8mm at 128-bit SVE, see pick()).
 #include <cstring>
 
+#include "float_conv.h"
 #include "qgemm.h"
 
 extern "C" const char* armserve_isa();
@@ -79,5 +80,47 @@ void armserve_qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, c
 void armserve_gguf_embedding(int32_t type, int32_t dtype, void* out, const void* blocks, int64_t row_bytes,
                              const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k) {
   qtable()->gguf_embedding(type, dtype, out, blocks, row_bytes, ids, m, start, n, k);
+}
+// codes [n, k] (w4: uint8 0..15, w8: int8), scales (and w4's szp) float32 [n, k / group] ->
+// the packed tiles of qgemm.h (formats.py `pack` is the PyTorch reference): per 16-row tile and
+// group, the weight words (w4: 4 bytes a row per 8 columns, byte j = u[8c + j] | u[8c + 4 + j] << 4;
+// w8: 4 codes a row per 4 columns), then 64 bytes of scales (w4: 16 float16 s, then 16 szp; w8:
+// 16 float32 s). Rows past n are zeros. One pass over the weights at load, where PyTorch's strided
+// copies took seconds a model.
+void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const float* szp, int64_t n, int64_t k,
+                     int64_t group, void* packed) {
+  const auto* c = static_cast<const uint8_t*>(codes);
+  auto* out = static_cast<uint8_t*>(packed);
+  const int64_t ng = k / group, tiles = (n + 15) / 16;
+  const int64_t chunk = fmt == 0 ? 8 : 4;  // columns per 4-byte word
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      for (int64_t cc = gi * group; cc < (gi + 1) * group; cc += chunk) {
+        for (int64_t r = 0; r < 16; ++r, out += 4) {
+          const int64_t row = t * 16 + r;
+          if (row >= n) {
+            std::memset(out, 0, 4);
+          } else if (fmt == 0) {
+            const uint8_t* u = c + row * k + cc;
+            for (int j = 0; j < 4; ++j) out[j] = uint8_t(u[j] | (u[4 + j] << 4));
+          } else {
+            std::memcpy(out, c + row * k + cc, 4);
+          }
+        }
+      }
+      for (int64_t r = 0; r < 16; ++r) {
+        const int64_t row = t * 16 + r;
+        const float s = row < n ? scales[row * ng + gi] : 0.0f;
+        if (fmt == 0) {
+          const uint16_t hs = armserve_conv::f32_to_f16(s), hz = armserve_conv::f32_to_f16(row < n ? szp[row * ng + gi] : 0.0f);
+          std::memcpy(out + 2 * r, &hs, 2);
+          std::memcpy(out + 32 + 2 * r, &hz, 2);
+        } else {
+          std::memcpy(out + 4 * r, &s, 4);
+        }
+      }
+      out += 64;
+    }
+  }
 }
 }

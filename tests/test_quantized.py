@@ -216,13 +216,19 @@ def test_gguf_blocks_convert_exactly(name):
 
 
 @pytest.mark.parametrize("fmt", ["w4", "w8"])
-def test_pack_in_row_chunks_equals_one_pass(fmt):
-    from armserve.quantization.formats import _pack_rows
+def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
+    """The layers' C++ pack (kernels.pack_q) and the reference `pack`, which works in row chunks,
+    both equal one pass of the reference over all rows; the qgemm tests above check that layout
+    against the GEMMs' meaning."""
+    from armserve.quantization.formats import _pack_rows, packed_bytes
 
     torch.manual_seed(0)
-    n, k = 1045, 4096  # packed 1024 rows at a time: two chunks, the last one not whole tiles
-    qt = quantize_weight(torch.randn(n, k), 32, symmetric=False, search=False) if fmt == "w4" else random_w8(n, k, 32)
-    assert torch.equal(pack(qt), _pack_rows(qt))
+    for n, k, g in [(1045, 4096, 32), (21, 96, 96)]:  # 1024 rows a chunk: the last not whole tiles; one group a row
+        qt = quantize_weight(torch.randn(n, k), g, symmetric=False, search=False) if fmt == "w4" else random_w8(n, k, g)
+        one = torch.empty(packed_bytes(fmt, n, k, g), dtype=torch.uint8)
+        _pack_rows(qt, one)
+        assert torch.equal(pack(qt), one)
+        assert torch.equal(kernels.pack_q(qt), one)
 
 
 # ---- embedding rows of a quantized table ----------------------------------------------

@@ -24,7 +24,7 @@ from armserve.kernels.elementwise import (  # noqa: F401
     act_and_mul, add_bias, argmax, cast, embedding, mul_cols, rms_norm, rms_norm_heads_, rotary,
 )
 from armserve.kernels.gemm import (  # noqa: F401
-    dense, fused_moe, gemm_bf16, gemm_f32, gemv, pack_bf16, pack_f32, packed_bf16_shape, packed_f32_shape, qgemm,
+    dense, fused_moe, gemm_bf16, gemm_f32, gemv, pack_bf16, pack_f32, pack_q, packed_bf16_shape, packed_f32_shape, qgemm,
     gguf_embedding, qembedding, qgemm_dense, quantize_act,
 )
 from armserve.kernels.library import (  # noqa: F401

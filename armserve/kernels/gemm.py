@@ -61,6 +61,21 @@ def _pack(kernel: str, w: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tens
     return out
 
 
+def pack_q(qt) -> torch.Tensor:
+    """The packed tiles the w4a8 / w8a8 GEMMs read (csrc/qgemm.h) of a quantization.QuantizedTensor
+    (done once at load): what its reference, quantization.formats.pack, computes, in one pass."""
+    n, k = qt.codes.shape
+    fmt = {"w4": 0, "w8": 1}[qt.fmt]
+    tile = (8 * k if qt.fmt == "w4" else 16 * k) + 64 * (k // qt.group)
+    codes, scales = qt.codes.contiguous(), qt.scales.float().contiguous()
+    szp = qt.szp.float().contiguous() if qt.fmt == "w4" else None
+    assert k % qt.group == 0 and qt.group % (8 if qt.fmt == "w4" else 4) == 0 and scales.shape == (n, k // qt.group)
+    out = torch.empty(-(-n // 16) * tile, dtype=torch.uint8)
+    call("armserve_pack_q", fmt, codes.data_ptr(), scales.data_ptr(), 0 if szp is None else szp.data_ptr(), n, k,
+         qt.group, out.data_ptr())
+    return out
+
+
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """Prepack a bf16 weight [n, k] (done once at load) for `gemm_bf16`.
 

@@ -15,7 +15,7 @@ import torch
 
 from armserve import kernels
 from armserve.kernels.reference import gguf_embedding_ref, qembedding_ref
-from armserve.quantization.formats import QuantizedTensor, kernel_scales, pack
+from armserve.quantization.formats import QuantizedTensor, kernel_scales
 from armserve.quantization.gguf import GGUF_ROW_TYPES, GGUFRows
 from armserve.quantization.linear import QuantizedLinear
 
@@ -46,7 +46,7 @@ class QuantizedEmbedding:
             self.packed = parts[0].packed  # the tied head's tiles: one copy for both
             self.shared = True
         else:
-            self.packed = pack(rounded)
+            self.packed = kernels.pack_q(rounded)
 
     @property
     def nbytes(self) -> int:

@@ -192,8 +192,8 @@ def _tile_bytes(fmt: str, k: int, group: int) -> int:
 def pack(qt: QuantizedTensor) -> torch.Tensor:
     """The packed bytes the qgemm kernels read (csrc/qgemm.h): 16-row tiles, each group's weight
     chunks followed by its scales (w4: float16 s and s * zero point; w8: float32 s). Packed a few
-    MB of rows at a time into the result, so that the temporaries stay small beside it (an LM head
-    is 100M+ weights)."""
+    MB of rows at a time straight into the result, so that the temporaries stay small beside it
+    (an LM head is 100M+ weights)."""
     n, k = qt.codes.shape
     tile = _tile_bytes(qt.fmt, k, qt.group)  # bytes of a 16-row tile
     out = torch.empty(packed_bytes(qt.fmt, n, k, qt.group), dtype=torch.uint8)
@@ -201,28 +201,37 @@ def pack(qt: QuantizedTensor) -> torch.Tensor:
     for r in range(0, n, step):
         e = min(r + step, n)
         szp = None if qt.szp is None else qt.szp[r:e]
-        part = _pack_rows(QuantizedTensor(qt.fmt, qt.codes[r:e], qt.scales[r:e], szp, qt.group))
-        out[r // 16 * tile:r // 16 * tile + part.numel()] = part
+        _pack_rows(QuantizedTensor(qt.fmt, qt.codes[r:e], qt.scales[r:e], szp, qt.group),
+                   out[r // 16 * tile:-(-e // 16) * tile])
     return out
 
 
-def _pack_rows(qt: QuantizedTensor) -> torch.Tensor:
-    """`pack` of rows that fit in memory several times over."""
+def _pack_rows(qt: QuantizedTensor, out: torch.Tensor) -> None:
+    """`pack` of rows that fit in memory several times over, into `out` (their whole tiles' bytes).
+
+    The weight bytes move as int32 words (4 codes of a row, or 4 pairs of nibbles), so each copy
+    that reorders them moves a quarter as many elements as a byte-wise one: loading a GGUF spent
+    most of its time here otherwise."""
     n, k = qt.codes.shape
     g = qt.group
     n_pad = -(-n // 16) * 16
     tiles, ng = n_pad // 16, k // g
-    rows = (0, 0, 0, n_pad - n)  # zero rows up to whole tiles
-    codes = F.pad(qt.codes, rows)
+    codes, scales, szp = qt.codes, qt.scales, qt.szp
+    if n_pad != n:  # zero rows up to whole tiles
+        rows = (0, 0, 0, n_pad - n)
+        codes, scales = F.pad(codes, rows), F.pad(scales, rows)
+        szp = None if szp is None else F.pad(szp, rows)
+    words = codes.contiguous().view(torch.int32)  # [n_pad, k // 4]: 4 columns a word
+    dst = out.view(torch.int32).view(tiles, ng, -1)  # per tile and group: weight words, then 16 scale words
     if qt.fmt == "w4":
-        u = codes.view(tiles, 16, k // 8, 2, 4)
-        wb = (u[:, :, :, 0, :] | (u[:, :, :, 1, :] << 4)).permute(0, 2, 1, 3).reshape(tiles, ng, g // 8 * 64)
-        sc = torch.stack([F.pad(qt.scales, rows), F.pad(qt.szp, rows)], dim=0)  # [2, n_pad, ng]
-        sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous().half()  # [tiles, ng, 2, 16]
-        wb = wb.to(torch.uint8)
+        # columns 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high ones (codes are 0..15)
+        w = words.view(tiles, 16, k // 8, 2)
+        w = (w[..., 0] | (w[..., 1] << 4)).permute(0, 2, 1)  # [tiles, k // 8, 16]
+        sc = torch.stack([scales, szp], dim=0).half()  # [2, n_pad, ng]
+        sc = sc.view(2, tiles, 16, ng).permute(1, 3, 0, 2).contiguous().view(tiles, ng, 32).view(torch.int32)
     else:
-        wb = codes.view(tiles, 16, k // 4, 4).permute(0, 2, 1, 3).reshape(tiles, ng, g // 4 * 64)
-        sc = F.pad(qt.scales, rows).float().view(tiles, 16, ng).permute(0, 2, 1).contiguous()  # [tiles, ng, 16]
-        wb = wb.view(torch.uint8)
-    return torch.cat([wb, sc.view(torch.uint8).view(tiles, ng, 64)], dim=2).flatten()
-
+        w = words.view(tiles, 16, k // 4).permute(0, 2, 1)  # [tiles, k // 4, 16]
+        sc = scales.float().view(tiles, 16, ng).permute(0, 2, 1).contiguous().view(torch.int32)  # [tiles, ng, 16]
+    nw = dst.shape[2] - 16
+    dst[:, :, :nw] = w.reshape(tiles, ng, nw)
+    dst[:, :, nw:] = sc

@@ -19,7 +19,7 @@ from torch import nn
 from armserve import kernels
 from armserve.kernels.reference import quantize_act_ref
 from armserve.layers.linear import Split
-from armserve.quantization.formats import QuantizedTensor, kernel_scales, pack, quantize_weight_int8
+from armserve.quantization.formats import QuantizedTensor, kernel_scales, quantize_weight_int8
 
 _ACT_BUFFERS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -111,7 +111,7 @@ class QuantizedLinear(nn.Module):
             del run
             # (the PyTorch path, `ref`, then applies the kernels' scales too)
             n = qt.codes.shape[0]
-            packed = pack(qt) if kernels.use_kernel("qgemm_pack", qt.codes) else None
+            packed = kernels.pack_q(qt) if kernels.use_kernel("qgemm_pack", qt.codes) else None
             self.parts.append(_Part(fmt, group, col, n, packed, None if packed is not None else qt))
             col += n
         self._pending = {}
