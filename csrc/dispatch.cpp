@@ -274,6 +274,11 @@ void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const 
                               sliding_window, softcap, q_stride);
 }
 
+void armserve_encoder_attention(int32_t dtype, void* out, const void* qkv, const int32_t* seq_lens, int32_t num_seqs,
+                                int32_t heads, int32_t hd, float scale, int64_t qkv_stride) {
+  table()->encoder_attention(dtype, out, qkv, seq_lens, num_seqs, heads, hd, scale, qkv_stride);
+}
+
 void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k) {
   table()->gemv(dtype, out, x, w, m, n, k);
 }

@@ -182,6 +182,7 @@ struct Buffer {
 }  // namespace armserve
 
 #include "attention_impl.h"
+#include "encoder_attention_impl.h"
 #include "lora_impl.h"
 
 namespace armserve {
@@ -364,7 +365,8 @@ struct Kernels {
     using A = Attention<Isa>;
     using L = Lora<Isa>;
     static const KernelTable t = {name, rms_norm, rotary, act_and_mul, A::reshape_and_cache, A::paged_attention,
-                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv, L::shrink, L::expand};
+                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv, L::shrink, L::expand,
+                                  EncoderAttention<Isa>::run};
     return &t;
   }
 };

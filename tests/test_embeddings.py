@@ -58,7 +58,8 @@ def _tiny_encoder(kind: str, folder: str) -> str:
                               XLMRobertaModel)
 
     torch.manual_seed(1)
-    common = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    # head_dim 16: the encoder-attention kernel's smallest (kernels.use_kernel)
+    common = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                   max_position_embeddings=80, hidden_act="gelu")
     if kind == "modernbert":  # 3 layers: global, local (a window of 4 either side), global
         model = ModernBertModel(ModernBertConfig(
@@ -81,12 +82,13 @@ def _tiny_encoder(kind: str, folder: str) -> str:
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
-def test_encoder_hidden_states_match_transformers(kind, tmp_path):
-    """Sequences of different lengths in one step (padded attention with a key mask; ModernBERT's
-    local layers with a band too) give each sequence's transformers hidden states."""
+def test_encoder_hidden_states_match_transformers(kind, tmp_path, monkeypatch):
+    """Sequences of different lengths in one step (the encoder-attention kernel; ModernBERT's local
+    layers padded, with a key mask and a band) give each sequence's transformers hidden states, on
+    every kernel variant and on PyTorch's attention alone."""
     from transformers import AutoModel
 
-    from armserve import model_loader
+    from armserve import kernels, model_loader
 
     folder = _tiny_encoder(kind, str(tmp_path))
     src = model_loader.resolve_model_path(folder)
@@ -97,10 +99,22 @@ def test_encoder_hidden_states_match_transformers(kind, tmp_path):
     seqs = [torch.randint(3, 120, (n,), generator=g) for n in (7, 1, 19, 12)]
     lens = [len(s) for s in seqs]
     with torch.no_grad():
-        hidden = ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), lens)
-        for s, h in zip(seqs, hidden.split(lens)):
-            want = ref(input_ids=s[None]).last_hidden_state[0]
-            torch.testing.assert_close(h, want, atol=2e-5, rtol=1e-4)
+        wants = [ref(input_ids=s[None]).last_hidden_state[0] for s in seqs]
+        before = kernels.isa()
+        try:
+            for isa in [*kernels.supported_isas(), "torch"]:
+                if isa == "torch":  # no kernel for the attention: grouped SDPA
+                    kernels.select_isa(before)
+                    use_kernel = kernels.use_kernel
+                    monkeypatch.setattr(kernels, "use_kernel", lambda op, *a, **k: op != "attention" and
+                                        use_kernel(op, *a, **k))
+                else:
+                    kernels.select_isa(isa)
+                hidden = ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), lens)
+                for h, want in zip(hidden.split(lens), wants):
+                    torch.testing.assert_close(h, want, atol=2e-5, rtol=1e-4, msg=lambda m: f"{isa}: {m}")
+        finally:
+            kernels.select_isa(before)
 
 
 def test_tiny_bert_default_pooling_is_normalized_cls(tiny_bert):

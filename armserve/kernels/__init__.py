@@ -4,7 +4,8 @@
     capture.py      every kernel call goes through `call`; recording and replaying them (step graphs)
     dispatch.py     `use_kernel`: kernel or PyTorch, the rule of each op
     elementwise.py  norms, rotary, gated activations, bias, cast, embedding rows, argmax
-    attention.py    the paged KV cache layout, cache writes and paged attention (float and int8)
+    attention.py    the paged KV cache layout, cache writes and paged attention (float and int8),
+                    bidirectional attention of encoder steps
     gemm.py         dense GEMM on prepacked weights, skinny decode matmul, quantized GEMMs and
                     embedding rows, fused MoE
     lora.py         batched LoRA (punica's shrink / expand, per-token adapter slot) and its reference
@@ -16,8 +17,8 @@ hold every kernel variant this CPU runs to its reference.
 
 # The package API: callers write `kernels.rms_norm(...)`.
 from armserve.kernels.attention import (  # noqa: F401
-    KEY_TILE, kv_cache_shapes, make_attn_batch, paged_attention, paged_attention_i8, reshape_and_cache,
-    reshape_and_cache_i8,
+    KEY_TILE, encoder_attention, kv_cache_shapes, make_attn_batch, paged_attention, paged_attention_i8,
+    reshape_and_cache, reshape_and_cache_i8,
 )
 from armserve.kernels.dispatch import KERNEL_OPS, QDENSE_MIN_ROWS, SMALL_OP_ROWS, use_kernel  # noqa: F401
 from armserve.kernels.elementwise import (  # noqa: F401

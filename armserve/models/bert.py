@@ -3,10 +3,11 @@ post-LayerNorm blocks, absolute position and token-type embeddings. They produce
 per token; the pooling runner (engine/pooling_backend.py) turns each sequence's rows into one
 vector (layers/pooler.py).
 
-- No KV cache: a sequence is encoded whole in one step, so attention is
-  `scaled_dot_product_attention` without a causal mask, one call per group of sequences of the
-  same length (`EncoderBatch.attention`: no padding; the paged C++ attention kernel is causal only). The linear layers are
-  armserve's (layers/linear.py: prepacked dense GEMM kernels); LayerNorm and GELU are PyTorch's.
+- No KV cache: a sequence is encoded whole in one step, so attention is bidirectional over each
+  sequence's own rows: the C++ encoder-attention kernel (kernels.encoder_attention, flash style,
+  no padding), or without it `scaled_dot_product_attention`, one call per group of sequences of the
+  same length (`EncoderBatch.attention`). The linear layers are armserve's (layers/linear.py:
+  prepacked dense GEMM kernels); LayerNorm and GELU are PyTorch's.
 - RoBERTa / XLM-RoBERTa: the same blocks; positions start after the padding id
   (`pad_token_id + 1`), as fairseq numbered them, and there is one token type.
 - Checkpoint names come with or without the task head's prefix (`bert.`, `roberta.`); the
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from armserve import kernels
 from armserve.layers.linear import Linear, QKVParallelLinear, get_parallel_context
 from armserve.quantization import QuantizedTensor
 
@@ -34,7 +36,8 @@ from armserve.quantization import QuantizedTensor
 class EncoderBatch:
     """One step's sequences laid out for attention, built once per step and shared by every layer.
 
-    `attention` groups the sequences by length: each group is one unmasked
+    `attention` runs the encoder-attention kernel over the step's rows as they are; without it, it
+    groups the sequences by length: each group is one unmasked
     `scaled_dot_product_attention` over [sequences, heads, length, head_dim], with no padding to
     compute or mask (100 short sentences of 12-30 tokens: 8 ms a layer, against 14 ms for one
     padded, masked grid). `to_grid` / `from_grid` give the padded grid ([num_seqs, longest], key
@@ -50,6 +53,7 @@ class EncoderBatch:
         self.index = valid.reshape(-1).nonzero().squeeze(1)  # grid cell of each token row, in order
         self.mask = None if bool(valid.all()) else valid[:, None, None, :]
         self._groups: list[tuple[int, int, torch.Tensor]] | None = None
+        self._lens32 = torch.tensor(seq_lens, dtype=torch.int32)
 
     def groups(self) -> list[tuple[int, int, torch.Tensor]]:
         """(length, sequences, their token rows in order) per distinct sequence length."""
@@ -69,6 +73,8 @@ class EncoderBatch:
         """Bidirectional attention of each sequence over its own rows: qkv [T, 3 * H * D] (q, k, v
         heads side by side) -> [T, H * D]."""
         T, H, D = qkv.shape[0], heads, head_dim
+        if kernels.use_kernel("attention", qkv.dtype, head_dim=D):
+            return kernels.encoder_attention(qkv, self._lens32, H, D, D**-0.5)
         if self.mask is None:  # all as long: the rows are the grid, no copies
             q, k, v = qkv.view(self.num_seqs, self.longest, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
             o = F.scaled_dot_product_attention(q, k, v)  # [B, H, L, D]
