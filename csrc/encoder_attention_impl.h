@@ -1,4 +1,5 @@
-// Bidirectional attention of encoder steps (api.h: armserve_encoder_attention), flash style:
+// Bidirectional attention of encoder steps (api.h: armserve_encoder_attention), flash style
+// (and the vector GELU of the encoder blocks' bias_gelu, kernels_impl.h):
 // every row of a sequence attends to all rows of its sequence, with no mask, and no
 // [length x length] matrix is ever formed. Written once over the 16-lane vectors of
 // attention_impl.h, included by every kernels_<isa>.cpp.
@@ -30,6 +31,30 @@
 
 namespace armserve {
 namespace {
+
+// GELU, 0.5 x (1 + erf(x / sqrt 2)): 1 + erf(z) is 2 - erfc(|z|) for z >= 0 and erfc(|z|) below,
+// erfc by Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7), so the negative side keeps its
+// small values without cancellation.
+ARMSERVE_VI vf16 gelu_erf(vf16 x) {
+  const vf16 z = x * 0.70710678118654752f;
+  const vf16 az = vsel(z < 0.f, -z, z);
+  const vf16 t = vrecip(vfma(az, vsplat(0.3275911f), vsplat(1.0f)));
+  vf16 p = vfma(vsplat(1.061405429f), t, vsplat(-1.453152027f));
+  p = vfma(p, t, vsplat(1.421413741f));
+  p = vfma(p, t, vsplat(-0.284496736f));
+  p = vfma(p, t, vsplat(0.254829592f));
+  const vf16 erfc = p * t * vexp(-(az * az));
+  return x * 0.5f * vsel(z < 0.f, erfc, vsplat(2.0f) - erfc);
+}
+
+// GELU's tanh form, 0.5 x (1 + tanh(y)) with y = sqrt(2 / pi) (x + 0.044715 x^3), written as
+// x / (1 + e^(-2y)), the exponent capped at 80 (vexp's largest inputs give inf, and the reciprocal's
+// Newton step turns that into NaN; at 80 the quotient is ~1e-35 x already).
+ARMSERVE_VI vf16 gelu_tanh(vf16 x) {
+  const vf16 y = vfma(x * x * x, vsplat(0.044715f), x) * 0.79788456080286536f;
+  const vf16 a = y * -2.0f;
+  return x * vrecip(vexp(vsel(a > 80.f, vsplat(80.f), a)) + 1.0f);
+}
 
 template <class Isa>
 struct EncoderAttention {

@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import kernel_isas, on_one_and_two_threads, random_batch
 
@@ -275,6 +276,40 @@ def test_paged_attention_threads_split_long_decode(isa):
     close(two, want, torch.float32)
     close(one, want, torch.float32)
     assert torch.equal(one, two)  # the KV split changes the schedule, never the arithmetic
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("n", [384, 100])
+def test_bias_gelu(isa, dtype, approximate, n):
+    """gelu(x + bias) in place on rows of a wider tensor, against PyTorch's add then F.gelu, over
+    both tails (large negative inputs: values near 0, no cancellation)."""
+    torch.manual_seed(n)
+    wide = (torch.randn(9, n + 5) * 4).to(dtype)
+    x, bias = wide[:, :n], (torch.randn(n) * 0.5).to(dtype)
+    want = F.gelu(x + bias, approximate=approximate)
+    got = kernels.bias_gelu_(x, bias, approximate)
+    assert got.data_ptr() == wide.data_ptr()
+    close(got, want, dtype)
+    small = want.float().abs() < 1e-3  # the far negative side, relative to its own size
+    rtol = 0.02 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(got.float()[small], want.float()[small], atol=1e-6, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", ["x", "residual", "bias_and_residual"])
+@pytest.mark.parametrize("n", [384, 100])
+def test_layer_norm(isa, dtype, parts, n):
+    """LayerNorm(x + x_bias + residual) * w + b against F.layer_norm over PyTorch's adds."""
+    torch.manual_seed(n)
+    x = (torch.randn(7, n) * 2 + 1).to(dtype)
+    w, b = (torch.rand(n) + 0.5).to(dtype), (torch.randn(n) * 0.1).to(dtype)
+    res = torch.randn(7, n).to(dtype) if parts != "x" else None
+    xb = torch.randn(n).to(dtype) if parts == "bias_and_residual" else None
+    want = x if xb is None else x + xb
+    want = want if res is None else want + res
+    want = F.layer_norm(want, (n,), w, b, 1e-12)
+    close(kernels.layer_norm(x, w, b, 1e-12, residual=res, x_bias=xb), want, dtype)
 
 
 def _encoder_qkv(seq_lens: list[int], heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:

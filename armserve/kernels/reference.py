@@ -137,6 +137,21 @@ def paged_attention_ref(
     return out.reshape(T, num_heads * head_dim).to(q.dtype)
 
 
+def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(x + bias), each step rounded to x's dtype."""
+    return F.gelu(x + bias, approximate=approximate)
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                   residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm(x + x_bias + residual) * weight + bias, each sum rounded to x's dtype."""
+    if x_bias is not None:
+        x = x + x_bias
+    if residual is not None:
+        x = x + residual
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def encoder_attention_ref(qkv: torch.Tensor, seq_lens: list[int], num_heads: int, head_dim: int,
                           scale: float) -> torch.Tensor:
     """PyTorch reference of the encoder-attention kernel: one unmasked `scaled_dot_product_attention`

@@ -7,7 +7,8 @@ vector (layers/pooler.py).
   sequence's own rows: the C++ encoder-attention kernel (kernels.encoder_attention, flash style,
   no padding), or without it `scaled_dot_product_attention`, one call per group of sequences of the
   same length (`EncoderBatch.attention`). The linear layers are armserve's (layers/linear.py:
-  prepacked dense GEMM kernels); LayerNorm and GELU are PyTorch's.
+  prepacked dense GEMM kernels) without their biases, which go into the next op: GELU
+  (kernels.bias_gelu_) and the residual add + LayerNorm (kernels.layer_norm), one pass each.
 - RoBERTa / XLM-RoBERTa: the same blocks; positions start after the padding id
   (`pad_token_id + 1`), as fairseq numbered them, and there is one token type.
 - Checkpoint names come with or without the task head's prefix (`bert.`, `roberta.`); the
@@ -109,7 +110,8 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
         o = batch.attention(self.qkv_proj(x), self.num_heads, self.head_dim)
-        return self.norm(self.out_proj(o) + x)
+        return kernels.layer_norm(self.out_proj(o, with_bias=False), self.norm.weight, self.norm.bias, self.norm.eps,
+                                  residual=x, x_bias=self.out_proj.bias)
 
 
 class BertLayer(nn.Module):
@@ -125,7 +127,9 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
         x = self.attention(x, batch)
-        return self.norm(self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate)) + x)
+        h = kernels.bias_gelu_(self.up_proj(x, with_bias=False), self.up_proj.bias, self.approximate)
+        return kernels.layer_norm(self.down_proj(h, with_bias=False), self.norm.weight, self.norm.bias, self.norm.eps,
+                                  residual=x, x_bias=self.down_proj.bias)
 
 
 # Hugging Face name part (under encoder.layer.N.) -> (this module's name part, qkv shard)
@@ -213,14 +217,17 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        pos = self.position_embeddings(positions + self.position_offset)
         if token_type_ids is None and self.sep_token_id is not None and self.token_type_embeddings.num_embeddings > 1:
             token_type_ids = _segments(input_ids, seq_lens, self.sep_token_id)
+        words, one_type = self.word_embeddings(input_ids), None
         if token_type_ids is None:
-            x = x + self.token_type_embeddings.weight[0]
+            one_type = self.token_type_embeddings.weight[0]
         else:
-            x = x + self.token_type_embeddings(token_type_ids)
-        x = self.embed_norm(x)
+            words = words + self.token_type_embeddings(token_type_ids)
+        # (words + type) + positions, as transformers adds them, and the norm in one pass
+        norm = self.embed_norm
+        x = kernels.layer_norm(words, norm.weight, norm.bias, norm.eps, residual=pos, x_bias=one_type)
         batch = EncoderBatch(seq_lens)
         for layer in self.layers:
             x = layer(x, batch)
