@@ -91,9 +91,44 @@ def cpu_seconds(roots: list[int]) -> float:
     return total
 
 
+def flops_per_sentence(folder: str, texts: list[str]) -> float:
+    """Mean float operations of one input through the encoder: its linear layers (2 x weights per
+    token) and its attention (4 x tokens x hidden per token and layer); the embeddings, norms and
+    activations are left out (no multiply-adds)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    lens = [len(ids) for ids in tok(texts, truncation=True, max_length=512)["input_ids"]]
+    per_token = 2 * layers * (4 * h * h + 2 * h * inter)
+    return sum(n * per_token + 4 * layers * h * n * n for n in lens) / len(lens)
+
+
+def gemm_rate(repeats: int, clock: str) -> float:
+    """float32 GFLOP/s of PyTorch's GEMM (oneDNN / MKL) on the encoder's largest shape, 2048 tokens
+    x 384 -> 1536, at this process's thread count: the rate the bound below assumes."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    x, w = torch.randn(2048, 384), torch.randn(1536, 384)
+    now = time.perf_counter if clock == "wall" else time.process_time
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = now()
+        for _ in range(10):
+            torch.mm(x, w.t())
+        best = min(best, now() - t)
+    return 10 * 2 * 2048 * 384 * 1536 / best / 1e9
+
+
 def worker(engine: str, folder: str, workload: str, n: int, repeats: int, clock: str = "wall") -> dict:
     """Runs in the child process: the best sentences/s over `repeats` passes, in wall-clock time or
     (`clock` "cpu") per CPU second of the engine's processes (this one, its children, llama-server)."""
+    if engine == "gemm":
+        return {"gflops": gemm_rate(repeats, clock), "load": load_average()}
     texts = inputs(folder, workload, n)
     if engine == "vllm pooling":
         from vllm import LLM as VLLM
@@ -251,6 +286,8 @@ def main() -> int:
         else:
             engines.append("llama-server")
     workloads = {"short": args.short, "512": args.long}
+    flops = {w: flops_per_sentence(folder, inputs(folder, w, min(n, 64))) for w, n in workloads.items()}
+    rates = {t: measure("gemm", t, folder, "short", 0, args.repeats, args.clock)["gflops"] for t in args.threads}
     results: dict[tuple[str, int, str], dict] = {}
     for workload, n in workloads.items():
         for threads in args.threads:
@@ -259,6 +296,11 @@ def main() -> int:
                 results[(engine, threads, workload)] = r
                 print(f"{workload:6s} {threads} thread(s) {engine:22s} {r['sentences_s']:9.1f} sentences/s "
                       f"(load {r['load']:.2f})", flush=True)
+    bounds = {(t, w): rates[t] * 1e9 / flops[w] for t in args.threads for w in workloads}
+    for (t, w), b in bounds.items():
+        best = max(results[(e, t, w)]["sentences_s"] for e in ENGINES[1:])
+        print(f"bound {w:6s} {t} thread(s): {b:.1f} sentences/s ({rates[t]:.1f} GFLOP/s x {flops[w] / 1e9:.3f} GFLOP "
+              f"per input); armserve at {100 * best / b:.0f}% of it", flush=True)
     if args.no_doc:
         return 0
     rows = []
@@ -268,7 +310,9 @@ def main() -> int:
             best_peer = max(results[(e, threads, workload)]["sentences_s"] for e in engines if e not in ENGINES[1:])
             cells = [f"{results[(e, threads, workload)]['sentences_s']:.1f}" for e in engines]
             ratios = [f"{results[(e, threads, workload)]['sentences_s'] / st:.2f}x" for e in ENGINES[1:]]
-            ratios += [f"{max(results[(e, threads, workload)]['sentences_s'] for e in ENGINES[1:]) / best_peer:.2f}x"]
+            best_ours = max(results[(e, threads, workload)]["sentences_s"] for e in ENGINES[1:])
+            ratios += [f"{best_ours / best_peer:.2f}x", f"{bounds[(threads, workload)]:.1f} "
+                       f"({100 * best_ours / bounds[(threads, workload)]:.0f}%)"]
             loads = " / ".join(f"{results[(e, threads, workload)]['load']:.2f}" for e in engines)
             name = "short (12-32 tokens)" if workload == "short" else "512 tokens"
             rows.append(f"| {name} | {threads} | " + " | ".join(cells + ratios) + f" | {loads} |")
@@ -283,10 +327,14 @@ and the peers ({", ".join(engines[3:]) or "none"}: vLLM CPU's `LLM(runner="pooli
 {args.short} short sentences or {args.long} 512-token inputs per pass, best of {args.repeats} passes after a
 warm-up, timed by {clock_text}, each configuration in its own process with OMP_NUM_THREADS = threads (vLLM: its threads bound to that many
 cores, VLLM_CPU_OMP_THREADS_BIND). `best vs peers`: armserve's
-better setting over the best peer. `load`: the load average after each run, in column order.
+better setting over the best peer. `bound`: the most sentences/s this core's float32 GEMM rate allows (PyTorch's
+GEMM on the encoder's largest matrix: {", ".join(f"{rates[t]:.1f} GFLOP/s at {t} thread(s)" for t in args.threads)},
+timed like the engines) for the encoder's multiply-adds ({flops["short"] / 1e9:.3f} GFLOP per short input, mean
+over the inputs; {flops["512"] / 1e9:.2f} per 512-token one, attention included), and the share of it armserve's
+better setting reaches. `load`: the load average after each run, in column order.
 
-| inputs | threads | {" | ".join(e + " sentences/s" if e == "sentence-transformers" else e for e in engines)} | float32 vs ST | auto vs ST | best vs peers | load |
-|{"---|" * (len(engines) + 6)}
+| inputs | threads | {" | ".join(e + " sentences/s" if e == "sentence-transformers" else e for e in engines)} | float32 vs ST | auto vs ST | best vs peers | bound (armserve's share) | load |
+|{"---|" * (len(engines) + 7)}
 {chr(10).join(rows)}
 
 Reproduce: `python benchmarks/bench_embed.py`

@@ -63,9 +63,11 @@ void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const 
                                  int32_t sliding_window, float softcap, int64_t q_stride);
 // Bidirectional (encoder) attention: sequence s owns rows [sum of seq_lens before s, + seq_lens[s])
 // of qkv ([T, 3 * heads * hd]: q, k, v heads side by side, rows `qkv_stride` elements apart) and
-// each of its rows attends to all of them, no mask; out: [T, heads * hd] contiguous.
-void armserve_encoder_attention(int32_t dtype, void* out, const void* qkv, const int32_t* seq_lens, int32_t num_seqs,
-                                int32_t heads, int32_t hd, float scale, int64_t qkv_stride);
+// each of its rows attends to all of them, no mask; out: [T, heads * hd] contiguous. qkv_bias
+// (null, or [3 * heads * hd]) is added to the rows as they are read, rounded to dtype.
+void armserve_encoder_attention(int32_t dtype, void* out, const void* qkv, const void* qkv_bias,
+                                const int32_t* seq_lens, int32_t num_seqs, int32_t heads, int32_t hd, float scale,
+                                int64_t qkv_stride);
 // x[r] = gelu(x[r] + bias) in place for `rows` rows of n (rows `ld` elements apart, bias [n]);
 // tanh_approx: GELU's tanh form. x + bias is rounded to dtype before the GELU.
 void armserve_bias_gelu(int32_t dtype, void* x, const void* bias, int64_t rows, int64_t n, int64_t ld,

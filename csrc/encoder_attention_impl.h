@@ -202,8 +202,21 @@ struct EncoderAttention {
     int32_t seq, head, q0, qn;
   };
 
-  static void run_item(int32_t dtype, void* out, const void* qkv, int64_t qkv_stride, const Item& w, int64_t row0,
-                       int n, int heads, int hd, float scale, const float* kt, const float* vr) {
+  // A q, k or v row of the step as float32, plus its projection's bias (b: null, or hd floats),
+  // the sum rounded to the element type as PyTorch's separate bias add would.
+  static void load_row(int32_t dtype, const char* src, const float* b, float* dst, int hd) {
+    Isa::load(dtype, src, dst, hd);
+    if (!b) return;
+    for (int d = 0; d < hd; ++d) dst[d] += b[d];
+    if (dtype != AS_F32) {
+      uint16_t t[512];  // hd <= 512 (checked in Python)
+      Isa::store(dtype, dst, t, hd);
+      Isa::load(dtype, t, dst, hd);
+    }
+  }
+
+  static void run_item(int32_t dtype, void* out, const void* qkv, const float* qb, int64_t qkv_stride, const Item& w,
+                       int64_t row0, int n, int heads, int hd, float scale, const float* kt, const float* vr) {
     const int es = dtype_size(dtype);
     const int kb = key_block(hd), ls = kb;
     const int nt = (n + KT - 1) / KT;
@@ -212,8 +225,8 @@ struct EncoderAttention {
     float* st = scratch(2, int64_t(NR) * ls + 3 * QB);
     float *s = st, *m = st + NR * ls, *l = m + QB, *alpha = l + QB;
     for (int i = 0; i < w.qn; ++i)
-      Isa::load(dtype, static_cast<const char*>(qkv) + ((row0 + w.q0 + i) * qkv_stride + int64_t(w.head) * hd) * es,
-                qf + int64_t(i) * hd, hd);
+      load_row(dtype, static_cast<const char*>(qkv) + ((row0 + w.q0 + i) * qkv_stride + int64_t(w.head) * hd) * es,
+               qb ? qb + int64_t(w.head) * hd : nullptr, qf + int64_t(i) * hd, hd);
     std::memset(acc, 0, sizeof(float) * w.qn * hd);
     for (int r = 0; r < w.qn; ++r) m[r] = -INFINITY, l[r] = 0.f;
     for (int t0 = 0; t0 < nt; t0 += kb / KT) {
@@ -239,9 +252,13 @@ struct EncoderAttention {
     }
   }
 
-  static void run(int32_t dtype, void* out, const void* qkv, const int32_t* seq_lens, int32_t num_seqs, int32_t heads,
-                  int32_t hd, float scale, int64_t qkv_stride) {
+  static void run(int32_t dtype, void* out, const void* qkv, const void* qkv_bias, const int32_t* seq_lens,
+                  int32_t num_seqs, int32_t heads, int32_t hd, float scale, int64_t qkv_stride) {
     const int es = dtype_size(dtype);
+    const int64_t width = int64_t(heads) * hd;
+    Buffer<float> bias(qkv_bias ? 3 * width : 0);  // q, k, v biases as float32
+    if (qkv_bias) Isa::load(dtype, qkv_bias, bias.p, 3 * width);
+    const float* qb = qkv_bias ? bias.p : nullptr;
     Buffer<int64_t> row0(num_seqs), packed(num_seqs);  // first row; first float of its packed K/V
     int64_t rows = 0, floats = 0, n_items = 0;
     for (int s = 0; s < num_seqs; ++s) {
@@ -274,9 +291,10 @@ struct EncoderAttention {
         float* v = const_cast<float*>(vc) + int64_t(j0) * hd;    // [16][hd]
         for (int j = 0; j < jn; ++j) {
           const char* r = static_cast<const char*>(qkv) + (row0[s] + j0 + j) * qkv_stride * es;
-          Isa::load(dtype, r + int64_t(heads + h) * hd * es, row, hd);
+          load_row(dtype, r + (width + int64_t(h) * hd) * es, qb ? qb + width + int64_t(h) * hd : nullptr, row, hd);
           for (int d = 0; d < hd; ++d) tile[d * KT + j] = row[d];
-          Isa::load(dtype, r + int64_t(2 * heads + h) * hd * es, v + int64_t(j) * hd, hd);
+          load_row(dtype, r + (2 * width + int64_t(h) * hd) * es, qb ? qb + 2 * width + int64_t(h) * hd : nullptr,
+                   v + int64_t(j) * hd, hd);
         }
         for (int j = jn; j < KT; ++j)  // keys past the sequence: zeros (their scores are masked)
           for (int d = 0; d < hd; ++d) tile[d * KT + j] = 0.f;
@@ -292,7 +310,7 @@ struct EncoderAttention {
       const Item& w = items[i];
       const float *kc, *vc;
       at(w.seq, w.head, &kc, &vc);
-      run_item(dtype, out, qkv, qkv_stride, w, row0[w.seq], seq_lens[w.seq], heads, hd, scale, kc, vc);
+      run_item(dtype, out, qkv, qb, qkv_stride, w, row0[w.seq], seq_lens[w.seq], heads, hd, scale, kc, vc);
     });
   }
 };

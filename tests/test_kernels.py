@@ -320,18 +320,21 @@ def _encoder_qkv(seq_lens: list[int], heads: int, head_dim: int, dtype: torch.dt
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 48])  # 48: the value step's one-chunk path
-def test_encoder_attention(isa, dtype, head_dim):
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_encoder_attention(isa, dtype, head_dim, with_bias):
     """Bidirectional attention of sequences of every edge length (one key, a whole tile, one past
-    it, several key blocks) against one torch SDPA per sequence; each sequence gives the same bits
-    alone as in the batch."""
+    it, several key blocks), with or without the projection's bias added as the rows are read,
+    against one torch SDPA per sequence; each sequence gives the same bits alone as in the batch."""
     torch.manual_seed(head_dim)
     lens = [1, 16, 17, 40, 300] if not SMALL else [1, 17, 40]
     H = 3
     qkv = _encoder_qkv(lens, H, head_dim, dtype)
+    bias = torch.randn(3 * H * head_dim).to(dtype) if with_bias else None
     sl = torch.tensor(lens, dtype=torch.int32)
-    got = kernels.encoder_attention(qkv, sl, H, head_dim, head_dim**-0.5)
-    close(got, encoder_attention_ref(qkv, lens, H, head_dim, head_dim**-0.5), dtype)
-    alone = kernels.encoder_attention(qkv[1:17], torch.tensor([16], dtype=torch.int32), H, head_dim, head_dim**-0.5)
+    got = kernels.encoder_attention(qkv, sl, H, head_dim, head_dim**-0.5, bias)
+    close(got, encoder_attention_ref(qkv, lens, H, head_dim, head_dim**-0.5, bias), dtype)
+    alone = kernels.encoder_attention(qkv[1:17], torch.tensor([16], dtype=torch.int32), H, head_dim,
+                                      head_dim**-0.5, bias)
     assert torch.equal(alone, got[1:17])
 
 
@@ -366,6 +369,8 @@ def test_encoder_attention_refuses_bad_input():
         att(torch.randn(10, 3 * 2 * 24), torch.tensor([10], dtype=torch.int32), 2, 24, 0.1)
     with pytest.raises(ValueError, match="positive"):
         att(qkv, torch.tensor([10], dtype=torch.int32), 2, 32, 0.0)
+    with pytest.raises(ValueError, match="bias must be"):
+        att(qkv, torch.tensor([10], dtype=torch.int32), 2, 32, 0.1, torch.zeros(3 * 2 * 32 - 1))
 
 
 def test_engine_greedy_equal_on_every_isa(tiny_llama):

@@ -153,9 +153,11 @@ def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def encoder_attention_ref(qkv: torch.Tensor, seq_lens: list[int], num_heads: int, head_dim: int,
-                          scale: float) -> torch.Tensor:
-    """PyTorch reference of the encoder-attention kernel: one unmasked `scaled_dot_product_attention`
-    per sequence, in float32, rounded to qkv's dtype. qkv: [T, 3 * H * D], sequences back to back."""
+                          scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of the encoder-attention kernel: (qkv + bias, rounded to its dtype) into
+    one unmasked `scaled_dot_product_attention` per sequence, in float32, rounded to qkv's dtype.
+    qkv: [T, 3 * H * D], sequences back to back."""
+    qkv = qkv if bias is None else qkv + bias
     T, H, D = qkv.shape[0], num_heads, head_dim
     q, k, v = qkv.float().reshape(T, 3, H, D).permute(1, 2, 0, 3).unbind(0)  # [H, T, D] each
     out = torch.empty(T, H, D)

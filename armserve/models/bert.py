@@ -7,8 +7,9 @@ vector (layers/pooler.py).
   sequence's own rows: the C++ encoder-attention kernel (kernels.encoder_attention, flash style,
   no padding), or without it `scaled_dot_product_attention`, one call per group of sequences of the
   same length (`EncoderBatch.attention`). The linear layers are armserve's (layers/linear.py:
-  prepacked dense GEMM kernels) without their biases, which go into the next op: GELU
-  (kernels.bias_gelu_) and the residual add + LayerNorm (kernels.layer_norm), one pass each.
+  prepacked dense GEMM kernels) without their biases, which go into the next op: attention (the
+  kernel adds q, k, v's as it reads them), GELU (kernels.bias_gelu_) and the residual add +
+  LayerNorm (kernels.layer_norm), one pass each.
 - RoBERTa / XLM-RoBERTa: the same blocks; positions start after the padding id
   (`pad_token_id + 1`), as fairseq numbered them, and there is one token type.
 - Checkpoint names come with or without the task head's prefix (`bert.`, `roberta.`); the
@@ -70,12 +71,14 @@ class EncoderBatch:
                 self._groups.append((n, len(seqs), rows))
         return self._groups
 
-    def attention(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    def attention(self, qkv: torch.Tensor, heads: int, head_dim: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Bidirectional attention of each sequence over its own rows: qkv [T, 3 * H * D] (q, k, v
-        heads side by side) -> [T, H * D]."""
+        heads side by side; plus `bias`, the projection's, if given) -> [T, H * D]."""
         T, H, D = qkv.shape[0], heads, head_dim
-        if kernels.use_kernel("attention", qkv.dtype, head_dim=D):
-            return kernels.encoder_attention(qkv, self._lens32, H, D, D**-0.5)
+        if kernels.use_kernel("attention", qkv.dtype, head_dim=D) and D <= 512:
+            return kernels.encoder_attention(qkv, self._lens32, H, D, D**-0.5, bias)
+        if bias is not None:
+            qkv = qkv + bias
         if self.mask is None:  # all as long: the rows are the grid, no copies
             q, k, v = qkv.view(self.num_seqs, self.longest, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
             o = F.scaled_dot_product_attention(q, k, v)  # [B, H, L, D]
@@ -109,7 +112,8 @@ class BertSelfAttention(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        o = batch.attention(self.qkv_proj(x), self.num_heads, self.head_dim)
+        proj = self.qkv_proj
+        o = batch.attention(proj(x, with_bias=False), self.num_heads, self.head_dim, proj.bias)
         return kernels.layer_norm(self.out_proj(o, with_bias=False), self.norm.weight, self.norm.bias, self.norm.eps,
                                   residual=x, x_bias=self.out_proj.bias)
 
