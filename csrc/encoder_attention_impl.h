@@ -4,11 +4,11 @@
 // [length x length] matrix is ever formed. Written once over the 16-lane vectors of
 // attention_impl.h, included by every kernels_<isa>.cpp.
 //
-// Two passes. The first packs each (sequence, head)'s keys and values out of the fused qkv rows
-// into float32, keys as 16-key tiles transposed like the paged cache's (lane = key), values as
-// rows; both padded with zeros to whole tiles:
+// Two passes. The first packs each (sequence, head)'s queries, keys and values out of the fused
+// qkv rows into float32 (adding the projection's bias, if any), keys as 16-key tiles transposed
+// like the paged cache's (lane = key), queries and values as rows; all padded to whole tiles:
 //
-//     K  [tiles][head_dim][16]      V  [tiles * 16][head_dim]
+//     Q  [tiles * 16][head_dim]      K  [tiles][head_dim][16]      V  [tiles * 16][head_dim]
 //
 // The second splits the work into items (sequence, head, block of QB query rows) and walks the
 // keys in blocks of KB, small enough that a block's K and V stay in L1 while every row block of
@@ -215,18 +215,16 @@ struct EncoderAttention {
     }
   }
 
-  static void run_item(int32_t dtype, void* out, const void* qkv, const float* qb, int64_t qkv_stride, const Item& w,
-                       int64_t row0, int n, int heads, int hd, float scale, const float* kt, const float* vr) {
+  // qs: the (sequence, head)'s packed queries, kt / vr its packed keys and values.
+  static void run_item(int32_t dtype, void* out, const Item& w, int64_t row0, int n, int heads, int hd, float scale,
+                       const float* qs, const float* kt, const float* vr) {
     const int es = dtype_size(dtype);
     const int kb = key_block(hd), ls = kb;
     const int nt = (n + KT - 1) / KT;
-    float* qf = scratch(0, int64_t(QB) * hd);
+    const float* qf = qs + int64_t(w.q0) * hd;
     float* acc = scratch(1, int64_t(QB) * hd);
     float* st = scratch(2, int64_t(NR) * ls + 3 * QB);
     float *s = st, *m = st + NR * ls, *l = m + QB, *alpha = l + QB;
-    for (int i = 0; i < w.qn; ++i)
-      load_row(dtype, static_cast<const char*>(qkv) + ((row0 + w.q0 + i) * qkv_stride + int64_t(w.head) * hd) * es,
-               qb ? qb + int64_t(w.head) * hd : nullptr, qf + int64_t(i) * hd, hd);
     std::memset(acc, 0, sizeof(float) * w.qn * hd);
     for (int r = 0; r < w.qn; ++r) m[r] = -INFINITY, l[r] = 0.f;
     for (int t0 = 0; t0 < nt; t0 += kb / KT) {
@@ -264,18 +262,20 @@ struct EncoderAttention {
     for (int s = 0; s < num_seqs; ++s) {
       row0[s] = rows, packed[s] = floats;
       rows += seq_lens[s];
-      floats += int64_t(heads) * 2 * ((seq_lens[s] + KT - 1) / KT * KT) * hd;
+      floats += int64_t(heads) * 3 * ((seq_lens[s] + KT - 1) / KT * KT) * hd;
       n_items += int64_t(heads) * ((seq_lens[s] + QB - 1) / QB);
     }
     armserve_par::SharedFloats kv(floats);
-    // (sequence, head) -> where its packed K tiles and V rows are
-    auto at = [&](int s, int h, const float** k, const float** v) {
+    // (sequence, head) -> where its packed queries, K tiles and V rows are
+    auto at = [&](int s, int h, const float** q, const float** k, const float** v) {
       const int64_t padded = (seq_lens[s] + KT - 1) / KT * KT;
-      *k = kv.p + packed[s] + int64_t(h) * 2 * padded * hd;
+      *q = kv.p + packed[s] + int64_t(h) * 3 * padded * hd;
+      *k = *q + padded * hd;
       *v = *k + padded * hd;
     };
     // Tile by tile (16 rows of qkv, every head): the rows are read once, in order, and each head's
-    // K tile and V rows are written whole (head by head, a row would come from memory `heads` times).
+    // queries, K tile and V rows are written whole (read head by head where they lie, each row
+    // would come from memory once per head: a tenth of the kernel's time at BERT's shapes).
     Buffer<int64_t> tile0(num_seqs + 1);  // first tile of each sequence, over the step
     tile0[0] = 0;
     for (int s = 0; s < num_seqs; ++s) tile0[s + 1] = tile0[s] + (seq_lens[s] + KT - 1) / KT;
@@ -285,12 +285,14 @@ struct EncoderAttention {
       const int n = seq_lens[s], j0 = int(i - tile0[s]) * KT, jn = imin(KT, n - j0);
       float* row = scratch(0, hd);
       for (int h = 0; h < heads; ++h) {
-        const float *kc, *vc;
-        at(s, h, &kc, &vc);
+        const float *qc, *kc, *vc;
+        at(s, h, &qc, &kc, &vc);
+        float* q = const_cast<float*>(qc) + int64_t(j0) * hd;     // [16][hd]
         float* tile = const_cast<float*>(kc) + int64_t(j0) * hd;  // [hd][16]
-        float* v = const_cast<float*>(vc) + int64_t(j0) * hd;    // [16][hd]
+        float* v = const_cast<float*>(vc) + int64_t(j0) * hd;     // [16][hd]
         for (int j = 0; j < jn; ++j) {
           const char* r = static_cast<const char*>(qkv) + (row0[s] + j0 + j) * qkv_stride * es;
+          load_row(dtype, r + int64_t(h) * hd * es, qb ? qb + int64_t(h) * hd : nullptr, q + int64_t(j) * hd, hd);
           load_row(dtype, r + (width + int64_t(h) * hd) * es, qb ? qb + width + int64_t(h) * hd : nullptr, row, hd);
           for (int d = 0; d < hd; ++d) tile[d * KT + j] = row[d];
           load_row(dtype, r + (2 * width + int64_t(h) * hd) * es, qb ? qb + 2 * width + int64_t(h) * hd : nullptr,
@@ -308,9 +310,9 @@ struct EncoderAttention {
         for (int q0 = 0; q0 < seq_lens[s]; q0 += QB) items[k++] = Item{s, h, q0, imin(QB, seq_lens[s] - q0)};
     armserve_par::for_dynamic(n_items, [&](int64_t i) {
       const Item& w = items[i];
-      const float *kc, *vc;
-      at(w.seq, w.head, &kc, &vc);
-      run_item(dtype, out, qkv, qb, qkv_stride, w, row0[w.seq], seq_lens[w.seq], heads, hd, scale, kc, vc);
+      const float *qc, *kc, *vc;
+      at(w.seq, w.head, &qc, &kc, &vc);
+      run_item(dtype, out, w, row0[w.seq], seq_lens[w.seq], heads, hd, scale, qc, kc, vc);
     });
   }
 };
