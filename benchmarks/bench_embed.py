@@ -5,6 +5,7 @@ short sentences and 512-token inputs.
     python benchmarks/bench_embed.py                      # the full grid, writes docs/benchmarks.md
     python benchmarks/bench_embed.py --smoke --no-doc     # a seconds-long check that it runs
     python benchmarks/bench_embed.py --peers none         # without vLLM and llama-server
+    python benchmarks/bench_embed.py --threads 1 --clock cpu   # on a loaded machine: per CPU second
 
 Peers (benchmarks/peers.py, each outside the repository under ~/.cache/armserve-peers): vLLM CPU is
 installed on first use (`LLM(runner="pooling").embed`, float32, its own venv); llama-server is
@@ -70,8 +71,64 @@ def inputs(folder: str, workload: str, n: int) -> list[str]:
     return texts
 
 
-def worker(engine: str, folder: str, workload: str, n: int, repeats: int) -> dict:
-    """Runs in the child process: the best sentences/s over `repeats` passes."""
+def cpu_seconds(roots: list[int]) -> float:
+    """User + system CPU seconds so far of the processes `roots` and all their descendants (every
+    thread counted: vLLM's engine core and llama-server are processes of their own)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, CPU seconds)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        stats[int(pid)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    total, todo = 0.0, list(roots)
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo += [p for p, (parent, _) in stats.items() if parent == pid]
+    return total
+
+
+def flops_per_sentence(folder: str, texts: list[str]) -> float:
+    """Mean float operations of one input through the encoder: its linear layers (2 x weights per
+    token) and its attention (4 x tokens x hidden per token and layer); the embeddings, norms and
+    activations are left out (no multiply-adds)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    tok = AutoTokenizer.from_pretrained(folder)
+    lens = [len(ids) for ids in tok(texts, truncation=True, max_length=512)["input_ids"]]
+    per_token = 2 * layers * (4 * h * h + 2 * h * inter)
+    return sum(n * per_token + 4 * layers * h * n * n for n in lens) / len(lens)
+
+
+def gemm_rate(repeats: int, clock: str) -> float:
+    """float32 GFLOP/s of PyTorch's GEMM (oneDNN / MKL) on the encoder's largest shape, 2048 tokens
+    x 384 -> 1536, at this process's thread count: the rate the bound below assumes."""
+    import torch
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    x, w = torch.randn(2048, 384), torch.randn(1536, 384)
+    now = time.perf_counter if clock == "wall" else time.process_time
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = now()
+        for _ in range(10):
+            torch.mm(x, w.t())
+        best = min(best, now() - t)
+    return 10 * 2 * 2048 * 384 * 1536 / best / 1e9
+
+
+def worker(engine: str, folder: str, workload: str, n: int, repeats: int, clock: str = "wall") -> dict:
+    """Runs in the child process: the best sentences/s over `repeats` passes, in wall-clock time or
+    (`clock` "cpu") per CPU second of the engine's processes (this one, its children, llama-server)."""
+    if engine == "gemm":
+        return {"gflops": gemm_rate(repeats, clock), "load": load_average()}
     texts = inputs(folder, workload, n)
     if engine == "vllm pooling":
         from vllm import LLM as VLLM
@@ -94,11 +151,13 @@ def worker(engine: str, folder: str, workload: str, n: int, repeats: int) -> dic
         assert workload == "short" or lens == [512] * len(lens), lens
         run = lambda: llm.embed(texts, use_tqdm=False)  # noqa: E731
     run()  # warm-up
+    roots = [os.getpid()] + [int(p) for p in os.environ.get("ARMSERVE_BENCH_SERVER_PID", "").split() if p]
+    now = time.perf_counter if clock == "wall" else lambda: cpu_seconds(roots)
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = now()
         run()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, now() - t)
     return {"sentences_s": n / best, "load": load_average()}
 
 
@@ -142,7 +201,7 @@ def llama_server_gguf(folder: str) -> tuple[str, str] | None:
     return exe, gguf
 
 
-def measure(engine: str, threads: int, folder: str, workload: str, n: int, repeats: int) -> dict:
+def measure(engine: str, threads: int, folder: str, workload: str, n: int, repeats: int, clock: str) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))
     python, server = sys.executable, None
@@ -164,10 +223,12 @@ def measure(engine: str, threads: int, folder: str, workload: str, n: int, repea
                                    "-b", "4096", "-ub", "4096", "--host", "127.0.0.1", "--port", str(port)],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         env["ARMSERVE_BENCH_LLAMA_URL"] = f"http://127.0.0.1:{port}"
+        env["ARMSERVE_BENCH_SERVER_PID"] = str(server.pid)
         _wait_healthy(env["ARMSERVE_BENCH_LLAMA_URL"], server)
     try:
         out = subprocess.run([python, __file__, "--worker", engine, "--folder", folder, "--workload", workload,
-                              "-n", str(n), "--repeats", str(repeats)], env=env, check=True, stdout=subprocess.PIPE,
+                              "-n", str(n), "--repeats", str(repeats), "--clock", clock], env=env, check=True,
+                             stdout=subprocess.PIPE,
                              text=True).stdout
     finally:
         if server is not None:
@@ -201,13 +262,17 @@ def main() -> int:
     p.add_argument("--peers", nargs="+", default=["vllm", "llama-server"], choices=["vllm", "llama-server", "none"],
                    help="peers besides sentence-transformers (llama-server only if already built)")
     p.add_argument("--no-doc", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall-clock time (a quiet machine), or CPU time of each engine's processes: sentences "
+                        "per CPU second, for a loaded machine, meaningful at 1 thread")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--folder", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
     p.add_argument("-n", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(RESULT + json.dumps(worker(args.worker, args.folder, args.workload, args.n, args.repeats)), flush=True)
+        print(RESULT + json.dumps(worker(args.worker, args.folder, args.workload, args.n, args.repeats, args.clock)),
+              flush=True)
         return 0
     if args.smoke:
         args.threads, args.short, args.long, args.repeats = [1], 16, 2, 1
@@ -221,14 +286,21 @@ def main() -> int:
         else:
             engines.append("llama-server")
     workloads = {"short": args.short, "512": args.long}
+    flops = {w: flops_per_sentence(folder, inputs(folder, w, min(n, 64))) for w, n in workloads.items()}
+    rates = {t: measure("gemm", t, folder, "short", 0, args.repeats, args.clock)["gflops"] for t in args.threads}
     results: dict[tuple[str, int, str], dict] = {}
     for workload, n in workloads.items():
         for threads in args.threads:
             for engine in engines:
-                r = measure(engine, threads, folder, workload, n, args.repeats)
+                r = measure(engine, threads, folder, workload, n, args.repeats, args.clock)
                 results[(engine, threads, workload)] = r
                 print(f"{workload:6s} {threads} thread(s) {engine:22s} {r['sentences_s']:9.1f} sentences/s "
                       f"(load {r['load']:.2f})", flush=True)
+    bounds = {(t, w): rates[t] * 1e9 / flops[w] for t in args.threads for w in workloads}
+    for (t, w), b in bounds.items():
+        best = max(results[(e, t, w)]["sentences_s"] for e in ENGINES[1:])
+        print(f"bound {w:6s} {t} thread(s): {b:.1f} sentences/s ({rates[t]:.1f} GFLOP/s x {flops[w] / 1e9:.3f} GFLOP "
+              f"per input); armserve at {100 * best / b:.0f}% of it", flush=True)
     if args.no_doc:
         return 0
     rows = []
@@ -238,10 +310,14 @@ def main() -> int:
             best_peer = max(results[(e, threads, workload)]["sentences_s"] for e in engines if e not in ENGINES[1:])
             cells = [f"{results[(e, threads, workload)]['sentences_s']:.1f}" for e in engines]
             ratios = [f"{results[(e, threads, workload)]['sentences_s'] / st:.2f}x" for e in ENGINES[1:]]
-            ratios += [f"{max(results[(e, threads, workload)]['sentences_s'] for e in ENGINES[1:]) / best_peer:.2f}x"]
+            best_ours = max(results[(e, threads, workload)]["sentences_s"] for e in ENGINES[1:])
+            ratios += [f"{best_ours / best_peer:.2f}x", f"{bounds[(threads, workload)]:.1f} "
+                       f"({100 * best_ours / bounds[(threads, workload)]:.0f}%)"]
             loads = " / ".join(f"{results[(e, threads, workload)]['load']:.2f}" for e in engines)
             name = "short (12-32 tokens)" if workload == "short" else "512 tokens"
             rows.append(f"| {name} | {threads} | " + " | ".join(cells + ratios) + f" | {loads} |")
+    clock_text = ("the wall clock" if args.clock == "wall" else
+                  "the CPU time of each engine's processes (sentences per CPU second: `--clock cpu`)")
     body = f"""## Embeddings: armserve's pooling runner vs sentence-transformers (issue 32)
 
 Machine: {machine_description()}. armserve rev `{git_revision()}`, all-MiniLM-L6-v2 (BertModel, mean pooling +
@@ -249,12 +325,16 @@ normalize), offline: `LLM.embed` over every input at once vs `SentenceTransforme
 and the peers ({", ".join(engines[3:]) or "none"}: vLLM CPU's `LLM(runner="pooling").embed` float32, llama-server
 `--embeddings` on an F32 GGUF, 8 slots, /v1/embeddings requests of 32 inputs), all allowed 512 tokens;
 {args.short} short sentences or {args.long} 512-token inputs per pass, best of {args.repeats} passes after a
-warm-up, each configuration in its own process with OMP_NUM_THREADS = threads (vLLM: its threads bound to that many
+warm-up, timed by {clock_text}, each configuration in its own process with OMP_NUM_THREADS = threads (vLLM: its threads bound to that many
 cores, VLLM_CPU_OMP_THREADS_BIND). `best vs peers`: armserve's
-better setting over the best peer. `load`: the load average after each run, in column order.
+better setting over the best peer. `bound`: the most sentences/s this core's float32 GEMM rate allows (PyTorch's
+GEMM on the encoder's largest matrix: {", ".join(f"{rates[t]:.1f} GFLOP/s at {t} thread(s)" for t in args.threads)},
+timed like the engines) for the encoder's multiply-adds ({flops["short"] / 1e9:.3f} GFLOP per short input, mean
+over the inputs; {flops["512"] / 1e9:.2f} per 512-token one, attention included), and the share of it armserve's
+better setting reaches. `load`: the load average after each run, in column order.
 
-| inputs | threads | {" | ".join(e + " sentences/s" if e == "sentence-transformers" else e for e in engines)} | float32 vs ST | auto vs ST | best vs peers | load |
-|{"---|" * (len(engines) + 6)}
+| inputs | threads | {" | ".join(e + " sentences/s" if e == "sentence-transformers" else e for e in engines)} | float32 vs ST | auto vs ST | best vs peers | bound (armserve's share) | load |
+|{"---|" * (len(engines) + 7)}
 {chr(10).join(rows)}
 
 Reproduce: `python benchmarks/bench_embed.py`

@@ -61,6 +61,21 @@ void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const 
                                  const int8_t* v_cache, const float* k_scale, const float* v_scale,
                                  const AttnBatch* batch, int32_t hq, int32_t hk, int32_t hd, float scale,
                                  int32_t sliding_window, float softcap, int64_t q_stride);
+// Bidirectional (encoder) attention: sequence s owns rows [sum of seq_lens before s, + seq_lens[s])
+// of qkv ([T, 3 * heads * hd]: q, k, v heads side by side, rows `qkv_stride` elements apart) and
+// each of its rows attends to all of them, no mask; out: [T, heads * hd] contiguous. qkv_bias
+// (null, or [3 * heads * hd]) is added to the rows as they are read, rounded to dtype.
+void armserve_encoder_attention(int32_t dtype, void* out, const void* qkv, const void* qkv_bias,
+                                const int32_t* seq_lens, int32_t num_seqs, int32_t heads, int32_t hd, float scale,
+                                int64_t qkv_stride);
+// x[r] = gelu(x[r] + bias) in place for `rows` rows of n (rows `ld` elements apart, bias [n]);
+// tanh_approx: GELU's tanh form. x + bias is rounded to dtype before the GELU.
+void armserve_bias_gelu(int32_t dtype, void* x, const void* bias, int64_t rows, int64_t n, int64_t ld,
+                        int32_t tanh_approx);
+// out[r] = LayerNorm(x[r] + x_bias + residual[r]) * w + b over n columns (x, residual, out
+// contiguous [rows, n]; x_bias, residual, b may be null), each sum rounded to dtype first.
+void armserve_layer_norm(int32_t dtype, void* out, const void* x, const void* x_bias, const void* residual,
+                         const void* w, const void* b, int64_t rows, int64_t n, float eps);
 // Skinny matmul for decode: out [M, N] = x [M, K] @ w [N, K]^T, M small, x and w of one dtype;
 // each weight row is read once per call as one sequential stream per thread.
 void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k);
@@ -223,6 +238,9 @@ const char* armserve_signature(const char* name);
   X(armserve_gemm_q_bf16)                                                                                      \
   X(armserve_fused_moe)                                                                                        \
   X(armserve_argmax)                                                                                           \
+  X(armserve_encoder_attention)                                                                                \
+  X(armserve_bias_gelu)                                                                                        \
+  X(armserve_layer_norm)                                                                                       \
   X(armserve_graph_kind)                                                                                       \
   X(armserve_graph_op_size)                                                                                    \
   X(armserve_graph_run)                                                                                        \

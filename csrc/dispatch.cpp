@@ -274,6 +274,22 @@ void armserve_paged_attention_i8(int32_t dtype, void* out, const void* q, const 
                               sliding_window, softcap, q_stride);
 }
 
+void armserve_encoder_attention(int32_t dtype, void* out, const void* qkv, const void* qkv_bias,
+                                const int32_t* seq_lens, int32_t num_seqs, int32_t heads, int32_t hd, float scale,
+                                int64_t qkv_stride) {
+  table()->encoder_attention(dtype, out, qkv, qkv_bias, seq_lens, num_seqs, heads, hd, scale, qkv_stride);
+}
+
+void armserve_bias_gelu(int32_t dtype, void* x, const void* bias, int64_t rows, int64_t n, int64_t ld,
+                        int32_t tanh_approx) {
+  table()->bias_gelu(dtype, x, bias, rows, n, ld, tanh_approx);
+}
+
+void armserve_layer_norm(int32_t dtype, void* out, const void* x, const void* x_bias, const void* residual,
+                         const void* w, const void* b, int64_t rows, int64_t n, float eps) {
+  table()->layer_norm(dtype, out, x, x_bias, residual, w, b, rows, n, eps);
+}
+
 void armserve_gemv(int32_t dtype, void* out, const void* x, const void* w, int64_t m, int64_t n, int64_t k) {
   table()->gemv(dtype, out, x, w, m, n, k);
 }

@@ -26,6 +26,11 @@ struct KernelTable {
   // Batched LoRA, grouped by adapter slot (lora_impl.h).
   decltype(&armserve_lora_shrink) lora_shrink;
   decltype(&armserve_lora_expand) lora_expand;
+  // Encoder steps: bidirectional attention, GELU with the bias before it, LayerNorm with the bias
+  // and residual before it (appended: the entries above keep their offsets).
+  decltype(&armserve_encoder_attention) encoder_attention;
+  decltype(&armserve_bias_gelu) bias_gelu;
+  decltype(&armserve_layer_norm) layer_norm;
 };
 
 // Nonzero: the skinny matmul's bf16 rows use the CPU's bf16 dot-product instruction (AVX512-BF16

@@ -182,6 +182,7 @@ struct Buffer {
 }  // namespace armserve
 
 #include "attention_impl.h"
+#include "encoder_attention_impl.h"
 #include "lora_impl.h"
 
 namespace armserve {
@@ -331,6 +332,77 @@ struct Kernels {
     });
   }
 
+  // ---- encoder elementwise ops (BERT-style blocks) ----------------------------------------------
+
+  // x[r] = gelu(x[r] + bias) in place, rows `ld` elements apart (api.h). x + bias is rounded to
+  // the element type first, as PyTorch's separate add would.
+  static void bias_gelu(int32_t dtype, void* x, const void* bias, int64_t rows, int64_t n, int64_t ld,
+                        int32_t tanh_approx) {
+    const int es = dtype_size(dtype);
+    Buffer<float> b(n);
+    Isa::load(dtype, bias, b.p, n);
+    armserve_par::for_static(rows, rows * n >= (1 << 14), [&](int64_t r) {
+      float* g = scratch(0, n);
+      char* xr = static_cast<char*>(x) + r * ld * es;
+      Isa::load(dtype, xr, g, n);
+      for (int64_t i = 0; i < n; ++i) g[i] += b[i];
+      round_trip(dtype, g, n);
+      int64_t i = 0;
+      for (; i + 16 <= n; i += 16) vstore(g + i, tanh_approx ? gelu_tanh(vload(g + i)) : gelu_erf(vload(g + i)));
+      if (i < n) {  // the tail through one padded vector
+        float t[16] = {};
+        std::memcpy(t, g + i, sizeof(float) * (n - i));
+        vstore(t, tanh_approx ? gelu_tanh(vload(t)) : gelu_erf(vload(t)));
+        std::memcpy(g + i, t, sizeof(float) * (n - i));
+      }
+      Isa::store(dtype, g, xr, n);
+    });
+  }
+
+  // out[r] = LayerNorm(x[r] (+ x_bias) (+ residual[r])) * w (+ b), each sum rounded to the element
+  // type as PyTorch's separate adds would; statistics in float32 (api.h).
+  static void layer_norm(int32_t dtype, void* out, const void* x, const void* x_bias, const void* residual,
+                         const void* w, const void* b, int64_t rows, int64_t n, float eps) {
+    const int es = dtype_size(dtype);
+    Buffer<float> params(3 * n);
+    float *xb = params.p, *wf = params.p + n, *bf = params.p + 2 * n;
+    if (x_bias) Isa::load(dtype, x_bias, xb, n);
+    Isa::load(dtype, w, wf, n);
+    if (b) Isa::load(dtype, b, bf, n); else std::memset(bf, 0, sizeof(float) * n);
+    armserve_par::for_static(rows, rows * n >= (1 << 14), [&](int64_t r) {
+      float* g = scratch(0, n);
+      float* h = scratch(1, n);
+      Isa::load(dtype, static_cast<const char*>(x) + r * n * es, g, n);
+      if (x_bias) {
+        for (int64_t i = 0; i < n; ++i) g[i] += xb[i];
+        round_trip(dtype, g, n);
+      }
+      if (residual) {
+        Isa::load(dtype, static_cast<const char*>(residual) + r * n * es, h, n);
+        for (int64_t i = 0; i < n; ++i) g[i] += h[i];
+        round_trip(dtype, g, n);
+      }
+      int64_t i = 0;
+      vf16 sv = vsplat(0.f);
+      for (; i + 16 <= n; i += 16) sv += vload(g + i);
+      float sum = hsum(sv);
+      for (; i < n; ++i) sum += g[i];
+      const float mean = sum / float(n);
+      vf16 qv = vsplat(0.f);
+      for (i = 0; i + 16 <= n; i += 16) {
+        const vf16 c = vload(g + i) - mean;
+        qv = vfma(c, c, qv);
+      }
+      float sq = hsum(qv);
+      for (; i < n; ++i) sq += (g[i] - mean) * (g[i] - mean);
+      const float rstd = 1.0f / std::sqrt(sq / float(n) + eps);
+      for (i = 0; i + 16 <= n; i += 16)
+        vstore(g + i, vfma((vload(g + i) - mean) * rstd, vload(wf + i), vload(bf + i)));
+      for (; i < n; ++i) g[i] = (g[i] - mean) * rstd * wf[i] + bf[i];
+      Isa::store(dtype, g, static_cast<char*>(out) + r * n * es, n);
+    });
+  }
+
   // ---- skinny matmul (decode) ----------------------------------------------------------------
   //
   // See kernels.h. Each thread takes a contiguous range of weight rows
@@ -364,7 +436,8 @@ struct Kernels {
     using A = Attention<Isa>;
     using L = Lora<Isa>;
     static const KernelTable t = {name, rms_norm, rotary, act_and_mul, A::reshape_and_cache, A::paged_attention,
-                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv, L::shrink, L::expand};
+                                  A::reshape_and_cache_i8, A::paged_attention_i8, gemv, L::shrink, L::expand,
+                                  EncoderAttention<Isa>::run, bias_gelu, layer_norm};
     return &t;
   }
 };

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import os
 
 import httpx
 import numpy as np
@@ -54,11 +55,12 @@ def assert_close_vectors(got, want: torch.Tensor) -> None:
 
 
 def _tiny_encoder(kind: str, folder: str) -> str:
-    from transformers import (BertConfig, BertModel, ModernBertConfig, ModernBertModel, XLMRobertaConfig,
-                              XLMRobertaModel)
+    from transformers import (BertConfig, BertModel, ModernBertConfig, ModernBertModel, NomicBertConfig,
+                              NomicBertModel, XLMRobertaConfig, XLMRobertaModel)
 
     torch.manual_seed(1)
-    common = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+    # head_dim 16: the encoder-attention kernel's smallest (kernels.use_kernel)
+    common = dict(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                   max_position_embeddings=80, hidden_act="gelu")
     if kind == "modernbert":  # 3 layers: global, local (a window of 4 either side), global
         model = ModernBertModel(ModernBertConfig(
@@ -68,6 +70,8 @@ def _tiny_encoder(kind: str, folder: str) -> str:
                              "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}))
     elif kind == "bert":
         model = BertModel(BertConfig(**common))
+    elif kind == "nomic_bert":  # rotary base 1000, SwiGLU, no biases (transformers' own implementation)
+        model = NomicBertModel(NomicBertConfig(**{**common, "hidden_act": "silu"}, type_vocab_size=2))
     else:
         model = XLMRobertaModel(XLMRobertaConfig(**common, pad_token_id=1, type_vocab_size=1))
     with torch.no_grad():
@@ -80,13 +84,14 @@ def _tiny_encoder(kind: str, folder: str) -> str:
     return folder
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
-def test_encoder_hidden_states_match_transformers(kind, tmp_path):
-    """Sequences of different lengths in one step (padded attention with a key mask; ModernBERT's
-    local layers with a band too) give each sequence's transformers hidden states."""
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert", "nomic_bert"])
+def test_encoder_hidden_states_match_transformers(kind, tmp_path, monkeypatch):
+    """Sequences of different lengths in one step (the encoder-attention kernel; ModernBERT's local
+    layers padded, with a key mask and a band) give each sequence's transformers hidden states, on
+    every kernel variant and on PyTorch's attention alone."""
     from transformers import AutoModel
 
-    from armserve import model_loader
+    from armserve import kernels, model_loader
 
     folder = _tiny_encoder(kind, str(tmp_path))
     src = model_loader.resolve_model_path(folder)
@@ -97,10 +102,64 @@ def test_encoder_hidden_states_match_transformers(kind, tmp_path):
     seqs = [torch.randint(3, 120, (n,), generator=g) for n in (7, 1, 19, 12)]
     lens = [len(s) for s in seqs]
     with torch.no_grad():
+        wants = [ref(input_ids=s[None]).last_hidden_state[0] for s in seqs]
+        before = kernels.isa()
+        try:
+            for isa in [*kernels.supported_isas(), "torch"]:
+                if isa == "torch":  # no kernel for the attention: grouped SDPA
+                    kernels.select_isa(before)
+                    use_kernel = kernels.use_kernel
+                    monkeypatch.setattr(kernels, "use_kernel", lambda op, *a, **k: op != "attention" and
+                                        use_kernel(op, *a, **k))
+                else:
+                    kernels.select_isa(isa)
+                hidden = ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), lens)
+                for h, want in zip(hidden.split(lens), wants):
+                    torch.testing.assert_close(h, want, atol=2e-5, rtol=1e-4, msg=lambda m: f"{isa}: {m}")
+        finally:
+            kernels.select_isa(before)
+
+
+def _as_nomic_original(folder: str) -> None:
+    """Rewrite a transformers NomicBert checkpoint's config in nomic's original keys (the published
+    nomic-embed files, read by their remote code). transformers already writes the weights under
+    the original names (Wqkv, fc11, fc12, norm1, ...)."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        assert "encoder.layers.0.attn.Wqkv.weight" in f.keys() and "emb_ln.weight" in f.keys()
+    cfg = json.load(open(os.path.join(folder, "config.json")))
+    original = {"architectures": ["NomicBertModel"], "model_type": "nomic_bert", "vocab_size": cfg["vocab_size"],
+                "n_embd": cfg["hidden_size"], "n_head": cfg["num_attention_heads"],
+                "n_layer": cfg["num_hidden_layers"], "n_inner": cfg["intermediate_size"],
+                "n_positions": cfg["max_position_embeddings"], "layer_norm_epsilon": cfg["layer_norm_eps"],
+                "rotary_emb_base": cfg["rope_parameters"]["rope_theta"], "rotary_emb_fraction": 1.0,
+                "rotary_emb_interleaved": False, "activation_function": "swiglu", "qkv_proj_bias": False,
+                "mlp_fc1_bias": False, "mlp_fc2_bias": False, "prenorm": False,
+                "type_vocab_size": cfg["type_vocab_size"], "pad_token_id": 0}
+    json.dump(original, open(os.path.join(folder, "config.json"), "w"))
+
+
+def test_nomic_bert_original_spelling(tmp_path):
+    """A NomicBert checkpoint with the config keys nomic's remote code reads (n_embd, n_head,
+    rotary_emb_base, ...) gives the hidden states transformers' own NomicBertModel gives."""
+    from transformers import AutoModel
+
+    from armserve import model_loader
+
+    folder = _tiny_encoder("nomic_bert", str(tmp_path))
+    ref = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    _as_nomic_original(folder)
+    src = model_loader.resolve_model_path(folder)
+    ours = model_loader.load_model(src, model_loader.load_config(src), torch.float32)
+    seqs = [torch.randint(3, 120, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 30)]
+    lens = [len(s) for s in seqs]
+    with torch.no_grad():
         hidden = ours(torch.cat(seqs), torch.cat([torch.arange(n) for n in lens]), lens)
         for s, h in zip(seqs, hidden.split(lens)):
-            want = ref(input_ids=s[None]).last_hidden_state[0]
-            torch.testing.assert_close(h, want, atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(h, ref(input_ids=s[None]).last_hidden_state[0], atol=2e-5, rtol=1e-4)
 
 
 def test_tiny_bert_default_pooling_is_normalized_cls(tiny_bert):

@@ -12,11 +12,14 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import kernel_isas, on_one_and_two_threads, random_batch
 
 from armserve import kernels
-from armserve.kernels.reference import act_and_mul_ref, paged_attention_ref, rms_norm_ref, rotary_ref
+from armserve.kernels.reference import (
+    act_and_mul_ref, encoder_attention_ref, paged_attention_ref, rms_norm_ref, rotary_ref,
+)
 from armserve.layers.attention import cache_from_rows, cache_rows, kv_cache_shapes
 from armserve.layers.rotary_embedding import RotaryEmbedding
 
@@ -273,6 +276,102 @@ def test_paged_attention_threads_split_long_decode(isa):
     close(two, want, torch.float32)
     close(one, want, torch.float32)
     assert torch.equal(one, two)  # the KV split changes the schedule, never the arithmetic
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("n", [384, 100])
+def test_bias_gelu(isa, dtype, approximate, n):
+    """gelu(x + bias) in place on rows of a wider tensor, against PyTorch's add then F.gelu, over
+    both tails (large negative inputs: values near 0, no cancellation)."""
+    torch.manual_seed(n)
+    wide = (torch.randn(9, n + 5) * 4).to(dtype)
+    x, bias = wide[:, :n], (torch.randn(n) * 0.5).to(dtype)
+    want = F.gelu(x + bias, approximate=approximate)
+    got = kernels.bias_gelu_(x, bias, approximate)
+    assert got.data_ptr() == wide.data_ptr()
+    close(got, want, dtype)
+    small = want.float().abs() < 1e-3  # the far negative side, relative to its own size
+    rtol = 0.02 if dtype == torch.float32 else 0.05
+    torch.testing.assert_close(got.float()[small], want.float()[small], atol=1e-6, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("parts", ["x", "residual", "bias_and_residual"])
+@pytest.mark.parametrize("n", [384, 100])
+def test_layer_norm(isa, dtype, parts, n):
+    """LayerNorm(x + x_bias + residual) * w + b against F.layer_norm over PyTorch's adds."""
+    torch.manual_seed(n)
+    x = (torch.randn(7, n) * 2 + 1).to(dtype)
+    w, b = (torch.rand(n) + 0.5).to(dtype), (torch.randn(n) * 0.1).to(dtype)
+    res = torch.randn(7, n).to(dtype) if parts != "x" else None
+    xb = torch.randn(n).to(dtype) if parts == "bias_and_residual" else None
+    want = x if xb is None else x + xb
+    want = want if res is None else want + res
+    want = F.layer_norm(want, (n,), w, b, 1e-12)
+    close(kernels.layer_norm(x, w, b, 1e-12, residual=res, x_bias=xb), want, dtype)
+
+
+def _encoder_qkv(seq_lens: list[int], heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """A random qkv step as a row-strided view (the model's fused projection may be wider)."""
+    wide = torch.randn(sum(seq_lens), 3 * heads * head_dim + 8)
+    return wide.to(dtype)[:, 4 : 4 + 3 * heads * head_dim]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 48])  # 48: the value step's one-chunk path
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_encoder_attention(isa, dtype, head_dim, with_bias):
+    """Bidirectional attention of sequences of every edge length (one key, a whole tile, one past
+    it, several key blocks), with or without the projection's bias added as the rows are read,
+    against one torch SDPA per sequence; each sequence gives the same bits alone as in the batch."""
+    torch.manual_seed(head_dim)
+    lens = [1, 16, 17, 40, 300] if not SMALL else [1, 17, 40]
+    H = 3
+    qkv = _encoder_qkv(lens, H, head_dim, dtype)
+    bias = torch.randn(3 * H * head_dim).to(dtype) if with_bias else None
+    sl = torch.tensor(lens, dtype=torch.int32)
+    got = kernels.encoder_attention(qkv, sl, H, head_dim, head_dim**-0.5, bias)
+    close(got, encoder_attention_ref(qkv, lens, H, head_dim, head_dim**-0.5, bias), dtype)
+    rows = slice(lens[0], lens[0] + lens[1])  # the second sequence
+    alone = kernels.encoder_attention(qkv[rows], torch.tensor(lens[1:2], dtype=torch.int32), H, head_dim,
+                                      head_dim**-0.5, bias)
+    assert torch.equal(alone, got[rows])
+
+
+def test_encoder_attention_later_keys_dominate_and_threads(isa):
+    """Keys of a later key block with far larger scores (the online softmax rescales what came
+    before, no overflow), on one thread and on two: the same bits, the reference's result."""
+    torch.manual_seed(5)
+    lens = [600, 20] if not SMALL else [80]
+    H, D = 2, 32
+    qkv = torch.randn(sum(lens), 3 * H * D)
+    qkv[lens[0] - 30 : lens[0], H * D : 2 * H * D] *= 8  # keys near the end of the first sequence
+    sl = torch.tensor(lens, dtype=torch.int32)
+    one, two = on_one_and_two_threads(lambda: kernels.encoder_attention(qkv, sl, H, D, D**-0.5))
+    assert torch.isfinite(one).all()
+    assert torch.equal(one, two)
+    # (scores of up to ~50: their last bits depend on the summation order, and exp amplifies them)
+    torch.testing.assert_close(one, encoder_attention_ref(qkv, lens, H, D, D**-0.5), atol=1e-4, rtol=1e-4)
+
+
+def test_encoder_attention_refuses_bad_input():
+    qkv = torch.randn(10, 3 * 2 * 32)
+    att = kernels.encoder_attention
+    with pytest.raises(ValueError, match="add up"):
+        att(qkv, torch.tensor([4, 5], dtype=torch.int32), 2, 32, 0.1)
+    with pytest.raises(ValueError, match="positive"):
+        att(qkv, torch.tensor([10, 0], dtype=torch.int32), 2, 32, 0.1)
+    with pytest.raises(ValueError, match="int32"):
+        att(qkv, torch.tensor([10]), 2, 32, 0.1)
+    with pytest.raises(ValueError, match="qkv must be"):
+        att(qkv, torch.tensor([10], dtype=torch.int32), 3, 32, 0.1)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        att(torch.randn(10, 3 * 2 * 24), torch.tensor([10], dtype=torch.int32), 2, 24, 0.1)
+    with pytest.raises(ValueError, match="positive"):
+        att(qkv, torch.tensor([10], dtype=torch.int32), 2, 32, 0.0)
+    with pytest.raises(ValueError, match="bias must be"):
+        att(qkv, torch.tensor([10], dtype=torch.int32), 2, 32, 0.1, torch.zeros(3 * 2 * 32 - 1))
 
 
 def test_engine_greedy_equal_on_every_isa(tiny_llama):

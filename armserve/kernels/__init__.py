@@ -3,8 +3,10 @@
     library.py      loading armserve/_C*.so, the kernel variant (ISA), CPU features, OpenMP, threads
     capture.py      every kernel call goes through `call`; recording and replaying them (step graphs)
     dispatch.py     `use_kernel`: kernel or PyTorch, the rule of each op
-    elementwise.py  norms, rotary, gated activations, bias, cast, embedding rows, argmax
-    attention.py    the paged KV cache layout, cache writes and paged attention (float and int8)
+    elementwise.py  norms, rotary, gated activations, bias, cast, embedding rows, argmax, an encoder
+                    block's bias + GELU and bias + residual + LayerNorm
+    attention.py    the paged KV cache layout, cache writes and paged attention (float and int8),
+                    bidirectional attention of encoder steps
     gemm.py         dense GEMM on prepacked weights, skinny decode matmul, quantized GEMMs and
                     embedding rows, fused MoE
     lora.py         batched LoRA (punica's shrink / expand, per-token adapter slot) and its reference
@@ -16,12 +18,13 @@ hold every kernel variant this CPU runs to its reference.
 
 # The package API: callers write `kernels.rms_norm(...)`.
 from armserve.kernels.attention import (  # noqa: F401
-    KEY_TILE, kv_cache_shapes, make_attn_batch, paged_attention, paged_attention_i8, reshape_and_cache,
-    reshape_and_cache_i8,
+    KEY_TILE, encoder_attention, kv_cache_shapes, make_attn_batch, paged_attention, paged_attention_i8,
+    reshape_and_cache, reshape_and_cache_i8,
 )
 from armserve.kernels.dispatch import KERNEL_OPS, QDENSE_MIN_ROWS, SMALL_OP_ROWS, use_kernel  # noqa: F401
 from armserve.kernels.elementwise import (  # noqa: F401
-    act_and_mul, add_bias, argmax, cast, embedding, mul_cols, rms_norm, rms_norm_heads_, rotary,
+    act_and_mul, add_bias, argmax, bias_gelu_, cast, embedding, layer_norm, mul_cols, rms_norm, rms_norm_heads_,
+    rotary,
 )
 from armserve.kernels.gemm import (  # noqa: F401
     dense, fused_moe, gemm_bf16, gemm_f32, gemv, pack_bf16, pack_f32, pack_q, packed_bf16_shape, packed_f32_shape, qgemm,

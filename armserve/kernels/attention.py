@@ -166,3 +166,33 @@ def paged_attention_i8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
          ctypes.addressof(batch), num_heads, num_kv_heads, head_dim, scale,
          sliding_window or 0, softcap or 0.0, q.stride(0))
     return out
+
+
+def encoder_attention(qkv: torch.Tensor, seq_lens: torch.Tensor, num_heads: int, head_dim: int,
+                      scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Bidirectional attention of an encoder step: qkv [T, 3 * heads * head_dim] (q, k, v heads side
+    by side; row-strided views are fine) holds the sequences back to back, `seq_lens` (int32) tokens
+    each, and every row attends to all rows of its own sequence. `bias` ([3 * heads * head_dim], the
+    projection's) is added to the rows as the kernel reads them. Returns [T, heads * head_dim]."""
+    _check_head_dim(head_dim)
+    if head_dim > 512:
+        raise ValueError(f"the encoder-attention kernel takes head_dim up to 512, got {head_dim}")
+    width = num_heads * head_dim
+    if qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.shape[1] != 3 * width or qkv.dtype not in DTYPE_CODES:
+        raise ValueError(f"qkv must be float32/bfloat16/float16 [T, {3 * width}] with unit column stride, got "
+                         f"{qkv.dtype} {tuple(qkv.shape)} strides {qkv.stride()}")
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or not seq_lens.is_contiguous():
+        raise ValueError(f"seq_lens must be a contiguous int32 vector, got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if seq_lens.numel() == 0 or int(seq_lens.min()) < 1 or int(seq_lens.sum()) != qkv.shape[0]:
+        raise ValueError(f"seq_lens must be positive and add up to the {qkv.shape[0]} rows of qkv, got "
+                         f"{seq_lens.tolist()}")
+    if not scale > 0:  # the kernel takes each row's max of the raw scores as the max of the scaled ones
+        raise ValueError(f"scale must be positive, got {scale}")
+    if bias is not None and (bias.dtype != qkv.dtype or bias.shape != (3 * width,)):
+        raise ValueError(f"bias must be {qkv.dtype} [{3 * width}], got {bias.dtype} {tuple(bias.shape)}")
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(qkv.shape[0], width, dtype=qkv.dtype)
+    call("armserve_encoder_attention", DTYPE_CODES[qkv.dtype], out.data_ptr(), qkv.data_ptr(),
+         None if bias is None else bias.data_ptr(), seq_lens.data_ptr(), seq_lens.numel(), num_heads, head_dim, scale,
+         qkv.stride(0))
+    return out

@@ -39,7 +39,7 @@ GEMV_MAX_TOKENS = 4
 
 # The ops `use_kernel` knows; without the library (ARMSERVE_ISA=torch, none built) it says no to each.
 KERNEL_OPS = ("rms_norm", "rms_norm_heads", "rotary", "act_and_mul", "embedding", "attention", "qgemm", "qgemm_pack",
-              "qgemm_dense", "dense_pack", "dense", "gemv", "small", "argmax", "moe", "lora")
+              "qgemm_dense", "dense_pack", "dense", "gemv", "small", "argmax", "moe", "lora", "bias_gelu", "layer_norm")
 
 
 def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = None, fmt: str | None = None) -> bool:
@@ -53,7 +53,7 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     if lib is None:
         return False
     dtype = x if isinstance(x, torch.dtype) else x.dtype
-    if op in ("rms_norm", "rotary", "act_and_mul", "embedding", "qgemm"):
+    if op in ("rms_norm", "rotary", "act_and_mul", "embedding", "qgemm", "bias_gelu", "layer_norm"):
         return dtype in DTYPE_CODES
     if op == "rms_norm_heads":  # q or k of a fused qkv output: heads contiguous, rows any stride apart
         return dtype in DTYPE_CODES and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]

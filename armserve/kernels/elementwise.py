@@ -1,8 +1,10 @@
-"""Norms, rotary embedding, gated activations and the small ops of a decode step (bias, cast,
-column scaling, embedding rows, argmax).
+"""Norms, rotary embedding, gated activations, an encoder block's fused bias + GELU and bias +
+residual + LayerNorm, and the small ops of a decode step (bias, cast, column scaling, embedding
+rows, argmax).
 
-`rms_norm`, `rms_norm_heads_`, `rotary`, `act_and_mul`, `add_bias`, `cast` and `argmax` run their
-kernel where `use_kernel` allows and their PyTorch reference otherwise, so a layer makes one call.
+`rms_norm`, `rms_norm_heads_`, `rotary`, `act_and_mul`, `bias_gelu_`, `layer_norm`, `add_bias`,
+`cast` and `argmax` run their kernel where `use_kernel` allows and their PyTorch reference
+otherwise, so a layer makes one call.
 `mul_cols` and `embedding` always run the kernel: their callers choose, each with its own PyTorch
 fallback.
 """
@@ -68,6 +70,37 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     call("armserve_act_and_mul", DTYPE_CODES[x.dtype], _ACT_CODES[act], out.data_ptr(), x.data_ptr(),
          x.numel() // (2 * d), d)
+    return out
+
+
+def bias_gelu_(x: torch.Tensor, bias: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """x = gelu(x + bias) in place (x [m, n], bias [n]; `approximate` "none" (erf) or "tanh", as
+    F.gelu): an encoder MLP's up projection bias and activation in one pass."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    if not use_kernel("bias_gelu", x) or x.dim() != 2 or x.stride(1) != 1 or bias.dtype != x.dtype:
+        return x.copy_(reference.bias_gelu_ref(x, bias, approximate))
+    assert bias.shape == (x.shape[1],)
+    call("armserve_bias_gelu", DTYPE_CODES[x.dtype], x.data_ptr(), bias.contiguous().data_ptr(), x.shape[0],
+         x.shape[1], x.stride(0), int(approximate == "tanh"))
+    return x
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+               residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm(x + x_bias + residual) * weight + bias over the last dimension of x [m, n] (x_bias
+    [n]: the bias of the projection that made x; residual [m, n]): a post-norm block's bias, residual
+    add and norm in one pass."""
+    parts = [t for t in (weight, bias, residual, x_bias) if t is not None]
+    if not use_kernel("layer_norm", x) or x.dim() != 2 or any(t.dtype != x.dtype for t in parts):
+        return reference.layer_norm_ref(x, weight, bias, eps, residual, x_bias)
+    assert residual is None or residual.shape == x.shape
+    x, weight, bias, residual, x_bias = (None if t is None else t.contiguous()
+                                         for t in (x, weight, bias, residual, x_bias))
+    out = torch.empty_like(x)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    call("armserve_layer_norm", DTYPE_CODES[x.dtype], out.data_ptr(), x.data_ptr(), ptr(x_bias), ptr(residual),
+         ptr(weight), ptr(bias), x.shape[0], x.shape[1], eps)
     return out
 
 

@@ -137,6 +137,38 @@ def paged_attention_ref(
     return out.reshape(T, num_heads * head_dim).to(q.dtype)
 
 
+def bias_gelu_ref(x: torch.Tensor, bias: torch.Tensor, approximate: str) -> torch.Tensor:
+    """gelu(x + bias), each step rounded to x's dtype."""
+    return F.gelu(x + bias, approximate=approximate)
+
+
+def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                   residual: torch.Tensor | None = None, x_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """LayerNorm(x + x_bias + residual) * weight + bias, each sum rounded to x's dtype."""
+    if x_bias is not None:
+        x = x + x_bias
+    if residual is not None:
+        x = x + residual
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def encoder_attention_ref(qkv: torch.Tensor, seq_lens: list[int], num_heads: int, head_dim: int,
+                          scale: float, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch reference of the encoder-attention kernel: (qkv + bias, rounded to its dtype) into
+    one unmasked `scaled_dot_product_attention` per sequence, in float32, rounded to qkv's dtype.
+    qkv: [T, 3 * H * D], sequences back to back."""
+    qkv = qkv if bias is None else qkv + bias
+    T, H, D = qkv.shape[0], num_heads, head_dim
+    q, k, v = qkv.float().reshape(T, 3, H, D).permute(1, 2, 0, 3).unbind(0)  # [H, T, D] each
+    out = torch.empty(T, H, D)
+    start = 0
+    for n in seq_lens:
+        rows = slice(start, start + n)
+        out[rows] = F.scaled_dot_product_attention(q[:, rows], k[:, rows], v[:, rows], scale=scale).transpose(0, 1)
+        start += n
+    return out.reshape(T, H * D).to(qkv.dtype)
+
+
 def unpack_bf16_ref(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """PyTorch reference inverting `pack_bf16`: the bf16 weight [n, k] out of
     [ceil(n / 16), ceil(k / 2), 16, 2] blocks."""

@@ -171,19 +171,21 @@ class Linear(nn.Module):
         block = -(-self.in_features // 2) * 64  # bytes of one 16-row block (dense_gemm.h)
         return "bf16", 0, [self.packed.data_ptr() + i * rows // 16 * block for i in range(self.out_features // rows)]
 
-    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None, with_bias: bool = True) -> torch.Tensor:
+        """x @ W^T (+ bias; `with_bias=False` leaves it to a caller that fuses it into the next op)."""
+        bias = self.bias if with_bias else None
         if self.packed is not None:
             out = kernels.dense(x, self.packed, self.out_features, self.in_features, out_dtype)
-            if self.bias is not None:
-                out = kernels.add_bias(out, self.bias)
+            if bias is not None:
+                out = kernels.add_bias(out, bias)
         else:
             # Decode: a few tokens against 16-bit weights is memory-bound, where the kernel streams
             # the weight near copy speed and PyTorch's bf16 GEMM does not.
             if kernels.use_kernel("gemv", x):
                 out = kernels.gemv(x, self.weight)
-                out = out if self.bias is None else kernels.add_bias(out, self.bias)
+                out = out if bias is None else kernels.add_bias(out, bias)
             else:
-                out = F.linear(x, self.weight, self.bias)
+                out = F.linear(x, self.weight, bias)
             if out_dtype is not None:
                 out = out.to(out_dtype)
         if self.lora is not None:

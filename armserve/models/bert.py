@@ -3,10 +3,13 @@ post-LayerNorm blocks, absolute position and token-type embeddings. They produce
 per token; the pooling runner (engine/pooling_backend.py) turns each sequence's rows into one
 vector (layers/pooler.py).
 
-- No KV cache: a sequence is encoded whole in one step, so attention is
-  `scaled_dot_product_attention` without a causal mask, one call per group of sequences of the
-  same length (`EncoderBatch.attention`: no padding; the paged C++ attention kernel is causal only). The linear layers are
-  armserve's (layers/linear.py: prepacked dense GEMM kernels); LayerNorm and GELU are PyTorch's.
+- No KV cache: a sequence is encoded whole in one step, so attention is bidirectional over each
+  sequence's own rows: the C++ encoder-attention kernel (kernels.encoder_attention, flash style,
+  no padding), or without it `scaled_dot_product_attention`, one call per group of sequences of the
+  same length (`EncoderBatch.attention`). The linear layers are armserve's (layers/linear.py:
+  prepacked dense GEMM kernels) without their biases, which go into the next op: attention (the
+  kernel adds q, k, v's as it reads them), GELU (kernels.bias_gelu_) and the residual add +
+  LayerNorm (kernels.layer_norm), one pass each.
 - RoBERTa / XLM-RoBERTa: the same blocks; positions start after the padding id
   (`pad_token_id + 1`), as fairseq numbered them, and there is one token type.
 - Checkpoint names come with or without the task head's prefix (`bert.`, `roberta.`); the
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from armserve import kernels
 from armserve.layers.linear import Linear, QKVParallelLinear, get_parallel_context
 from armserve.quantization import QuantizedTensor
 
@@ -34,7 +38,8 @@ from armserve.quantization import QuantizedTensor
 class EncoderBatch:
     """One step's sequences laid out for attention, built once per step and shared by every layer.
 
-    `attention` groups the sequences by length: each group is one unmasked
+    `attention` runs the encoder-attention kernel over the step's rows as they are; without it, it
+    groups the sequences by length: each group is one unmasked
     `scaled_dot_product_attention` over [sequences, heads, length, head_dim], with no padding to
     compute or mask (100 short sentences of 12-30 tokens: 8 ms a layer, against 14 ms for one
     padded, masked grid). `to_grid` / `from_grid` give the padded grid ([num_seqs, longest], key
@@ -50,6 +55,7 @@ class EncoderBatch:
         self.index = valid.reshape(-1).nonzero().squeeze(1)  # grid cell of each token row, in order
         self.mask = None if bool(valid.all()) else valid[:, None, None, :]
         self._groups: list[tuple[int, int, torch.Tensor]] | None = None
+        self._lens32 = torch.tensor(seq_lens, dtype=torch.int32)
 
     def groups(self) -> list[tuple[int, int, torch.Tensor]]:
         """(length, sequences, their token rows in order) per distinct sequence length."""
@@ -65,10 +71,14 @@ class EncoderBatch:
                 self._groups.append((n, len(seqs), rows))
         return self._groups
 
-    def attention(self, qkv: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    def attention(self, qkv: torch.Tensor, heads: int, head_dim: int, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Bidirectional attention of each sequence over its own rows: qkv [T, 3 * H * D] (q, k, v
-        heads side by side) -> [T, H * D]."""
+        heads side by side; plus `bias`, the projection's, if given) -> [T, H * D]."""
         T, H, D = qkv.shape[0], heads, head_dim
+        if kernels.use_kernel("attention", qkv.dtype, head_dim=D) and D <= 512:
+            return kernels.encoder_attention(qkv, self._lens32, H, D, D**-0.5, bias)
+        if bias is not None:
+            qkv = qkv + bias
         if self.mask is None:  # all as long: the rows are the grid, no copies
             q, k, v = qkv.view(self.num_seqs, self.longest, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
             o = F.scaled_dot_product_attention(q, k, v)  # [B, H, L, D]
@@ -102,8 +112,10 @@ class BertSelfAttention(nn.Module):
         self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        o = batch.attention(self.qkv_proj(x), self.num_heads, self.head_dim)
-        return self.norm(self.out_proj(o) + x)
+        proj = self.qkv_proj
+        o = batch.attention(proj(x, with_bias=False), self.num_heads, self.head_dim, proj.bias)
+        return kernels.layer_norm(self.out_proj(o, with_bias=False), self.norm.weight, self.norm.bias, self.norm.eps,
+                                  residual=x, x_bias=self.out_proj.bias)
 
 
 class BertLayer(nn.Module):
@@ -119,7 +131,9 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
         x = self.attention(x, batch)
-        return self.norm(self.down_proj(F.gelu(self.up_proj(x), approximate=self.approximate)) + x)
+        h = kernels.bias_gelu_(self.up_proj(x, with_bias=False), self.up_proj.bias, self.approximate)
+        return kernels.layer_norm(self.down_proj(h, with_bias=False), self.norm.weight, self.norm.bias, self.norm.eps,
+                                  residual=x, x_bias=self.down_proj.bias)
 
 
 # Hugging Face name part (under encoder.layer.N.) -> (this module's name part, qkv shard)
@@ -207,14 +221,17 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: list[int],
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
+        pos = self.position_embeddings(positions + self.position_offset)
         if token_type_ids is None and self.sep_token_id is not None and self.token_type_embeddings.num_embeddings > 1:
             token_type_ids = _segments(input_ids, seq_lens, self.sep_token_id)
+        words, one_type = self.word_embeddings(input_ids), None
         if token_type_ids is None:
-            x = x + self.token_type_embeddings.weight[0]
+            one_type = self.token_type_embeddings.weight[0]
         else:
-            x = x + self.token_type_embeddings(token_type_ids)
-        x = self.embed_norm(x)
+            words = words + self.token_type_embeddings(token_type_ids)
+        # (words + type) + positions, as transformers adds them, and the norm in one pass
+        norm = self.embed_norm
+        x = kernels.layer_norm(words, norm.weight, norm.bias, norm.eps, residual=pos, x_bias=one_type)
         batch = EncoderBatch(seq_lens)
         for layer in self.layers:
             x = layer(x, batch)

@@ -5,8 +5,9 @@ ones that see tokens within `local_attention // 2` of each other (`layer_types`,
 `global_attn_every_n_layers`-th layer global). Each kind of layer has its own rotary base.
 
 Run by the pooling runner like models/bert.py (whose step layout, `EncoderBatch`, it shares):
-every sequence whole in one step, `scaled_dot_product_attention` over the step's sequences padded
-to the longest, with a key mask, and for local layers a band mask.
+every sequence whole in one step; global layers (and local ones whose window reaches every key of
+the step) use `EncoderBatch.attention`, local ones `scaled_dot_product_attention` over the step's
+sequences padded to the longest, with a key mask and a band mask.
 """
 
 from __future__ import annotations
@@ -73,9 +74,12 @@ class ModernBertLayer(nn.Module):
         qkv = self.Wqkv(self.attn_norm(x))
         q, k, _ = qkv.split(H * D, dim=-1)
         self.rotary(positions, q, k)  # in place on the views of qkv
-        grid = batch.to_grid(qkv).view(batch.num_seqs, batch.longest, 3, H, D).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(*grid.unbind(0), attn_mask=batch.attn_mask(self.window))
-        x = x + self.Wo(batch.from_grid(o))
+        if self.window is None or batch.longest - 1 <= self.window:  # every key in reach: no band
+            o = batch.attention(qkv, H, D)
+        else:
+            grid = batch.to_grid(qkv).view(batch.num_seqs, batch.longest, 3, H, D).permute(2, 0, 3, 1, 4)
+            o = batch.from_grid(F.scaled_dot_product_attention(*grid.unbind(0), attn_mask=batch.attn_mask(self.window)))
+        x = x + self.Wo(o)
         a, gate = self.Wi(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.Wo_mlp(F.gelu(a, approximate=self.approximate) * gate)
 
