@@ -146,7 +146,8 @@ def _int4_copy(path: str, dtype: torch.dtype) -> str:
 
     keep = "float32" if dtype == torch.float32 else "bfloat16"
     st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_mtime_ns, st.st_size, keep)).encode()).hexdigest()[:16]
+    # ("untied": copies made before the head was untied are not reused)
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_mtime_ns, st.st_size, keep, "untied")).encode()).hexdigest()[:16]
     root = os.environ.get("ARMSERVE_SELF_DRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "armserve",
                                                                         "self-draft")
     out = os.path.join(root, key)
@@ -156,7 +157,8 @@ def _int4_copy(path: str, dtype: torch.dtype) -> str:
     tmp = f"{out}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(root, exist_ok=True)
-    quantize_model(path, tmp, scheme="w4a8", dtype=keep, progress=False)
+    # (the head in int8 even where the target ties it to its table: a draft step reads it whole)
+    quantize_model(path, tmp, scheme="w4a8", dtype=keep, progress=False, untie_lm_head=True)
     try:
         os.replace(tmp, out)
     except OSError:  # another process made it first
