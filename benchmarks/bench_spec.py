@@ -14,14 +14,16 @@ runs alternating.
 - agent loop: the same task asked again with another name each time, one request after another
   (what an agent's repeated tool calls look like): its answers repeat earlier answers, not its
   prompt. Suffix decoding's cache of earlier outputs drafts them; mean over all but the first.
-- quantized self-drafting: SmolLM2 dequantized (`quantization="none"`, the default dtype) as the
-  target, its w4a8 int4 copy (made at load) drafting, on an open chat prompt, batch 1.
+- quantized self-drafting: SmolLM2 dequantized (`quantization="none"`, the default dtype) and the
+  Qwen2.5-Coder GGUF dequantized into an HF folder (peer_models.qwen_hf) as targets, each drafted for
+  by its w4a8 int4 copy (made at load), on an open chat prompt, batch 1.
 - 8 and 32 concurrent: random 128-token prompts, 64 output tokens each (`ignore_eos`), twice the
   concurrency in prompts, max_num_seqs = the concurrency; tok/s = output tokens / wall time.
-- llama-server, when built (benchmarks/peers.py builds it; this script does not): the same SmolLM2
-  GGUF and prompts, 1 thread, without drafting, with its lookup decoding (`--spec-type
-  ngram-simple`) and with the GGUF drafting for itself (`--model-draft`), at 1 and 4 concurrent
-  streams, against armserve's ngram and draft_model on the same file (`--skip-llama-server`).
+- llama-server, when built (benchmarks/peers.py builds it; this script does not): both as OpenAI
+  servers (`armserve serve`), the SmolLM2 GGUF and the same prompts, 1 thread, 1 / 4 / 8 streams:
+  without drafting, its lookup decoding (`--spec-type ngram-simple`) against armserve's ngram, and
+  the BF16 SmolLM2 GGUF drafted for by the Q4_1 one (`-md`, armserve draft_model)
+  (`--skip-llama-server`).
 The section "spec_decode" of docs/benchmarks.md gets the table.
 """
 
@@ -139,24 +141,45 @@ def llama_server_exe() -> str | None:
     return exe if os.path.isfile(exe) else None
 
 
-def llama_server_cmd(exe: str, gguf: str, port: int, mode: str, slots: int) -> list[str]:
-    cmd = [exe, "-m", gguf, "-t", "1", "-tb", "1", "-np", str(slots), "-c", str(slots * 2048), "--host",
-           "127.0.0.1", "--port", str(port), "--no-repack"]
-    if mode == "lookup":
-        return cmd + ["--spec-type", "ngram-simple", "--spec-draft-n-max", "4"]
-    if mode == "draft":
-        return cmd + ["--model-draft", gguf, "-td", "1", "--spec-draft-n-max", "4"]
-    return cmd
+STREAMS = (1, 4, 8)
+# llama-server's lookup decoding set like armserve's ngram: 3-token lookup, 4 tokens drafted
+LLAMA_NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "4",
+               "--spec-draft-n-max", "4"]
 
 
-def llama_server_run(url: str, prompt: str, streams: int, max_tokens: int) -> dict:
-    """`streams` copies of the chat prompt at once; batch 1: llama-server's own decode tok/s,
-    else output tokens over wall time."""
+def server_specs(mode: str, target: str, draft: str | None, slots: int):
+    """(armserve's, llama-server's) ServerSpec for one drafting mode on `target` (a GGUF): 1 thread
+    each, `slots` parallel sequences; `draft`: the draft GGUF of mode "draft"."""
+    import json
+
+    import peers
+
+    spec = {"none": None, "lookup": NGRAM,
+            "draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": 4}}[mode]
+    pa, pl = peers.free_port(), peers.free_port()
+    ours = [sys.executable, "-m", "armserve.cli", "serve", target, "--host", "127.0.0.1", "--port", str(pa),
+            "--max-model-len", "2048", "--kv-cache-space", "1", "--max-num-seqs", str(slots), "--served-model-name",
+            "m", "--disable-log-stats", "--disable-access-log", "--uvicorn-log-level", "warning"]
+    if spec is not None:
+        ours += ["--speculative-config", json.dumps(spec)]
+    theirs = [llama_server_exe(), "-m", target, "-t", "1", "-tb", "1", "-np", str(slots), "-c", str(slots * 2048),
+              "--host", "127.0.0.1", "--port", str(pl), "--alias", "m", "--no-repack"]
+    theirs += {"none": [], "lookup": LLAMA_NGRAM,
+               "draft": ["-md", str(draft), "-td", "1", "-tbd", "1", "--spec-draft-n-max", "4"]}[mode]
+    env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.path.dirname(HERE)}
+    return ((peers.ServerSpec(f"armserve {mode}", ours, env, "", target, None), pa),
+            (peers.ServerSpec(f"llama-server {mode}", theirs, env, "", target, None), pl))
+
+
+def http_streams(url: str, prompt: str, streams: int, max_tokens: int) -> dict:
+    """`streams` copies of the chat prompt at once through /v1/chat/completions, greedy: output
+    tok/s over the wall time of all (prefill included, the same clock for both servers)."""
     import concurrent.futures
 
     import httpx
 
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0}
 
     def one(_):
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=1800)
@@ -167,54 +190,42 @@ def llama_server_run(url: str, prompt: str, streams: int, max_tokens: int) -> di
     with concurrent.futures.ThreadPoolExecutor(streams) as ex:
         outs = list(ex.map(one, range(streams)))
     took = time.perf_counter() - t
-    if streams == 1:
-        return {"tok_s": outs[0].get("timings", {}).get("predicted_per_second", 0.0)}
-    return {"tok_s": sum(o["usage"]["completion_tokens"] for o in outs) / took}
+    return {"tok_s": sum(o["usage"]["completion_tokens"] for o in outs) / took,
+            "tokens": outs[0]["usage"]["completion_tokens"]}
 
 
-def armserve_streams(llm, prompt: str, streams: int, max_tokens: int) -> dict:
-    from armserve import SamplingParams
-
-    if streams == 1:
-        return batch1(llm, prompt, max_tokens)
-    t = time.perf_counter()
-    outs = llm.chat([[{"role": "user", "content": prompt}]] * streams,
-                    SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    return {"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)}
-
-
-def versus_llama_server(gguf: str, max_tokens: int, rounds: int) -> list[tuple]:
-    """(prompt, streams, drafting, armserve tok/s, llama-server tok/s) rows; [] without llama-server."""
+def versus_llama_server(gguf: str, draft_pair: tuple[str, str] | None, max_tokens: int, rounds: int,
+                        streams: tuple[int, ...] = STREAMS) -> list[tuple]:
+    """Rows (prompt, streams, drafting, armserve tok/s, llama-server tok/s, load average): both
+    servers over HTTP with the same requests, runs alternating; drafting `none` and `lookup` on
+    `gguf`, `draft` on draft_pair = (target GGUF, draft GGUF). [] without llama-server."""
     import peers
-    from armserve import LLM
 
-    exe = llama_server_exe()
-    if exe is None:
-        print("llama-server not built (benchmarks/peers.py install_llama_server()); its comparison would run:\n  "
-              + " ".join(llama_server_cmd("llama-server", gguf, 8080, "draft", 4)), flush=True)
+    if llama_server_exe() is None:
+        print("llama-server not built (benchmarks/peers.py install_llama_server()): no comparison", flush=True)
         return []
-    modes = {"none": None, "lookup": NGRAM,
-             "draft": {"method": "draft_model", "model": gguf, "num_speculative_tokens": 4}}
     rows = []
-    for mode, spec in modes.items():
-        llm = LLM(gguf, max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False, speculative_config=spec)
-        batch1(llm, "Say hello.", 8)
-        port = peers.free_port()
-        spec_ = peers.ServerSpec(f"llama-server {mode}", llama_server_cmd(exe, gguf, port, mode, 4), {}, "", gguf, None)
-        server = peers.Server(spec_, port, os.path.join("/tmp", f"llama-spec-{port}.log"))
+    cases = [("none", gguf, None), ("lookup", gguf, None)] + ([("draft", *draft_pair)] if draft_pair else [])
+    for mode, target, draft in cases:
+        servers = []
         try:
+            for spec, port in server_specs(mode, target, draft, max(streams)):
+                servers.append(peers.Server(spec, port, os.path.join("/tmp", f"bench-spec-{port}.log")))
+            ours, theirs = servers
+            for s in servers:  # warm-up
+                http_streams(s.url, "Say hello.", 1, 8)
             for kind, prompt in PROMPTS.items():
-                for streams in (1, 4):
-                    ours = theirs = 0.0
+                for n in streams:
+                    a = b = 0.0
                     for _ in range(rounds):
-                        ours += armserve_streams(llm, prompt, streams, max_tokens)["tok_s"] / rounds
-                        theirs += llama_server_run(server.url, prompt, streams, max_tokens)["tok_s"] / rounds
-                    rows.append((kind, streams, mode, ours, theirs))
-                    print(f"vs llama-server / {kind} / {streams} streams / {mode}: armserve {ours:.1f}, "
-                          f"llama-server {theirs:.1f} tok/s ({ours / max(theirs, 1e-9):.2f}x)", flush=True)
+                        a += http_streams(ours.url, prompt, n, max_tokens)["tok_s"] / rounds
+                        b += http_streams(theirs.url, prompt, n, max_tokens)["tok_s"] / rounds
+                    rows.append((kind, n, mode, a, b, load_average()))
+                    print(f"vs llama-server / {kind} / {n} streams / {mode}: armserve {a:.1f}, llama-server {b:.1f} "
+                          f"tok/s ({a / max(b, 1e-9):.2f}x)", flush=True)
         finally:
-            server.stop()
-        del llm
+            for s in servers:
+                s.stop()
     return rows
 
 
@@ -277,21 +288,30 @@ def main() -> int:
             del engines
     self_rows = []
     if not args.skip_self_draft:
-        path = pm.smollm2_gguf()
-        kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False, quantization="none")
-        draft = {"method": "draft_model", "model": path, "quantization": "w4a8", "num_speculative_tokens": SELF_DRAFT_K}
-        engines = {"off": LLM(path, **kw), "on": LLM(path, speculative_config=draft, **kw)}
-        for llm in engines.values():
-            batch1(llm, "Say hello.", 8)
-        res, tok_s = alternate(engines, lambda llm, _: batch1(llm, CHAT, max_tokens), rounds)
-        off, on = tok_s["off"], tok_s["on"]
-        same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res["on"]))
-        self_rows.append(("SmolLM2-135M-Instruct, dequantized", "open chat", off, on, res["on"][0]["tokens"], same,
-                          acceptance(engines["on"])))
-        print(f"self-drafting / open chat: off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x), same: {same}",
-              flush=True)
-        del engines
-    vs_llama = [] if args.skip_llama_server else versus_llama_server(pm.smollm2_gguf(), max_tokens, rounds)
+        # (target label, checkpoint, engine keywords): the dequantized SmolLM2 GGUF, and the Qwen2.5-Coder
+        # GGUF dequantized by transformers into an HF folder (benchmarks/peer_models.py, made once)
+        targets = [("SmolLM2-135M-Instruct, dequantized", pm.smollm2_gguf(), {"quantization": "none"})]
+        if not args.skip_qwen and pm.qwen_gguf(install=False):
+            targets.append(("Qwen2.5-Coder-0.5B-Instruct, dequantized HF folder", pm.qwen_hf(), {}))
+        for label, path, extra in targets:
+            kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False, **extra)
+            draft = {"method": "draft_model", "model": path, "quantization": "w4a8",
+                     "num_speculative_tokens": SELF_DRAFT_K}
+            engines = {"off": LLM(path, **kw), "on": LLM(path, speculative_config=draft, **kw)}
+            for llm in engines.values():
+                batch1(llm, "Say hello.", 8)
+            res, tok_s = alternate(engines, lambda llm, _: batch1(llm, CHAT, max_tokens), rounds)
+            off, on = tok_s["off"], tok_s["on"]
+            same = all(a["ids"] == b["ids"] for a, b in zip(res["off"], res["on"]))
+            dtype = str(engines["off"].llm_engine.backend.dtype).replace("torch.", "")
+            self_rows.append((f"{label} ({dtype})", "open chat", off, on, res["on"][0]["tokens"], same,
+                              acceptance(engines["on"])))
+            print(f"self-drafting / {label} / open chat: off {off:.1f} tok/s, on {on:.1f} tok/s ({on / off:.2f}x), "
+                  f"same: {same}", flush=True)
+            del engines
+    vs_llama = [] if args.skip_llama_server else versus_llama_server(
+        pm.smollm2_gguf(), (pm.smollm2_bf16_gguf(), pm.smollm2_gguf()), max_tokens, rounds,
+        (1, 4) if args.smoke else STREAMS)
     if args.no_doc:
         return 0
     t1 = "\n".join(f"| {n} | {k} | {m} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc} | {tok} | "
@@ -300,15 +320,19 @@ def main() -> int:
                    for n, k, off, on, tok, s, acc in self_rows)
     t2 = "\n".join(f"| {n} | {c} | {m} | {off:.0f} | {on:.0f} | {on / off:.2f}x | {acc} |"
                    for n, c, m, off, on, acc in conc_rows)
-    t4 = "\n".join(f"| {k} | {s} | {m} | {a:.1f} | {b:.1f} | {a / max(b, 1e-9):.2f}x |" for k, s, m, a, b in vs_llama)
+    t4 = "\n".join(f"| {k} | {n} | {m} | {a:.1f} | {b:.1f} | {a / max(b, 1e-9):.2f}x | {ld:.1f} |"
+                   for k, n, m, a, b, ld in vs_llama)
     t4 = f"""
-Against llama-server on the same GGUF (SmolLM2 Q4_1), 1 thread each, 4 parallel slots; drafting `none`,
-`lookup` (armserve ngram, llama-server `--spec-type ngram-simple`) and `draft` (the GGUF drafting for itself:
-armserve draft_model, llama-server `--model-draft`), 4 tokens per draft; batch 1: decode tok/s, 4 streams:
-output tok/s over wall time:
+Against llama-server, both as OpenAI servers on the same GGUF, 1 thread each (`-t 1 -tb 1`), {max(STREAMS)}
+parallel slots / `--max-num-seqs {max(STREAMS)}`, the same chat requests (greedy, `max_tokens` {max_tokens}) sent
+1, 4 or 8 at a time, runs alternating; output tok/s over the wall time (prefill included). Drafting
+`none`: neither drafts; `lookup`: armserve `ngram` as above against llama-server `{' '.join(LLAMA_NGRAM)}`,
+on the SmolLM2 Q4_1 GGUF; `draft`: the SmolLM2 BF16 GGUF (`peer_models.smollm2_bf16_gguf`) as the target
+with the Q4_1 GGUF drafting 4 tokens (armserve `draft_model`, llama-server `-md`). `load`: the load average
+after the row:
 
-| prompt | streams | drafting | armserve tok/s | llama-server tok/s | armserve / llama-server |
-|---|---|---|---|---|---|
+| prompt | streams | drafting | armserve tok/s | llama-server tok/s | armserve / llama-server | load |
+|---|---|---|---|---|---|---|
 {t4}
 """ if vs_llama else ""
     body = f"""## Speculative decoding: n-gram and suffix drafts on vs off (issue 31)
@@ -325,8 +349,9 @@ another function name; `same tokens`: the outputs with and without speculation a
 |---|---|---|---|---|---|---|---|---|
 {t1}
 
-Quantized self-drafting (batch 1, decode tok/s; target SmolLM2 dequantized to the default dtype, draft its w4a8
-int4 copy made at load, `num_speculative_tokens` {SELF_DRAFT_K}):
+Quantized self-drafting (batch 1, decode tok/s; the target dequantized, in the default dtype (float32 on a
+CPU without native bfloat16), drafted for by its own w4a8 int4 copy made at load, `num_speculative_tokens`
+{SELF_DRAFT_K}):
 
 | target | prompt | off tok/s | on tok/s | on / off | draft acceptance | output tokens | same tokens |
 |---|---|---|---|---|---|---|---|

@@ -149,6 +149,15 @@ struct QKernels {
     });
   }
 
+  template <bool W4, int NT>
+  static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                   int64_t k, int64_t group, float (*acc)[16]) {
+    if (W4)
+      IsaQ::template tile_w4<NT>(wt, q, as, gs, k, group, acc);
+    else
+      IsaQ::template tile_w8<NT>(wt, q, as, gs, k, group, acc);
+  }
+
   // One 16-row weight tile `wt` (its first `cols` output columns) times m activation rows: row i is
   // quantized row idx[i] (i itself without idx) of q / ascale / agsum; outputs to out + i * ldo.
   template <bool W4>
@@ -169,18 +178,12 @@ struct QKernels {
         as[i] = ascale + r * ng;
         gs[i] = agsum + r * ng;
       }
-      if (nt == 4) {
-        if (W4)
-          IsaQ::template tile_w4<4>(wt, qs, as, gs, k, group, acc);
-        else
-          IsaQ::template tile_w8<4>(wt, qs, as, gs, k, group, acc);
-      } else {
-        for (int i = 0; i < nt; ++i) {
-          if (W4)
-            IsaQ::template tile_w4<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
-          else
-            IsaQ::template tile_w8<1>(wt, qs + i, as + i, gs + i, k, group, acc + i);
-        }
+      // (2 or 3 tokens in one pass too: a speculative verify step's 2-5 rows unpack each weight once)
+      switch (nt) {
+        case 4: tile<W4, 4>(wt, qs, as, gs, k, group, acc); break;
+        case 3: tile<W4, 3>(wt, qs, as, gs, k, group, acc); break;
+        case 2: tile<W4, 2>(wt, qs, as, gs, k, group, acc); break;
+        default: tile<W4, 1>(wt, qs, as, gs, k, group, acc); break;
       }
       for (int i = 0; i < nt; ++i) Isa::store(dtype, acc[i], static_cast<char*>(out) + (m0 + i) * ldo * es, cols);
     }

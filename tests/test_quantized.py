@@ -32,9 +32,11 @@ def random_w8(n: int, k: int, group: int) -> QuantizedTensor:
 
 # (1, 16, 72, 24): an odd number of 8-column chunks per group at one token (the decode loops that take
 # two chunks a step keep one for the end: qgemm_sve.cpp).
-SHAPES = [(1, 40, 64, 32), (5, 33, 128, 64), (4, 16, 96, 32), (9, 50, 256, 256), (3, 24, 128, 16), (1, 16, 72, 24)]
+# 2, 3 and 5 tokens: the 2- and 3-token tiles (a speculative verify step's rows).
+SHAPES = [(1, 40, 64, 32), (5, 33, 128, 64), (4, 16, 96, 32), (9, 50, 256, 256), (3, 24, 128, 16), (1, 16, 72, 24),
+          (2, 20, 96, 32)]
 if SMALL:
-    SHAPES = [(1, 20, 64, 32), (5, 17, 64, 16), (1, 16, 72, 24)]
+    SHAPES = [(1, 20, 64, 32), (5, 17, 64, 16), (1, 16, 72, 24), (2, 17, 96, 32)]
 
 
 @pytest.mark.parametrize("fmt", ["w4", "w8"])
@@ -389,6 +391,35 @@ def test_quantize_lm_head_choices(tiny_llama, tmp_path, lm_head, fmt):
     assert len(common) >= 3 and max(abs(a[t].logprob - b[t].logprob) for t in common) < 0.15
     with pytest.raises(ValueError, match="lm_head must be"):
         quantize_model(tiny_llama, str(tmp_path / "r"), lm_head="fp8", progress=False)
+
+
+def test_quantize_untie_lm_head(tiny_checkpoints, tmp_path):
+    """untie_lm_head (the quantized self-draft's copy): a head tied to the embedding table gets its
+    own int8 copy of the table and the config is untied; it loads as a w8 layer that computes what
+    its dequantized weights do."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from armserve.quantization.quantize import quantize_model
+
+    src = tiny_checkpoints["llama3-rope-tied"]
+    quantize_model(src, str(tmp_path / "q"), progress=False, untie_lm_head=True)
+    assert json.load(open(tmp_path / "q" / "config.json"))["tie_word_embeddings"] is False
+    q = LLM(str(tmp_path / "q"), dtype="float32", kv_cache_space=0.02)
+    head = q.llm_engine.model.lm_head
+    assert isinstance(head, QuantizedLinear) and [p.fmt for p in head.parts] == ["w8"]
+    deq = LLM(str(tmp_path / "q"), dtype="float32", kv_cache_space=0.02, quantization="none")
+    # (the head's int8 copy beside the table, which stays as the source has it)
+    out = load_file(str(tmp_path / "q" / "model.safetensors"))
+    table = load_file(os.path.join(src, "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(out["model.embed_tokens.weight"], table.to(out["model.embed_tokens.weight"].dtype))
+    assert any(n.startswith("lm_head.") for n in out)
+    p = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+    a = q.generate(["the cat sat on the mat"], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    b = deq.generate(["the cat sat on the mat"], p, use_tqdm=False)[0].outputs[0].logprobs[0]
+    common = set(a) & set(b)
+    assert len(common) >= 3 and max(abs(a[t].logprob - b[t].logprob) for t in common) < 0.15
 
 
 # ---- accuracy -----------------------------------------------------------------------------

@@ -7,7 +7,8 @@ target's: a request's block table serves both, so the draft needs no block manag
 remembers how many of its leading tokens have draft KV (`SpecState.draft_computed`); a step
 
     catch-up   one forward over every request's tokens the draft has not seen yet (the prompt
-               on first use, afterwards the 1-2 tokens the last verification added) -> d_0
+               on first use, afterwards the 1-2 tokens the last verification added: a replayed
+               step graph of 1 or 2 rows per request) -> d_0
     j = 1..k-1 one single-token forward per draft position over the requests still drafting
                (a replayed step graph where the batch allows) -> d_j
 
@@ -74,15 +75,27 @@ class DraftModelProposer:
         sched = [ScheduledRequest(_View(req.spec.draft_computed, req.all_token_ids),  # type: ignore[arg-type]
                                   req.num_tokens - req.spec.draft_computed, blocks)
                  for _, req, _, blocks in rows]
+        tokens = None
         if self.runner.graphs.enabled and all(s.num_new_tokens <= 2 for s in sched):
-            # the usual case (the last run accepted in full adds 2 tokens): single-token steps,
-            # replayed, the first only for the KV of the rows that are two behind
-            two = [r for r, s in zip(rows, sched) if s.num_new_tokens == 2]
-            if two:
-                self._decode([req.all_token_ids[-2] for _, req, _, _ in two], [req.num_tokens - 2 for _, req, _, _ in two],
-                             [b for *_, b in two])
-            tokens = self._decode([req.all_token_ids[-1] for _, req, _, _ in rows],
-                                  [req.num_tokens - 1 for _, req, _, _ in rows], [b for *_, b in rows])
+            # the usual case (the last run accepted in full adds 2 tokens): a replayed step, with
+            # 2 rows per sequence (a verify-shaped graph: about the cost of one row for a small
+            # int4 draft) when some sequence is two behind
+            news = [s.num_new_tokens for s in sched]
+            if max(news) == 2:
+                out = self.runner.graphs.run_verify([req.all_token_ids[-n:] for (_, req, _, _), n in zip(rows, news)],
+                                                    [req.num_tokens - n for (_, req, _, _), n in zip(rows, news)],
+                                                    [b for *_, b in rows])
+                if out is not None:
+                    logits, q = out
+                    last = torch.tensor([i * q + n - 1 for i, n in enumerate(news)], dtype=torch.long)
+                    tokens = kernels.argmax(logits.index_select(0, last).float().contiguous()).tolist()
+                else:  # single-token steps, the first only for the KV of the rows two behind
+                    two = [r for r, n in zip(rows, news) if n == 2]
+                    self._decode([req.all_token_ids[-2] for _, req, _, _ in two],
+                                 [req.num_tokens - 2 for _, req, _, _ in two], [b for *_, b in two])
+            if tokens is None:
+                tokens = self._decode([req.all_token_ids[-1] for _, req, _, _ in rows],
+                                      [req.num_tokens - 1 for _, req, _, _ in rows], [b for *_, b in rows])
         else:
             tokens = self._eager(sched)
         for (i, req, _, _), t in zip(rows, tokens):
@@ -146,7 +159,8 @@ def _int4_copy(path: str, dtype: torch.dtype) -> str:
 
     keep = "float32" if dtype == torch.float32 else "bfloat16"
     st = os.stat(path)
-    key = hashlib.sha1(repr((os.path.abspath(path), st.st_mtime_ns, st.st_size, keep)).encode()).hexdigest()[:16]
+    # ("untied": copies made before the head was untied are not reused)
+    key = hashlib.sha1(repr((os.path.abspath(path), st.st_mtime_ns, st.st_size, keep, "untied")).encode()).hexdigest()[:16]
     root = os.environ.get("ARMSERVE_SELF_DRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "armserve",
                                                                         "self-draft")
     out = os.path.join(root, key)
@@ -156,7 +170,8 @@ def _int4_copy(path: str, dtype: torch.dtype) -> str:
     tmp = f"{out}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(root, exist_ok=True)
-    quantize_model(path, tmp, scheme="w4a8", dtype=keep, progress=False)
+    # (the head in int8 even where the target ties it to its table: a draft step reads it whole)
+    quantize_model(path, tmp, scheme="w4a8", dtype=keep, progress=False, untie_lm_head=True)
     try:
         os.replace(tmp, out)
     except OSError:  # another process made it first

@@ -42,11 +42,19 @@ class SpecState:
         self.eagle = None
 
     def update(self, num_drafted: int, num_accepted: int, max_k: int, step: int) -> None:
-        """Adapt to one verification: a fully accepted run earns a token more, a run with nothing
-        accepted halves the length; at 0 drafting pauses, for longer each time."""
+        """Adapt to one verification: a fully accepted run drafts the full k next (and clears the
+        back-off: the text is being copied), a partial one a token more than it accepted, a run with
+        nothing accepted halves the length; at 0 drafting pauses, for longer each time.
+
+        NOTE: a full run jumps to max_k rather than climbing by one: replaying the greedy outputs
+        of bench_spec's prompts, climbing 1, 2, 3, 4 into each copied span cost SmolLM2's code
+        edit 6% more steps."""
         if num_accepted == num_drafted:
-            self.k = min(self.k + 1, max_k)
-        elif num_accepted == 0:
+            self.k = max_k
+            self.backoff = SPEC_BACKOFF_STEPS
+        elif num_accepted:
+            self.k = num_accepted + 1
+        else:
             self.k //= 2
             if self.k == 0:
                 self.resume_step = step + self.backoff

@@ -43,12 +43,16 @@ def quantize_model(
     skip_modules: list[str] | None = None,
     dtype: str = "bfloat16",
     progress: bool = True,
+    untie_lm_head: bool = False,
 ) -> dict:
     """Quantize `model` (HF folder or GGUF) into the folder `out`; returns the quantization_config.
 
     `lm_head`: "int8" (default: per-row groups of 32, symmetric; an untied LM head is a large share
     of a small model's bytes, e.g. 272 of 630 MB in Qwen2.5-0.5B, and int8 keeps it within ~0.4% of
     each group's range), "int4" (the scheme's own format) or "keep" (`dtype`).
+    `untie_lm_head`: a head tied to the embedding table gets a copy of it in the `lm_head` format
+    and the config is untied (for a quantized self-draft: SmolLM2's float32 table is twice the
+    bytes of its int4 layers, read by every draft step).
     """
     from huggingface_hub import save_torch_state_dict
     from tqdm.auto import tqdm
@@ -87,6 +91,12 @@ def quantize_model(
         raise ValueError(f"{src.path} is already quantized by armserve")
     # (a GGUF file's names mapped by its family: Qwen3's q/k norms, Gemma's norm offset, DeepSeek's MLA)
     weights = list(model_loader.checkpoint_weights(src, config, dequantize=True))
+    if untie_lm_head and getattr(config, "tie_word_embeddings", False) and lm_head != "keep" and not any(
+            n == "lm_head.weight" for n, _ in weights):
+        embed = next((w for n, w in weights if n.endswith("embed_tokens.weight")), None)
+        if embed is not None:
+            weights.append(("lm_head.weight", embed))
+            config.tie_word_embeddings = False
     for name, w in tqdm(weights, desc="Quantizing", unit="tensor", dynamic_ncols=True, disable=not progress):
         if wanted(name) and w.dim() == 2:
             g = w.shape[1] if group_size == "channel" else group_size
