@@ -79,6 +79,22 @@ def test_armserve_info_prints_the_plan(tiny_llama, capsys):
     assert plan["kv_bytes_per_token"] == info["bytes_per_token"]
 
 
+def test_auto_dtype_of_a_quantized_gguf_is_bfloat16_on_every_cpu(smollm2_gguf, capsys):
+    """dtype auto keeps a quantized GGUF's KV cache in 16 bits whatever the CPU (its layers quantize
+    their activations to int8 anyway); dequantized, the GGUF follows the CPU rule as a dense model."""
+    from armserve.cli import main
+    from armserve.dtypes import resolve_dtype
+
+    def kv(*extra: str) -> dict:
+        assert main(["info", "--json", "--model", smollm2_gguf, "--kv-cache-space", "0.01", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["kv_cache"]
+
+    # SmolLM2: 30 layers x 3 KV heads x 64 values, for K and V
+    assert kv()["dtype"] == "bfloat16" and kv()["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert kv("--quantization", "none")["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.")
+    assert kv("--dtype", "float32")["dtype"] == "float32"
+
+
 # Two 12 MiB activations allocated, touched and freed per "layer", as an encoder step does.
 _FAULTS_SCRIPT = """
 import ctypes, resource, sys
