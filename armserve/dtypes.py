@@ -45,7 +45,8 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The torch dtype the KV cache is stored in: the model dtype for `auto`, torch.int8 for `int8`."""
+    """The torch dtype the KV cache is stored in: the model dtype for `auto` and `bfloat16` (whose
+    model dtype is bfloat16), torch.int8 for `int8`."""
     return torch.int8 if kv_cache_dtype_name(kv_cache_dtype) == "int8" else model_dtype
 
 
@@ -53,6 +54,9 @@ def resolve_dtypes(config: EngineConfig, checkpoint_dtype: torch.dtype | None = 
                    gguf: bool = False) -> tuple[torch.dtype, torch.dtype]:
     """(the model's dtype, the KV cache's) of `config` for a checkpoint stored in `checkpoint_dtype`
     (`gguf`: a GGUF file): the one place `dtype` and `kv_cache_dtype` become torch dtypes."""
-    dtype = resolve_dtype(config.dtype, checkpoint_dtype, gguf and config.quantization != "none")
+    if kv_cache_dtype_name(config.kv_cache_dtype) == "bfloat16":  # (config.py refuses other dtypes with it)
+        dtype = torch.bfloat16
+    else:
+        dtype = resolve_dtype(config.dtype, checkpoint_dtype, gguf and config.quantization != "none")
     return dtype, resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
 
