@@ -210,7 +210,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"CPU            {info['cpu']} [{info['machine']}], {info['physical_cores']} physical cores, "
           f"{info['logical_cpus']} logical CPUs")
     print(f"features       {' '.join(info['cpu_features']) or '(kernels not loaded)'}")
-    print(f"bfloat16       {'native' if info['native_bf16'] else 'emulated'}; dtype=auto -> {info['auto_dtype']}")
+    print(f"bfloat16       {'native' if info['native_bf16'] else 'emulated'}; dtype=auto -> {info['auto_dtype']} "
+          f"({info['auto_dtype_gguf']} for a quantized GGUF)")
     print(f"library        {info['kernel_library'] or 'none'}")
     print(f"variants       built in: {', '.join(info['kernel_variants_compiled']) or 'none'}; "
           f"this CPU runs: {', '.join(info['kernel_variants_supported']) or 'none'}; in use: {info['kernels']['rms_norm']}")
@@ -251,7 +252,7 @@ def _kv_cache_info(args: argparse.Namespace) -> dict:
     src = model_loader.resolve_model_path(args.model)
     hf = model_loader.load_config(src)
     cfg.finalize(getattr(hf, "max_position_embeddings", None) or 2048)
-    dtype, cache_dtype = resolve_dtypes(cfg, model_loader.checkpoint_dtype(hf))
+    dtype, cache_dtype = resolve_dtypes(cfg, model_loader.checkpoint_dtype(hf), src.is_gguf)
     plan = plan_memory(cfg, src, hf, dtype, cache_dtype)
     rows, width = kv_cache_rows(hf)
     blocks = kv_cache_num_blocks(hf, cfg.kv_cache_space, cfg.block_size, cache_dtype)

@@ -69,15 +69,16 @@ def dtype_name(dtype) -> str:
     return DTYPE_NAMES[key]
 
 
-# KV cache element types. "auto" stores K/V in the model dtype; "int8" stores symmetric int8 with
-# one float32 scale per (token, kv head) (kernels/reference.py: quantize_kv_ref).
-KV_CACHE_DTYPES = ("auto", "int8")
+# KV cache element types. "auto" stores K/V in the model dtype; "bfloat16" (vLLM's name) too, with the
+# model in bfloat16 ("auto" dtype resolves so; another dtype is refused); "int8" stores symmetric int8
+# with one float32 scale per (token, kv head) (kernels/reference.py: quantize_kv_ref).
+KV_CACHE_DTYPES = ("auto", "int8", "bfloat16")
 # vLLM's fp8 names, refused with their own message rather than "unknown".
 _FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def kv_cache_dtype_name(kv_cache_dtype: str) -> str:
-    """"auto" or "int8" (KV_CACHE_DTYPES); ConfigError naming the alternatives otherwise."""
+    """"auto", "int8" or "bfloat16" (KV_CACHE_DTYPES); ConfigError naming the alternatives otherwise."""
     key = str(kv_cache_dtype).lower()
     if key in _FP8_KV_CACHE_DTYPES:
         raise ConfigError(
@@ -424,7 +425,9 @@ class EngineConfig:
                 f"unknown quantization {self.quantization!r}; use None/'auto' (keep the checkpoint's) or 'none' "
                 "(or 'int8'/'int4' with backend='openvino')"
             )
-        kv_cache_dtype_name(self.kv_cache_dtype)
+        if kv_cache_dtype_name(self.kv_cache_dtype) == "bfloat16" and dtype_name(self.dtype) not in ("auto", "bfloat16"):
+            raise ConfigError(f"kv_cache_dtype 'bfloat16' needs the model in bfloat16 (the cache is stored in the "
+                              f"model dtype): use dtype 'auto' or 'bfloat16', not {self.dtype!r}")
 
     def _check_lora(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):

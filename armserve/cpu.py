@@ -283,6 +283,7 @@ def describe() -> dict:
         "cpu_features": kernels.cpu_features(),
         "native_bf16": cpu_has_native_bf16(),
         "auto_dtype": str(resolve_dtype("auto")).replace("torch.", ""),
+        "auto_dtype_gguf": str(resolve_dtype("auto", quantized_gguf=True)).replace("torch.", ""),
         "kernel_library": kernels.library_path(),
         "kernel_variants_compiled": kernels.compiled_variants(),
         "kernel_variants_supported": kernels.supported_isas(),

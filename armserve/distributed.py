@@ -200,7 +200,7 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
         # (every rank reads the whole checkpoint and keeps its part of each tensor as it loads)
         src = model_loader.resolve_model_path(config.model)
         hf = model_loader.load_config(src, config.hf_overrides)
-        dtype, cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf))
+        dtype, cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf), src.is_gguf)
         model = model_loader.load_model(src, hf, dtype, config.quantization, ParallelContext(rank, world, group))
         num_blocks = conn.recv()
         runner = ModelRunner(model, num_blocks, config.block_size, dtype, cache_dtype, config.max_model_len,

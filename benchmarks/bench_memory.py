@@ -96,7 +96,8 @@ def one_request(url: str) -> None:
     r.raise_for_status()
 
 
-def armserve_spec(model: str, port: int, max_model_len: int, kv_gib: float, dtype: str | None) -> peers.ServerSpec:
+def armserve_spec(model: str, port: int, max_model_len: int, kv_gib: float, dtype: str | None,
+                  kv_dtype: str | None = None) -> peers.ServerSpec:
     import armserve
 
     cmd = [sys.executable, "-m", "armserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
@@ -104,18 +105,21 @@ def armserve_spec(model: str, port: int, max_model_len: int, kv_gib: float, dtyp
            "--disable-log-stats", "--disable-access-log", "--uvicorn-log-level", "warning"]
     if dtype:
         cmd += ["--dtype", dtype]
+    kv = f"KV cache {kv_gib:.3f} GiB" + (f" ({kv_dtype})" if kv_dtype else "")
     return peers.ServerSpec("armserve", cmd, {"OMP_NUM_THREADS": "1"},
-                            f"{dtype or 'auto dtype'}, KV cache {kv_gib:.3f} GiB, max_model_len {max_model_len}, "
+                            f"{dtype or 'auto dtype'}, {kv}, max_model_len {max_model_len}, "
                             "1 thread, defaults otherwise", model, None,
                             version=f"armserve {armserve.__version__} rev {git_revision()}")
 
 
-def armserve_kv_bytes_per_token(model: str, dtype: str | None) -> int:
-    """Bytes of armserve's KV cache per token for `model` (`armserve info`, from its metadata)."""
+def armserve_kv_cache(model: str, dtype: str | None) -> tuple[int, str]:
+    """Bytes of armserve's KV cache per token for `model` and its dtype (`armserve info`, from its
+    metadata)."""
     cmd = [sys.executable, "-m", "armserve.cli", "info", "--json", "--model", model, "--kv-cache-space", "0.01"]
     out = subprocess.run(cmd + (["--dtype", dtype] if dtype else []), capture_output=True, text=True, check=True,
                          timeout=600)
-    return json.loads(out.stdout)["kv_cache"]["bytes_per_token"]
+    kv = json.loads(out.stdout)["kv_cache"]
+    return kv["bytes_per_token"], kv["dtype"]
 
 
 STARTUP_TIMEOUT = 900.0  # seconds for a server to answer /health (--startup-timeout)
@@ -138,12 +142,12 @@ def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
 
 def case_gguf(args, logdir: str) -> list[dict]:
     model = peer_models.qwen_gguf()
-    per_token = armserve_kv_bytes_per_token(model, None)
+    per_token, kv_dtype = armserve_kv_cache(model, None)
     kv_gib = args.tokens * per_token / (1 << 30)
     out = []
     if "armserve" in args.systems:
         port = peers.free_port()
-        out.append(run_one(armserve_spec(model, port, args.tokens, kv_gib, None), logdir, port))
+        out.append(run_one(armserve_spec(model, port, args.tokens, kv_gib, None, kv_dtype), logdir, port))
     if "llama.cpp" in args.systems:
         exe = peers.install_llama_server()
         port = peers.free_port()

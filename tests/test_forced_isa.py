@@ -27,7 +27,8 @@ FILES = ["test_step_graph.py", "test_engine.py", "test_models.py"]
 RUN_ONCE = [
     "test_add_bias_matches_torch", "test_mul_cols_matches_torch", "test_embedding_gathers_rows",
     "test_cast_rounds_like_torch", "test_argmax_matches_torch_with_ties_nans_and_signed_zeros",
-    "test_capture_notes_pytorch_compute_and_refuses_to_replay", "test_enforce_eager_cli_flag",
+    "test_capture_notes_pytorch_compute_and_refuses_to_replay", "test_recording_leaves_dynamo_unimported",
+    "test_enforce_eager_cli_flag",
     "test_bad_requests_are_refused_and_engine_keeps_working", "test_request_larger_than_the_whole_cache_is_refused",
     "test_bad_sampling_params_name_the_field", "test_bad_engine_arguments", "test_broken_model_folders",
     "test_chat_uses_the_template", "test_mistral_sliding_window_is_used", "test_gguf_load_prints_no_warnings",

@@ -79,6 +79,34 @@ def test_armserve_info_prints_the_plan(tiny_llama, capsys):
     assert plan["kv_bytes_per_token"] == info["bytes_per_token"]
 
 
+def test_auto_dtype_of_a_quantized_gguf_is_bfloat16_on_every_cpu(smollm2_gguf, capsys):
+    """dtype auto keeps a quantized GGUF's KV cache in 16 bits whatever the CPU (its layers quantize
+    their activations to int8 anyway); dequantized, the GGUF follows the CPU rule as a dense model."""
+    from armserve.cli import main
+    from armserve.dtypes import resolve_dtype
+
+    def kv(*extra: str) -> dict:
+        assert main(["info", "--json", "--model", smollm2_gguf, "--kv-cache-space", "0.01", *extra]) == 0
+        return json.loads(capsys.readouterr().out)["kv_cache"]
+
+    # SmolLM2: 30 layers x 3 KV heads x 64 values, for K and V
+    assert kv()["dtype"] == "bfloat16" and kv()["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert kv("--quantization", "none")["dtype"] == str(resolve_dtype("auto")).removeprefix("torch.")
+    assert kv("--dtype", "float32")["dtype"] == "float32"
+
+
+def test_kv_cache_dtype_bfloat16_runs_the_model_in_bfloat16(tiny_llama):
+    """vLLM's `kv_cache_dtype="bfloat16"`: the cache (stored in the model dtype) and so the model in
+    bfloat16, whatever `auto` picks on this CPU; with another explicit dtype, a ConfigError naming it."""
+    from armserve.dtypes import resolve_dtypes
+
+    cfg = EngineConfig(model=tiny_llama, kv_cache_dtype="bfloat16")
+    assert resolve_dtypes(cfg, torch.float32) == (torch.bfloat16, torch.bfloat16)
+    assert resolve_dtypes(EngineConfig(model=tiny_llama, dtype="bfloat16", kv_cache_dtype="BFloat16"))[1] == torch.bfloat16
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'bfloat16' needs the model in bfloat16.*float32"):
+        EngineConfig(model=tiny_llama, dtype="float32", kv_cache_dtype="bfloat16")
+
+
 # Two 12 MiB activations allocated, touched and freed per "layer", as an encoder step does.
 _FAULTS_SCRIPT = """
 import ctypes, resource, sys

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -114,6 +116,20 @@ def test_capture_notes_pytorch_compute_and_refuses_to_replay():
             with kernels.capture.recording():
                 pass
     assert kernels.capture._recording is None and not rec2.calls
+
+
+def test_recording_leaves_dynamo_unimported():
+    """Recording a step (capture's dispatch guard sees each aten op) imports neither torch._dynamo
+    nor sympy: torch's default wraps a dispatch mode in a Dynamo guard that imports both (68 MiB
+    in every engine process)."""
+    code = ("import sys, torch\n"
+            "from armserve import kernels\n"
+            "x = torch.ones(4)\n"
+            "with kernels.capture.recording() as rec:\n"
+            "    x + 1\n"
+            "print(rec.errors, 'torch._dynamo' in sys.modules, 'sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-3:] == ["['aten::add']", "False", "False"], out.stdout + out.stderr[-2000:]
 
 
 # ---- the engine ---------------------------------------------------------------------------------

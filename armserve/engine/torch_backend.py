@@ -72,7 +72,7 @@ class TorchBackend:
             self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
             if config.chat_template:
                 self.tokenizer.chat_template = config.chat_template
-            self.dtype, self.kv_cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf))
+            self.dtype, self.kv_cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf), src.is_gguf)
             # (before any weight is read: a plan that does not fit fails in seconds, not after loading)
             self.memory_plan = plan_memory(config, src, hf, self.dtype, self.kv_cache_dtype)
             logger.info("memory plan of %s:\n  %s", config.model, "\n  ".join(self.memory_plan.lines()))

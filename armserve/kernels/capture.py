@@ -99,6 +99,13 @@ class _Guard(TorchDispatchMode):
         super().__init__()
         self.rec = rec
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # NOTE: True (torch's default) wraps __torch_dispatch__ in torch._disable_dynamo, whose
+        # first call imports torch._dynamo and sympy: 68 MiB in every engine process, for a
+        # recording that never runs under torch.compile.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
