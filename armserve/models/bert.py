@@ -35,6 +35,27 @@ from armserve.layers.linear import Linear, QKVParallelLinear, get_parallel_conte
 from armserve.quantization import QuantizedTensor
 
 
+def load_param(model: nn.Module, raw: str, name: str, shard: str | int | None,
+               tensor: torch.Tensor | QuantizedTensor) -> None:
+    """The encoders' loading of one checkpoint tensor (`raw`, the checkpoint's name) into parameter
+    `name` of `model`: a Linear's weight or bias (or its `shard` of a fused projection) through its
+    weight_loader, any other parameter copied after a shape check; a ValueError names the tensor."""
+    if isinstance(tensor, QuantizedTensor):
+        tensor = tensor.dequantize()
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    try:
+        if isinstance(module, Linear):
+            module.weight_loader(attr, tensor, "all" if shard is None else shard)
+        else:
+            param = getattr(module, attr)
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+    except ValueError as e:
+        raise ValueError(f"weight {raw} {e}") from None
+
+
 class EncoderBatch:
     """One step's sequences laid out for attention, built once per step and shared by every layer.
 
@@ -269,20 +290,7 @@ class BertModel(nn.Module):
             if own is None:
                 continue
             name, shard = own
-            if isinstance(tensor, QuantizedTensor):
-                tensor = tensor.dequantize()
-            path, _, attr = name.rpartition(".")
-            module = self.get_submodule(path)
-            try:
-                if isinstance(module, Linear):
-                    module.weight_loader(attr, tensor, "all" if shard is None else shard)
-                else:
-                    param = getattr(module, attr)
-                    if tuple(param.shape) != tuple(tensor.shape):
-                        raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                    param.data.copy_(tensor)
-            except ValueError as e:
-                raise ValueError(f"weight {raw} {e}") from None
+            load_param(self, raw, name, shard, tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
         return loaded
 

@@ -21,7 +21,7 @@ from torch import nn
 from armserve.layers.linear import Linear, get_parallel_context
 from armserve.layers.pooler import pool
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from armserve.models.bert import EncoderBatch
+from armserve.models.bert import EncoderBatch, load_param
 from armserve.quantization import QuantizedTensor
 
 _APPROXIMATE = {"gelu": "none", "gelu_python": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -141,19 +141,7 @@ class ModernBertModel(nn.Module):
             name = self._own_name(raw)
             if name is None or name not in params:
                 continue
-            if isinstance(tensor, QuantizedTensor):
-                tensor = tensor.dequantize()
-            path, _, attr = name.rpartition(".")
-            module = self.get_submodule(path)
-            try:
-                if isinstance(module, Linear):
-                    module.weight_loader(attr, tensor, "all")
-                elif tuple(params[name].shape) != tuple(tensor.shape):
-                    raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-                else:
-                    params[name].data.copy_(tensor)
-            except ValueError as e:
-                raise ValueError(f"weight {raw} {e}") from None
+            load_param(self, raw, name, None, tensor)
             loaded.add(name)
         return loaded
 

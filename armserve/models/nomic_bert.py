@@ -30,7 +30,7 @@ from torch import nn
 from armserve import kernels
 from armserve.layers.linear import ColumnParallelLinear, Linear, get_parallel_context
 from armserve.layers.rotary_embedding import RotaryEmbedding, rope_parameters
-from armserve.models.bert import EncoderBatch
+from armserve.models.bert import EncoderBatch, load_param
 from armserve.quantization import QuantizedTensor
 
 
@@ -188,26 +188,16 @@ class NomicBertModel(nn.Module):
             name, shard = own
             if name not in params:
                 raise ValueError(f"weight {raw}: {name} is not a parameter here (NomicBert has no biases)")
-            if isinstance(tensor, QuantizedTensor):
-                tensor = tensor.dequantize()
-            path, _, attr = name.rpartition(".")
-            module = self.get_submodule(path)
-            try:
-                if shard == "stacked":  # the remote code's Wqkv: q, k, v stacked by rows
-                    if tensor.shape[0] % 3:
-                        raise ValueError(f"has shape {tuple(tensor.shape)}, not three stacked projections")
-                    for i, part in enumerate(tensor.chunk(3, dim=0)):
-                        module.weight_loader(attr, part, i)
-                        loaded.add(f"{name}#{i}")
-                    continue
-                if isinstance(module, Linear):
-                    module.weight_loader(attr, tensor, "all" if shard is None else shard)
-                elif tuple(params[name].shape) != tuple(tensor.shape):
-                    raise ValueError(f"has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
-                else:
-                    params[name].data.copy_(tensor)
-            except ValueError as e:
-                raise ValueError(f"weight {raw} {e}") from None
+            if shard == "stacked":  # the remote code's Wqkv: q, k, v stacked by rows
+                if isinstance(tensor, QuantizedTensor):
+                    tensor = tensor.dequantize()
+                if tensor.shape[0] % 3:
+                    raise ValueError(f"weight {raw} has shape {tuple(tensor.shape)}, not three stacked projections")
+                for i, part in enumerate(tensor.chunk(3, dim=0)):
+                    load_param(self, raw, name, i, part)
+                    loaded.add(f"{name}#{i}")
+                continue
+            load_param(self, raw, name, shard, tensor)
             loaded.add(name if shard is None else f"{name}#{shard}")
         return loaded
 
