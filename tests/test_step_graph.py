@@ -118,6 +118,7 @@ def test_capture_notes_pytorch_compute_and_refuses_to_replay():
     assert kernels.capture._recording is None and not rec2.calls
 
 
+@pytest.mark.spawns_python  # pure Python guard: the x86 run covers it; qemu-user cannot exec a child
 def test_recording_leaves_dynamo_unimported():
     """Recording a step (capture's dispatch guard sees each aten op) imports neither torch._dynamo
     nor sympy: torch's default wraps a dispatch mode in a Dynamo guard that imports both (68 MiB
