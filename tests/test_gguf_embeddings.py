@@ -26,13 +26,15 @@ def _phantom(token: str) -> str:
     return token[2:] if token.startswith("##") else "\u2581" + token
 
 
-def write_bert_gguf(folder: str, path: str, pooling) -> None:
+def write_bert_gguf(folder: str, path: str, pooling, head: dict | None = None) -> None:
+    """llama.cpp's layout of a BERT checkpoint (a BertModel's, or a cross-encoder's under `bert.`);
+    `head`: more tensors by GGUF name (a reranker's `cls` / `cls.output`)."""
     from gguf import GGUFWriter, TokenType
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     cfg = json.load(open(os.path.join(folder, "config.json")))
-    sd = load_file(os.path.join(folder, "model.safetensors"))
+    sd = {k.removeprefix("bert."): v for k, v in load_file(os.path.join(folder, "model.safetensors")).items()}
     tok = AutoTokenizer.from_pretrained(folder)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     w = GGUFWriter(path, "bert")
@@ -72,6 +74,8 @@ def write_bert_gguf(folder: str, path: str, pooling) -> None:
                        ("ffn_down", "output.dense"), ("layer_output_norm", "output.LayerNorm")):
             for part in ("weight", "bias"):
                 add(f"blk.{i}.{gg}.{part}", sd[p + hf + "." + part])
+    for name, t in (head or {}).items():
+        add(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -103,9 +107,11 @@ def test_bert_gguf_matches_transformers(tiny_bert, tmp_path, pooling):
     assert bool((cos >= MIN_COSINE).all()), cos.tolist()
 
 
-def write_qwen3_gguf(folder: str, path: str) -> None:
+def write_qwen3_gguf(folder: str, path: str, rank_tokens: tuple[str, str] | None = None) -> None:
     """A `qwen3` GGUF of an embedding model (pooling_type last): its byte-level BPE vocabulary and
-    merges from the HF tokenizer, tied embeddings (no output tensor), F32."""
+    merges from the HF tokenizer, tied embeddings (no output tensor), F32. `rank_tokens` (yes, no):
+    a reranker as llama.cpp's converter writes Qwen3-Reranker: pooling_type rank, `cls.output` the
+    two tokens' rows of the head, and its prompt as the `rerank` chat template."""
     from gguf import GGUFWriter, PoolingType
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
@@ -126,7 +132,9 @@ def write_qwen3_gguf(folder: str, path: str) -> None:
     w.add_value_length(cfg["head_dim"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_pooling_type(PoolingType.LAST)
+    w.add_pooling_type(PoolingType.RANK if rank_tokens else PoolingType.LAST)
+    if rank_tokens:
+        w.add_chat_template([{"name": "rerank", "template": RERANK_TEMPLATE}])
     w.add_tokenizer_model("gpt2")
     w.add_token_list([t for t, _ in vocab])
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
@@ -137,6 +145,8 @@ def write_qwen3_gguf(folder: str, path: str) -> None:
         w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
+    if rank_tokens:
+        add("cls.output.weight", sd["model.embed_tokens.weight"][tok.convert_tokens_to_ids(list(rank_tokens))])
     add("output_norm.weight", sd["model.norm.weight"])
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -173,3 +183,40 @@ def test_qwen3_embedding_gguf_matches_transformers(tokenizer_dir, tmp_path):
     got = torch.tensor([o.outputs.embedding for o in outs])
     cos = F.cosine_similarity(got, F.normalize(want, dim=-1), dim=-1)
     assert bool((cos >= MIN_COSINE).all()), cos.tolist()
+
+
+# llama.cpp's converter's prompt for Qwen3-Reranker (shortened; braces of its own kept literal)
+RERANK_TEMPLATE = ("<|im_start|>system\nJudge whether the Document meets the Query {{not a field}}.<|im_end|>\n"
+                   "<|im_start|>user\n<Query>: {query}\n<Document>: {document}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_qwen3_reranker_gguf_matches_transformers(tokenizer_dir, tmp_path):
+    """A Qwen3-Reranker GGUF (pooling_type rank, cls.output = the head's [yes, no] rows): the
+    score of each pair is transformers' P(yes) over {yes, no} at the last token of the GGUF's
+    rerank prompt, the prompt rendered as llama.cpp renders it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from armserve import LLM
+
+    folder = make_tiny_checkpoint(os.path.join(CACHE, "tiny-qwen3-tied"), "Qwen3ForCausalLM", tokenizer_dir,
+                                  perturb_norms=True, tie_word_embeddings=True)
+    tok = AutoTokenizer.from_pretrained(folder)
+    yes, no = tok.convert_tokens_to_ids(["yes", "no"])
+    assert tok.unk_token_id not in (yes, no)
+    path = str(tmp_path / "tiny-qwen3-reranker.gguf")
+    write_qwen3_gguf(folder, path, rank_tokens=("yes", "no"))
+    llm = LLM(path, dtype="float32")
+    assert llm.llm_engine.config.runner == "pooling"
+    query, docs = "what do foxes eat", ["Foxes eat rabbits.", "CPU inference", "The sky is blue today."]
+    outs = llm.score(query, docs, use_tqdm=False)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = []
+    for doc, o in zip(docs, outs):
+        ids = tok(RERANK_TEMPLATE.replace("{query}", query).replace("{document}", doc))["input_ids"]
+        assert o.prompt_token_ids == ids
+        with torch.no_grad():
+            logits = ref(input_ids=torch.tensor([ids])).logits[0, -1]
+        want.append(float(torch.softmax(logits[[yes, no]], dim=0)[0]))
+    got = [o.outputs.score for o in outs]
+    assert got == pytest.approx(want, abs=1e-4)
+    assert max(want) - min(want) > 1e-3, want  # the pairs are told apart

@@ -182,3 +182,52 @@ def test_rerank_refusals(rerank_server, path, body, param):
     r = rerank_server.post(path, json=body)
     assert r.status_code == 400, r.text
     assert (r.json()["error"]["param"] or "body").split(".")[0] == param, r.text
+
+
+@pytest.mark.parametrize("pooler", [True, False], ids=["cls-dense", "cls-output-only"])
+def test_bert_reranker_gguf(cross_encoder, reference_scores, tmp_path, pooler):
+    """A reranker GGUF in llama.cpp's layout (pooling_type rank): `cls` (dense + tanh) and
+    `cls.output`. With the pooler as `cls`, the cross-encoder's own scores (sentence-transformers);
+    without it (llama.cpp's converter drops BERT's pooler) the classifier over the [CLS] row, as
+    llama.cpp computes it, from transformers' hidden states."""
+    from gguf import PoolingType
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from armserve import LLM
+    from test_gguf_embeddings import write_bert_gguf
+
+    sd = load_file(os.path.join(cross_encoder, "model.safetensors"))
+    head = {"cls.output.weight": sd["classifier.weight"], "cls.output.bias": sd["classifier.bias"]}
+    if pooler:
+        head |= {"cls.weight": sd["bert.pooler.dense.weight"], "cls.bias": sd["bert.pooler.dense.bias"]}
+    path = str(tmp_path / "reranker.gguf")
+    write_bert_gguf(cross_encoder, path, PoolingType.RANK, head)
+    llm = LLM(path, dtype="float32")
+    assert llm.llm_engine.config.runner == "pooling"
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    want = reference_scores
+    if not pooler:
+        tok = AutoTokenizer.from_pretrained(cross_encoder)
+        ref = BertForSequenceClassification.from_pretrained(cross_encoder, dtype=torch.float32).eval()
+        with torch.no_grad():
+            cls_rows = ref.bert(**tok([QUERY] * len(DOCS), DOCS, return_tensors="pt", padding=True)).last_hidden_state[:, 0]
+            want = torch.sigmoid(ref.classifier(cls_rows)[:, 0]).tolist()
+        assert max(abs(a - b) for a, b in zip(want, reference_scores)) > 10 * TOL  # (the two heads differ)
+    assert got == pytest.approx(want, abs=TOL)
+    assert sorted(range(len(DOCS)), key=lambda i: -got[i]) == sorted(range(len(DOCS)), key=lambda i: -want[i])
+
+
+def test_reranker_gguf_without_classifier_is_refused(cross_encoder, tmp_path):
+    from gguf import PoolingType
+    from safetensors.torch import load_file
+
+    from armserve import LLM
+    from armserve.model_source import ModelLoadError
+    from test_gguf_embeddings import write_bert_gguf
+
+    sd = load_file(os.path.join(cross_encoder, "model.safetensors"))
+    path = str(tmp_path / "headless.gguf")
+    write_bert_gguf(cross_encoder, path, PoolingType.RANK, {"cls.weight": sd["bert.pooler.dense.weight"]})
+    with pytest.raises(ModelLoadError, match="without a cls.output tensor"):
+        LLM(path, dtype="float32")

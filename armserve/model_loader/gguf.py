@@ -9,14 +9,15 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 from struct import error as struct_error
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from armserve.model_source import ModelLoadError, ModelSource
 from armserve.memory import release_free_heap
-from armserve.models import gguf_model_class
+from armserve.models import UnsupportedArchitectureError, get_model_class, gguf_model_class
 from armserve.quantization import QuantizedTensor
 from armserve.quantization.gguf import convert, gguf_rows
 
@@ -26,6 +27,7 @@ _NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
+    "cls.output": "score",  # a reranker's classifier (rank_config); encoders name it their own way
 }
 BLOCK_NAMES = {
     "attn_norm": "input_layernorm",
@@ -109,7 +111,41 @@ def read_config(src: ModelSource):
             return AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
 
     tensors = {t.name: t.data for t in reader.tensors}
-    return cls.gguf_config(lambda key: header_field(reader, key), tensors, read)
+    field = lambda key: header_field(reader, key)  # noqa: E731
+    config = cls.gguf_config(field, tensors, read)
+    if GGUF_POOLING.get(field(f"{field('general.architecture')}.pooling_type")) == "RANK":
+        config = rank_config(config, (getattr(config, "architectures", None) or cls.architectures)[0], tensors,
+                             src.gguf_file)
+    return config
+
+
+def rank_config(config, arch: str, tensors: Mapping[str, Any], name: str):
+    """A reranker GGUF (pooling_type rank) as its family's sequence classifier, with llama.cpp's
+    head: encoders score their first token through `cls` (dense + tanh, optional) and
+    `cls.output`; decoders (Qwen3-Reranker) their last token through `cls.output`, whose rows
+    llama.cpp softmaxes, the first row's probability being the score: two rows ([yes, no]) are
+    one logit, yes - no, whose sigmoid is that probability."""
+    target = arch.removesuffix("ForCausalLM").removesuffix("Model") + "ForSequenceClassification"
+    try:
+        model_cls = get_model_class(target)
+    except UnsupportedArchitectureError:
+        raise ModelLoadError(f"{name} is a reranker (pooling_type rank) of {arch}, which has no "
+                             "sequence-classifier form here") from None
+    head = tensors.get("cls.output.weight")
+    if head is None:
+        raise ModelLoadError(f"{name} is a reranker (pooling_type rank) without a cls.output tensor: not supported")
+    rows = int(head.shape[0])
+    config.architectures = [target]
+    if hasattr(model_cls, "has_lm_head"):  # a decoder adapted to pooling (models/adapters.py)
+        if "cls.weight" in tensors or rows > 2:
+            raise ModelLoadError(f"{name}: a decoder reranker's head is cls.output of one or two rows, got "
+                                 f"{rows} rows{' and a cls dense layer' if 'cls.weight' in tensors else ''}")
+        config.num_labels = 1
+        config.score_rows_true_false = rows == 2
+    else:
+        config.num_labels = rows
+        config.classifier_pooler = "cls.weight" in tensors
+    return config
 
 
 # llama.cpp's `{arch}.pooling_type` (enum llama_pooling_type: 0 none, 4 rank) -> armserve's pooling
@@ -162,6 +198,23 @@ def wordpiece_tokenizer(src: ModelSource):
                              pad_token=special("padding_token_id", "[PAD]"),
                              cls_token=special("cls_token_id", special("bos_token_id", "[CLS]")),
                              mask_token=special("mask_token_id", "[MASK]"))
+
+
+def rerank_template(src: ModelSource) -> str | None:
+    """A reranker GGUF's prompt for a pair (`tokenizer.chat_template.rerank`, which llama.cpp's
+    converter writes for Qwen3-Reranker: text with `{query}` and `{document}` in it) as a score
+    template, a chat template over the roles "query" and "document" (prompts.encode_pair); None
+    when the file has none."""
+    text = header_field(_reader(os.path.join(src.folder, src.gguf_file)), "tokenizer.chat_template.rerank")
+    if not text:
+        return None
+    out = []
+    for i, piece in enumerate(re.split(r"(\{query\}|\{document\})", text)):
+        if i % 2:
+            out.append("{{ messages[%d]['content'] }}" % (0 if piece == "{query}" else 1))
+        elif piece:
+            out.append("{% raw %}" + piece + "{% endraw %}")  # the rest is literal text, braces and all
+    return "".join(out)
 
 
 def tokenizer_model(src: ModelSource) -> str | None:
@@ -228,6 +281,8 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
     for t in tensors:
         try:
             parts = t.name.split(".")
+            if parts[:2] == ["cls", "output"]:  # (llama.cpp's one dotted name: a reranker's classifier)
+                parts = ["cls.output", *parts[2:]]
             blk = parts[0] == "blk"
             kind = parts[2] if blk else parts[0]
             if blk and kind in _EXPERTS:

@@ -99,6 +99,10 @@ def as_pooling_model(cls: type[nn.Module], task: str = "embed", architecture: st
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> set[str]:
             def stream():
                 for name, tensor in weights:
+                    if name == "score.weight" and getattr(self.config, "score_rows_true_false", False):
+                        # a reranker GGUF's [yes, no] rows (model_loader/gguf.py rank_config): one logit
+                        rows = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+                        tensor = (rows[0:1].float() - rows[1:2].float())
                     if name == "lm_head.weight":  # no head; a token classifier keeps its rows
                         if task == "classify" and self.token_ids:
                             rows = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor

@@ -326,17 +326,22 @@ class BertForSequenceClassification(BertModel):
     pooling_task = "classify"
     # head checkpoint names (after the prefix) -> this module's
     head_names = {"pooler.dense": "head_dense", "classifier": "classifier"}
+    # a reranker GGUF's head (model_loader/gguf.py rank_config): llama.cpp's `cls` (dense + tanh,
+    # absent when its converter dropped BERT's pooler) and `cls.output`
+    gguf_names = {**BertModel.gguf_names, "cls": "pooler.dense", "cls.output": "classifier"}
 
     def make_head(self, config) -> None:
         h = config.hidden_size
-        self.head_dense = Linear(h, h, bias=True)
+        self.head_dense = Linear(h, h, bias=True) if getattr(config, "classifier_pooler", True) else None
         self.classifier = Linear(h, config.num_labels, bias=True)
 
     def classify(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """float32 logits [num_seqs, num_labels] from each sequence's first row."""
         lens = torch.tensor(seq_lens)
         first = hidden[lens.cumsum(0) - lens]
-        return self.classifier(torch.tanh(self.head_dense(first))).float()
+        if self.head_dense is not None:
+            first = torch.tanh(self.head_dense(first))
+        return self.classifier(first).float()
 
     def _own_name(self, name: str) -> tuple[str, Any] | None:
         bare = name
