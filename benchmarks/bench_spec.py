@@ -231,7 +231,10 @@ def versus_llama_server(gguf: str, draft_pair: tuple[str, str] | None, max_token
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--max-tokens", type=int, default=160, help="batch-1 output tokens")
+    p.add_argument("--max-tokens", type=int, default=160, help="batch-1 output tokens (open chat, agent loop, HTTP)")
+    p.add_argument("--edit-max-tokens", type=int, default=512,
+                   help="output cap of the code-editing and summarising prompts: room to finish the answer "
+                        "(both models end it by themselves; a cap cuts a code edit before its copied code)")
     p.add_argument("--rounds", type=int, default=2, help="on/off pairs per measurement")
     p.add_argument("--smoke", action="store_true", help="a few tokens of each: checks the script runs")
     p.add_argument("--skip-qwen", action="store_true")
@@ -246,6 +249,7 @@ def main() -> int:
     from armserve import LLM
 
     max_tokens = 16 if args.smoke else args.max_tokens
+    edit_max_tokens = 16 if args.smoke else args.edit_max_tokens
     rounds = 1 if args.smoke else args.rounds
     models = [("SmolLM2-135M-Instruct Q4_1", pm.smollm2_gguf())]
     if not args.skip_qwen:
@@ -259,7 +263,7 @@ def main() -> int:
         for llm in engines.values():  # warm-up: step graphs, first-touch memory
             batch1(llm, "Say hello.", 8)
         agent = len(AGENT_NAMES) if not args.smoke else 2
-        work = [(kind, lambda llm, _, prompt=prompt: batch1(llm, prompt, max_tokens), rounds, 0)
+        work = [(kind, lambda llm, _, prompt=prompt: batch1(llm, prompt, edit_max_tokens), rounds, 0)
                 for kind, prompt in PROMPTS.items()]
         work.append(("agent loop", lambda llm, r: batch1(llm, AGENT_TASK.format(AGENT_NAMES[r]), max_tokens), agent, 1))
         for kind, run, n, skip in work:
@@ -342,7 +346,8 @@ Machine: {machine_description()}. armserve rev `{git_revision()}`, 1 thread, off
 Load average at the end: {load_average():.2f}.
 
 Batch 1 (decode tok/s: output tokens after the first over the time between first and last token; {rounds} runs
-each, alternating; agent loop: {len(AGENT_NAMES) - 1} requests after a first one, each the same task with
+each, alternating; code editing and summarising: up to {edit_max_tokens} tokens, so that the answer ends by
+itself (a code edit copies its function after a sentence or two of prose); agent loop: {len(AGENT_NAMES) - 1} requests after a first one, each the same task with
 another function name; `same tokens`: the outputs with and without speculation are identical):
 
 | model | prompt | method | off tok/s | on tok/s | on / off | draft acceptance | output tokens | same tokens |
