@@ -168,6 +168,40 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
                 kernels.set_amx(before)
 
 
+def test_q5_0_gguf_stays_w5_and_equals_the_int8_path(tiny_llama, tmp_path, monkeypatch):
+    """A GGUF's Q5_0 tensors (here q, gate, up and the token table, which is also the LM head) load
+    as w5 (5.5 bits a weight) and the model's log-probabilities are, bit for bit, those of the
+    same file loaded the way Q5_0 was before (int8 tiles), prefill rows and decode steps alike."""
+    from armserve.quantization import gguf
+    from test_engine import tiny
+    from test_tp import write_llama_gguf
+
+    path = str(tmp_path / "q5.gguf")
+    write_llama_gguf(tiny_llama, path, q5_0=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13], list(range(3, 3 + 140)))]  # 140: a prefill-sized part
+
+    def run() -> tuple[dict[str, int], list]:
+        llm = tiny(path, tokenizer=tiny_llama, dtype="bfloat16")
+        fmts: dict[str, int] = {}
+        for m in llm.llm_engine.model.modules():
+            if isinstance(m, QuantizedLinear):
+                for p in m.parts:
+                    fmts[p.fmt] = fmts.get(p.fmt, 0) + p.packed.numel()
+        outs = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+        return fmts, outs
+
+    fmts, w5 = run()
+    assert set(fmts) == {"w5", "w8"}
+    monkeypatch.setitem(gguf._CONVERTERS, "Q5_0", lambda data: w5_as_w8(gguf._q5_0(data)))
+    fmts8, w8 = run()
+    assert set(fmts8) == {"w8"}
+    assert w5 == w8
+    # the Q5_0 layers' bytes: 5.5 bits a weight where w8 took 9
+    assert fmts["w5"] * 9 == (fmts8["w8"] - fmts["w8"]) * 5.5
+
+
 def test_quantized_linear_with_mixed_shards(isa):
     """A fused layer whose shards differ in format (GGUF Q4_K_M: Q4_K beside Q6_K) keeps both."""
     torch.manual_seed(1)
