@@ -82,24 +82,29 @@ static inline void* xbuf(int64_t bytes) { return tbuf(0, bytes); }
 static inline void* wbuf(int64_t bytes) { return tbuf(1, bytes); }
 
 // Column block t (16 weight rows) of qgemm.h's packed quantized tiles -> the dense layout's block
-// [k / 2][16][2] of bf16: w = code * s - s * zero (w4) or code * s (w8), in fp32 as
-// QuantizedTensor.dequantize computes it (no fused multiply-add), rounded to nearest even.
-// Per group: the code chunks (w4: 8 columns per chunk, 4 bytes per row, column j in the low
-// nibble of byte j and column j + 4 in its high nibble; w8: 4 columns, one byte each), then 64
-// bytes of scales (w4: float16 s[16], s * zero[16]; w8: float32 s[16]). Loops run over the 16
-// rows innermost, which the TU's flags vectorise: a row is a lane of the dot instructions.
+// [k / 2][16][2] of bf16: w = code * s - s * zero (w4), code * s (w8) or (code - 16) * s (w5, as
+// the w8 tiles of the same Q5_0 blocks gave), in fp32 as QuantizedTensor.dequantize computes it (no
+// fused multiply-add), rounded to nearest even.
+// Per group: the code chunks (w4 / w5: 8 columns per chunk, 4 bytes per row, column j in the low
+// nibble of byte j and column j + 4 in its high nibble; w8: 4 columns, one byte each), w5's plane
+// of bit 4, then the scales (w4: float16 s[16], s * zero[16]; w8: float32 s[16]; w5: float16
+// s[16]). Loops run over the 16 rows innermost, which the TU's flags vectorise: a row is a lane of
+// the dot instructions.
 static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int64_t k, int64_t group, uint16_t* dst) {
-  const bool w4 = fmt == 0;
-  const int64_t ng = k / group, per = w4 ? 8 : 4, chunks = group / per, gbytes = chunks * 64 + 64;
+  const bool w4 = fmt == 0, w5 = fmt == 3, nib = w4 || w5;
+  const int64_t ng = k / group, per = nib ? 8 : 4, chunks = group / per;
+  const int64_t planes = w5 ? 64 : 0, gbytes = chunks * 64 + planes + (w5 ? 32 : 64);
   const uint8_t* tile = wq + t * ng * gbytes;
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);  // one (even, odd) column pair per weight row
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* gp = tile + g * gbytes;
     float s[16], z[16];
-    if (w4) {
+    uint32_t pw[16] = {};  // w5: row r's 4 plane bytes (qgemm.h)
+    if (nib) {
       uint16_t h[32];
-      std::memcpy(h, gp + chunks * 64, 64);
-      for (int r = 0; r < 16; ++r) s[r] = f16_to_f32(h[r]), z[r] = f16_to_f32(h[16 + r]);
+      std::memcpy(h, gp + chunks * 64 + planes, w5 ? 32 : 64);
+      for (int r = 0; r < 16; ++r) s[r] = f16_to_f32(h[r]), z[r] = w5 ? 0.f : f16_to_f32(h[16 + r]);
+      if (w5) std::memcpy(pw, gp + chunks * 64, 64);
     } else {
       std::memcpy(s, gp + chunks * 64, 64);
       for (int r = 0; r < 16; ++r) z[r] = 0.f;
@@ -108,7 +113,17 @@ static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int6
       uint32_t u[16];
       std::memcpy(u, gp + ch * 64, 64);
       uint32_t* o = d + (g * group + ch * per) / 2 * 16;
-      if (w4) {
+      if (w5) {
+        // the same pairs as w4 below; a code's bit 4 sits at bit sh + ch of its row's plane word
+        for (int q = 0; q < 4; ++q)
+          for (int r = 0; r < 16; ++r) {
+            const int sh = (q & 1) * 16 + (q >> 1) * 4;
+            const int ca = int(((u[r] >> sh) & 15u) | ((pw[r] >> (sh + ch)) & 1u) << 4);
+            const int cb = int(((u[r] >> (sh + 8)) & 15u) | ((pw[r] >> (sh + 8 + ch)) & 1u) << 4);
+            const float a = float(ca - 16) * s[r], b = float(cb - 16) * s[r];
+            o[q * 16 + r] = uint32_t(f32_to_bf16(a)) | uint32_t(f32_to_bf16(b)) << 16;
+          }
+      } else if (w4) {
         for (int q = 0; q < 4; ++q)  // pairs (2q', 2q' + 1): low nibbles for q < 2, high ones after
           for (int r = 0; r < 16; ++r) {
             const int sh = (q & 1) * 16 + (q >> 1) * 4;

@@ -48,7 +48,7 @@ struct Moe {
                   const void* const* gate, const void* const* up, const void* const* down, int64_t group_gu,
                   int64_t group_dn) {
     if (tokens <= 0) return;
-    const bool dense = fmt == 2, w4 = fmt == 0;
+    const bool dense = fmt == 2;
     const int es = dtype_size(dtype);
     const int64_t pairs = tokens * top_k, E = num_experts;
 
@@ -95,18 +95,20 @@ struct Moe {
       Q::quantize_act(dtype, x, tokens, hidden, group_gu, xq, xs, xsum);
     }
 
-    // One w4 / w8 weight tile over n quantized rows (QKernels::tile_rows).
+    // One w4 / w8 / w5 weight tile over n quantized rows (QKernels::tile_rows).
     auto qtile = [&](char* o, int64_t ldo, const int8_t* q, const float* s, const int32_t* sum, const int32_t* idx,
                      int64_t n, const uint8_t* wt, int cols, int64_t k, int64_t group) {
-      if (w4)
-        Q::template tile_rows<true>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
+      if (fmt == kW4)
+        Q::template tile_rows<kW4>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
+      else if (fmt == kW5)
+        Q::template tile_rows<kW5>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
       else
-        Q::template tile_rows<false>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
+        Q::template tile_rows<kW8>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
     };
 
     // 2. gate and up, SiLU-and-mul, per (expert, 64 intermediate columns).
     const int64_t na = (inter + kCols - 1) / kCols;
-    const int64_t tb_gu = dense ? 0 : Q::tile_bytes(w4, hidden, group_gu);
+    const int64_t tb_gu = dense ? 0 : Q::tile_bytes(fmt, hidden, group_gu);
     armserve_par::for_dynamic(nact * na, [&](int64_t it) {
       const int64_t e = act[it / na], c0 = it % na * kCols, w = inter - c0 < kCols ? inter - c0 : kCols;
       const int64_t r0 = off[e], n = off[e + 1] - off[e];
@@ -138,7 +140,7 @@ struct Moe {
       Q::quantize_act(dtype, h, pairs, inter, group_dn, hq, hs, hsum);
     }
     const int64_t nb = (hidden + kCols - 1) / kCols;
-    const int64_t tb_dn = dense ? 0 : Q::tile_bytes(w4, inter, group_dn);
+    const int64_t tb_dn = dense ? 0 : Q::tile_bytes(fmt, inter, group_dn);
     armserve_par::for_dynamic(nact * nb, [&](int64_t it) {
       const int64_t e = act[it / nb], c0 = it % nb * kCols, w = hidden - c0 < kCols ? hidden - c0 : kCols;
       const int64_t r0 = off[e], n = off[e + 1] - off[e];

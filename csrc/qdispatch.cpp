@@ -64,6 +64,11 @@ void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* as
   qtable()->gemm_w8(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
 }
 
+void armserve_gemm_w5(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+  qtable()->gemm_w5(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
+}
+
 void armserve_fused_moe(int32_t fmt, int32_t dtype, float* out, const void* x, int64_t tokens, int64_t hidden,
                         int64_t inter, int32_t top_k, const int64_t* ids, const float* weights, int32_t num_experts,
                         const void* const* gate, const void* const* up, const void* const* down, int64_t group_gu,
@@ -81,7 +86,31 @@ void armserve_gguf_embedding(int32_t type, int32_t dtype, void* out, const void*
                              const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k) {
   qtable()->gguf_embedding(type, dtype, out, blocks, row_bytes, ids, m, start, n, k);
 }
-// codes [n, k] (w4: uint8 0..15, w8: int8), scales (and w4's szp) float32 [n, k / group] ->
+// W5 (qgemm.h; group 32): per tile and group, W4's chunks of the low nibbles, the plane of bit 4
+// (byte r * 4 + j: bit cl from the code in chunk cl's low nibble, bit 4 + cl from its high one),
+// then 16 float16 s.
+static void pack_w5(const uint8_t* c, const float* scales, int64_t n, int64_t k, uint8_t* out) {
+  const int64_t ng = k / 32, tiles = (n + 15) / 16;
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t gi = 0; gi < ng; ++gi, out += 352) {
+      std::memset(out, 0, 352);
+      for (int64_t r = 0; r < 16 && t * 16 + r < n; ++r) {
+        const int64_t row = t * 16 + r;
+        const uint8_t* u = c + row * k + gi * 32;
+        for (int cl = 0; cl < 4; ++cl)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t lo = u[cl * 8 + j], hi = u[cl * 8 + 4 + j];
+            out[cl * 64 + r * 4 + j] = uint8_t((lo & 15) | (hi & 15) << 4);
+            out[256 + r * 4 + j] |= uint8_t((lo >> 4 & 1) << cl | (hi >> 4 & 1) << (4 + cl));
+          }
+        const uint16_t hs = armserve_conv::f32_to_f16(scales[row * ng + gi]);
+        std::memcpy(out + 320 + 2 * r, &hs, 2);
+      }
+    }
+  }
+}
+
+// codes [n, k] (w4: uint8 0..15, w8: int8, w5: uint8 0..31), scales (and w4's szp) float32 [n, k / group] ->
 // the packed tiles of qgemm.h (formats.py `pack` is the PyTorch reference): per 16-row tile and
 // group, the weight words (w4: 4 bytes a row per 8 columns, byte j = u[8c + j] | u[8c + 4 + j] << 4;
 // w8: 4 codes a row per 4 columns), then 64 bytes of scales (w4: 16 float16 s, then 16 szp; w8:
@@ -91,6 +120,7 @@ void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const 
                      int64_t group, void* packed) {
   const auto* c = static_cast<const uint8_t*>(codes);
   auto* out = static_cast<uint8_t*>(packed);
+  if (fmt == 3) return pack_w5(c, scales, n, k, out);
   const int64_t ng = k / group, tiles = (n + 15) / 16;
   const int64_t chunk = fmt == 0 ? 8 : 4;  // columns per 4-byte word
   for (int64_t t = 0; t < tiles; ++t) {

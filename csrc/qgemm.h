@@ -23,6 +23,16 @@
 //       float32 keeps GGUF Q6_K's d * sc exact). Chunk c of group g again at 64 * (c + g), the
 //       scales at 64 * ((g + 1) * G / 4 + g). No offset correction is stored: x86 feeds VNNI's
 //       unsigned operand |a| and flips the weight's sign where a < 0.
+//   W5: GGUF Q5_0 as stored, 5.5 bits a weight (w8 held it in 9): w = s * (u - 16), u in 0..31,
+//       G = 32 only. Tiles of 16 rows; per group 352 bytes: W4's 4 chunks of low nibbles (the
+//       codes' bits 0-3, same byte order), then a 64-byte plane of their bit 4, then 16 float16 s.
+//       Plane byte i (i = r * 4 + j, the chunk byte it goes with) holds in bit cl the bit 4 of
+//       chunk cl's low-nibble code of byte i and in bit 4 + cl that of its high-nibble code, so a
+//       kernel ORs ((plane << 4) >> cl) & 0x10 and (plane >> cl) & 0x10 into W4's two unpacked
+//       vectors (per byte: no lane crosses). Group g at 352 * g, its plane at + 256, scales at + 320.
+//       The GEMM sums u * a exactly in int32 and subtracts 16 * the group's activation sum, giving
+//       the integer dot of (u - 16) and a that the W8 tiles of the same Q5_0 blocks computed, then
+//       folds it with W8's float ops: bit for bit what the W8 path returned.
 #pragma once
 #include <cstdint>
 
@@ -36,6 +46,7 @@ struct QKernelTable {  // member types from the exported functions (api.h)
   // W's N rows are padded to a multiple of 16 in the packed layout, scales inline.
   decltype(&armserve_gemm_w4) gemm_w4;
   decltype(&armserve_gemm_w8) gemm_w8;
+  decltype(&armserve_gemm_w5) gemm_w5;
   decltype(&armserve_fused_moe) fused_moe;  // moe_impl.h: the experts' GEMMs and SiLU of this variant
   decltype(&armserve_qembedding) qembedding;  // rows of a packed table, dequantized (qgemm_impl.h)
   decltype(&armserve_gguf_embedding) gguf_embedding;  // rows of a GGUF table as stored (gguf_rows.h)

@@ -1,6 +1,7 @@
 // Quantized GEMM driver, written once; each qgemm_<isa>.cpp supplies a struct with
 //   template <int NT> tile_w4(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
 //   template <int NT> tile_w8(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
+//   template <int NT> tile_w5(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])   (group 32)
 // computing, for one 16-row weight tile and NT tokens, the 16 outputs (`as` are each token's
 // per-group activation scales). See qgemm.h for the packed layout. Same anonymous-namespace rule as
 // kernels_impl.h: nothing here may be merged across TUs compiled with different flags.
@@ -31,6 +32,21 @@ static inline const float* w8_scales(const uint8_t* wt, int64_t g, int64_t group
   return reinterpret_cast<const float*>(wt + ((g + 1) * (group / 4) + g) * 64);
 }
 
+// The packed formats (qgemm.h; 2 is the fused MoE's bf16 blocks, not a qgemm tile).
+enum : int32_t { kW4 = 0, kW8 = 1, kW5 = 3 };
+// W5 (group 32 only): per group 352 bytes: chunks cl = 0..3 of low nibbles, the bit-4 plane, 16 float16 s.
+constexpr int64_t kW5Group = 32, kW5GroupBytes = 352;
+static inline const uint8_t* w5_chunk(const uint8_t* wt, int64_t g, int64_t cl) {
+  return wt + g * kW5GroupBytes + cl * 64;
+}
+static inline const uint8_t* w5_plane(const uint8_t* wt, int64_t g) { return wt + g * kW5GroupBytes + 256; }
+static inline const uint16_t* w5_scales(const uint8_t* wt, int64_t g) {
+  return reinterpret_cast<const uint16_t*>(wt + g * kW5GroupBytes + 320);
+}
+// The two 5-bit codes of chunk byte b (low nibble: column j, high: j + 4) of chunk cl, plane byte p.
+static inline int w5_lo(uint8_t b, uint8_t p, int64_t cl) { return (b & 15) | (((p >> cl) & 1) << 4); }
+static inline int w5_hi(uint8_t b, uint8_t p, int64_t cl) { return (b >> 4) | (((p >> (4 + cl)) & 1) << 4); }
+
 // Portable reference of the tile products, used by the scalar variant and as the fallback.
 // Also the reference of one table row's dequantization (`row_w4`, `row_w8`: row r < 16 of tile
 // wt into out [k] float32; w4 scales from `exact` [k / group][2] when given, else inline). Every
@@ -57,6 +73,23 @@ struct ScalarQ {
       for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
         const int8_t* b = reinterpret_cast<const int8_t*>(chunk(wt, c, g)) + r * 4;
         for (int j = 0; j < 4; ++j) out[c * 4 + j] = float(b[j]) * s;
+      }
+    }
+  }
+
+  // W5 rows as W8 rows of the same blocks: float(u - 16) * s (every variant uses this one: an
+  // embedding gathers a few rows a step).
+  static void row_w5(const uint8_t* wt, int r, int64_t k, float* out) {
+    for (int64_t g = 0; g < k / kW5Group; ++g) {
+      const float s = f16_to_f32(w5_scales(wt, g)[r]);
+      const uint8_t* p = w5_plane(wt, g) + r * 4;
+      for (int64_t cl = 0; cl < 4; ++cl) {
+        const uint8_t* b = w5_chunk(wt, g, cl) + r * 4;
+        float* o = out + g * kW5Group + cl * 8;
+        for (int j = 0; j < 4; ++j) {
+          o[j] = float(w5_lo(b[j], p[j], cl) - 16) * s;
+          o[4 + j] = float(w5_hi(b[j], p[j], cl) - 16) * s;
+        }
       }
     }
   }
@@ -100,6 +133,32 @@ struct ScalarQ {
       const float* s = w8_scales(wt, g, group);
       for (int i = 0; i < NT; ++i)
         for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * s[r] * float(ia[i][r]);
+    }
+  }
+
+  // sum(u * a) - 16 * sum(a) = sum((u - 16) * a) exactly, then tile_w8's float ops (qgemm.h W5).
+  template <int NT>
+  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    (void)group;
+    for (int i = 0; i < NT; ++i)
+      for (int r = 0; r < 16; ++r) acc[i][r] = 0.f;
+    for (int64_t g = 0; g < k / kW5Group; ++g) {
+      int32_t ia[NT][16] = {};
+      const uint8_t* p = w5_plane(wt, g);
+      for (int64_t cl = 0; cl < 4; ++cl) {
+        const uint8_t* b = w5_chunk(wt, g, cl);
+        const int64_t c = g * 4 + cl;
+        for (int r = 0; r < 16; ++r)
+          for (int j = 0; j < 4; ++j) {
+            const int lo = w5_lo(b[r * 4 + j], p[r * 4 + j], cl), hi = w5_hi(b[r * 4 + j], p[r * 4 + j], cl);
+            for (int i = 0; i < NT; ++i) ia[i][r] += lo * q[i][c * 8 + j] + hi * q[i][c * 8 + 4 + j];
+          }
+      }
+      float s[16];
+      for (int r = 0; r < 16; ++r) s[r] = f16_to_f32(w5_scales(wt, g)[r]);
+      for (int i = 0; i < NT; ++i)
+        for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * s[r] * float(ia[i][r] - 16 * gs[i][g]);
     }
   }
 };
@@ -149,18 +208,20 @@ struct QKernels {
     });
   }
 
-  template <bool W4, int NT>
+  template <int F, int NT>
   static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                    int64_t k, int64_t group, float (*acc)[16]) {
-    if (W4)
+    if constexpr (F == kW4)
       IsaQ::template tile_w4<NT>(wt, q, as, gs, k, group, acc);
+    else if constexpr (F == kW5)
+      IsaQ::template tile_w5<NT>(wt, q, as, gs, k, group, acc);
     else
       IsaQ::template tile_w8<NT>(wt, q, as, gs, k, group, acc);
   }
 
   // One 16-row weight tile `wt` (its first `cols` output columns) times m activation rows: row i is
   // quantized row idx[i] (i itself without idx) of q / ascale / agsum; outputs to out + i * ldo.
-  template <bool W4>
+  template <int F>
   static void tile_rows(int32_t dtype, void* out, int64_t ldo, const int8_t* q, const float* ascale,
                         const int32_t* agsum, const int32_t* idx, int64_t m, const uint8_t* wt, int cols, int64_t k,
                         int64_t group) {
@@ -180,38 +241,46 @@ struct QKernels {
       }
       // (2 or 3 tokens in one pass too: a speculative verify step's 2-5 rows unpack each weight once)
       switch (nt) {
-        case 4: tile<W4, 4>(wt, qs, as, gs, k, group, acc); break;
-        case 3: tile<W4, 3>(wt, qs, as, gs, k, group, acc); break;
-        case 2: tile<W4, 2>(wt, qs, as, gs, k, group, acc); break;
-        default: tile<W4, 1>(wt, qs, as, gs, k, group, acc); break;
+        case 4: tile<F, 4>(wt, qs, as, gs, k, group, acc); break;
+        case 3: tile<F, 3>(wt, qs, as, gs, k, group, acc); break;
+        case 2: tile<F, 2>(wt, qs, as, gs, k, group, acc); break;
+        default: tile<F, 1>(wt, qs, as, gs, k, group, acc); break;
       }
       for (int i = 0; i < nt; ++i) Isa::store(dtype, acc[i], static_cast<char*>(out) + (m0 + i) * ldo * es, cols);
     }
   }
 
-  // Bytes of one 16-row tile of a packed w4 / w8 weight with k columns (qgemm.h).
-  static int64_t tile_bytes(bool w4, int64_t k, int64_t group) { return (w4 ? 8 * k : 16 * k) + 64 * (k / group); }
+  // Bytes of one 16-row tile of a packed w4 / w8 / w5 weight with k columns (qgemm.h).
+  static int64_t tile_bytes(int32_t fmt, int64_t k, int64_t group) {
+    if (fmt == kW5) return k / kW5Group * kW5GroupBytes;
+    return (fmt == kW4 ? 8 * k : 16 * k) + 64 * (k / group);
+  }
 
-  template <bool W4>
+  template <int F>
   static void gemm(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                    const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
     const int es = dtype_size(dtype);
-    const int64_t tiles = (n + 15) / 16, tb = tile_bytes(W4, k, group);
+    const int64_t tiles = (n + 15) / 16, tb = tile_bytes(F, k, group);
     armserve_par::for_static(tiles, true, [&](int64_t t) {
       const int rows = int(n - t * 16 < 16 ? n - t * 16 : 16);
-      tile_rows<W4>(dtype, static_cast<char*>(out) + t * 16 * es, ldo, q, ascale, agsum, nullptr, m, w + t * tb, rows,
+      tile_rows<F>(dtype, static_cast<char*>(out) + t * 16 * es, ldo, q, ascale, agsum, nullptr, m, w + t * tb, rows,
                     k, group);
     });
   }
 
   static void gemm_w4(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
-    gemm<true>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
+    gemm<kW4>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
+  }
+
+  static void gemm_w5(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+    gemm<kW5>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
   }
 
   static void gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
-    gemm<false>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), m, n, k, group, ldo);
+    gemm<kW8>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), m, n, k, group, ldo);
   }
 
   // Embedding rows of a packed table (api.h, armserve_qembedding): each row is dequantized into a
@@ -219,7 +288,7 @@ struct QKernels {
   static void qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, const float* exact,
                          const int64_t* ids, int64_t m, int64_t start, int64_t n, int64_t k, int64_t group) {
     const int es = dtype_size(dtype);
-    const int64_t tb = tile_bytes(fmt == 0, k, group), ng = k / group;
+    const int64_t tb = tile_bytes(fmt, k, group), ng = k / group;
     armserve_par::for_static(m, m * k >= (1 << 16), [&](int64_t i) {
       char* o = static_cast<char*>(out) + i * k * es;
       const int64_t r = ids[i] - start;
@@ -229,8 +298,10 @@ struct QKernels {
       }
       float* row = scratch(0, k);
       const uint8_t* wt = static_cast<const uint8_t*>(w) + (r / 16) * tb;
-      if (fmt == 0)
+      if (fmt == kW4)
         IsaQ::row_w4(wt, int(r % 16), k, group, exact ? exact + r * ng * 2 : nullptr, row);
+      else if (fmt == kW5)
+        ScalarQ::row_w5(wt, int(r % 16), k, row);
       else
         IsaQ::row_w8(wt, int(r % 16), k, group, row);
       Isa::store(dtype, row, o, k);
@@ -256,8 +327,8 @@ struct QKernels {
   }
 
   static const QKernelTable* table(const char* name) {
-    static const QKernelTable t = {name, quantize_act, gemm_w4, gemm_w8, Moe<Isa, IsaQ>::run, qembedding,
-                                   gguf_embedding};
+    static const QKernelTable t = {name,    quantize_act, gemm_w4,    gemm_w8,
+                                   gemm_w5, Moe<Isa, IsaQ>::run, qembedding, gguf_embedding};
     return &t;
   }
 };

@@ -9,6 +9,9 @@ using armserve::load4;
 using armserve::chunk;
 using armserve::w4_scales;
 using armserve::w8_scales;
+using armserve::w5_chunk;
+using armserve::w5_plane;
+using armserve::w5_scales;
 
 struct QNeon {
   // One table row dequantized (qgemm_impl.h ScalarQ has the reference and the rules): 4 bytes of
@@ -42,10 +45,11 @@ struct QNeon {
     }
   }
 
-  template <int NT>
-  static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
-                      int64_t k, int64_t group, float (*acc)[16]) {
-    const uint8x16_t nib = vdupq_n_u8(0x0f);
+  // W4, and W5 (W5 = true, group 32): each code's bit 4 ORed in from the group's plane (qgemm.h).
+  template <int NT, bool W5>
+  static void tile_nib(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                       int64_t k, int64_t group, float (*acc)[16]) {
+    const uint8x16_t nib = vdupq_n_u8(0x0f), bit4 = vdupq_n_u8(0x10);
     float32x4_t facc[NT][4];
     for (int i = 0; i < NT; ++i)
       for (int h = 0; h < 4; ++h) facc[i][h] = vdupq_n_f32(0.f);
@@ -53,26 +57,44 @@ struct QNeon {
       int32x4_t ia[NT][4];
       for (int i = 0; i < NT; ++i)
         for (int h = 0; h < 4; ++h) ia[i][h] = vdupq_n_s32(0);
-      for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+      uint8x16_t pl[4], pl4[4];  // W5: the plane's rows 4h .. 4h+3, and shifted to put bit cl at 4 + cl
+      for (int h = 0; W5 && h < 4; ++h) {
+        pl[h] = vld1q_u8(w5_plane(wt, g) + h * 16);
+        pl4[h] = vshlq_n_u8(pl[h], 4);
+      }
+      const int64_t c_first = g * group / 8;
+      for (int64_t c = c_first; c < (g + 1) * group / 8; ++c) {
         int8x16_t a0[NT], a1[NT];
         for (int i = 0; i < NT; ++i) {
           a0[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 8)));
           a1[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 8 + 4)));
         }
+        const uint8_t* cp = W5 ? w5_chunk(wt, g, c - c_first) : chunk(wt, c, g);
+        const int8x16_t right = vdupq_n_s8(int8_t(c_first - c));  // (vshlq by a negative count: right)
         for (int h = 0; h < 4; ++h) {  // rows 4h .. 4h+3
-          const uint8x16_t b = vld1q_u8(chunk(wt, c, g) + h * 16);
-          const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(b, nib));
-          const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+          const uint8x16_t b = vld1q_u8(cp + h * 16);
+          uint8x16_t ulo = vandq_u8(b, nib), uhi = vshrq_n_u8(b, 4);
+          if (W5) {
+            ulo = vorrq_u8(ulo, vandq_u8(vshlq_u8(pl4[h], right), bit4));
+            uhi = vorrq_u8(uhi, vandq_u8(vshlq_u8(pl[h], right), bit4));
+          }
+          const int8x16_t lo = vreinterpretq_s8_u8(ulo), hi = vreinterpretq_s8_u8(uhi);
           for (int i = 0; i < NT; ++i) {
             ia[i][h] = vdotq_s32(ia[i][h], lo, a0[i]);
             ia[i][h] = vdotq_s32(ia[i][h], hi, a1[i]);
           }
         }
       }
-      const float16_t* hs = reinterpret_cast<const float16_t*>(w4_scales(wt, g, group));
+      const float16_t* hs = reinterpret_cast<const float16_t*>(W5 ? w5_scales(wt, g) : w4_scales(wt, g, group));
       for (int h = 0; h < 4; ++h) {
-        const float32x4_t s = vcvt_f32_f16(vld1_f16(hs + h * 4)), z = vcvt_f32_f16(vld1_f16(hs + 16 + h * 4));
+        const float32x4_t s = vcvt_f32_f16(vld1_f16(hs + h * 4));
         for (int i = 0; i < NT; ++i) {
+          if (W5) {  // the integer dot of (u - 16) and a, folded as tile_w8 folds its own
+            const int32x4_t d = vsubq_s32(ia[i][h], vdupq_n_s32(16 * gs[i][g]));
+            facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(d));
+            continue;
+          }
+          const float32x4_t z = vcvt_f32_f16(vld1_f16(hs + 16 + h * 4));
           facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(ia[i][h]));
           facc[i][h] = vfmsq_f32(facc[i][h], z, vdupq_n_f32(as[i][g] * float(gs[i][g])));
         }
@@ -80,6 +102,18 @@ struct QNeon {
     }
     for (int i = 0; i < NT; ++i)
       for (int h = 0; h < 4; ++h) vst1q_f32(acc[i] + h * 4, facc[i][h]);
+  }
+
+  template <int NT>
+  static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile_nib<NT, false>(wt, q, as, gs, k, group, acc);
+  }
+  // (the i8mm variant too: its SMMLA tiles are W4 / W8 only, and the folds agree bit for bit)
+  template <int NT>
+  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile_nib<NT, true>(wt, q, as, gs, k, group, acc);
   }
 
   template <int NT>

@@ -9,6 +9,12 @@ using armserve::load4;
 using armserve::chunk;
 using armserve::w4_scales;
 using armserve::w8_scales;
+using armserve::w5_chunk;
+using armserve::w5_plane;
+using armserve::w5_scales;
+using armserve::kW4;
+using armserve::kW5;
+using armserve::kW8;
 
 struct QSve {
   // One table row dequantized (qgemm_impl.h ScalarQ has the reference and the rules): its codes,
@@ -56,31 +62,55 @@ struct QSve {
     }
   }
 
-  template <bool W4, int NT>
+  // The two code vectors of a W4 / W5 chunk byte vector b (low nibbles: columns 8c..8c+3, high:
+  // 8c+4..8c+7); W5 ORs in bit 4 from its plane (qgemm.h: pl, and pl4 = pl << 4, bit cl of chunk cl).
+  template <bool W5>
+  static inline void codes(svbool_t p8, svuint8_t b, svuint8_t pl, svuint8_t pl4, int64_t cl, svint8_t& lo,
+                           svint8_t& hi) {
+    svuint8_t ulo = svand_n_u8_x(p8, b, 0x0f), uhi = svlsr_n_u8_x(p8, b, 4);
+    if (W5) {
+      ulo = svorr_u8_x(p8, ulo, svand_n_u8_x(p8, svlsr_n_u8_x(p8, pl4, uint8_t(cl)), 0x10));
+      uhi = svorr_u8_x(p8, uhi, svand_n_u8_x(p8, svlsr_n_u8_x(p8, pl, uint8_t(cl)), 0x10));
+    }
+    lo = svreinterpret_s8_u8(ulo);
+    hi = svreinterpret_s8_u8(uhi);
+  }
+
+  // F: kW4, kW8 or kW5 (group 32; W4's loop with bit 4 from the plane, W8's fold after the integer
+  // dot of (u - 16) and a).
+  template <int F, int NT>
   static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as,
                       const int32_t* const* gs, int64_t k,
                    int64_t group, float (*acc)[16]) {
+    constexpr bool W4 = F == kW4, W5 = F == kW5, NIB = F != kW8;
     const int64_t vb = svcntb() < 64 ? int64_t(svcntb()) : 64;  // bytes of a chunk per piece
     const svbool_t p8 = svwhilelt_b8(int64_t(0), vb);
     const svbool_t p32 = svwhilelt_b32(int64_t(0), vb / 4);
-    const int64_t cols = W4 ? 8 : 4;  // columns per 64-byte chunk
+    const int64_t cols = NIB ? 8 : 4;  // columns per 64-byte chunk
     for (int64_t piece = 0; piece < 64; piece += vb) {
       svfloat32_t f0 = svdup_f32(0.f), f1 = svdup_f32(0.f), f2 = svdup_f32(0.f), f3 = svdup_f32(0.f);
       for (int64_t g = 0; g < k / group; ++g) {
         svint32_t i0 = svdup_s32(0), i1 = svdup_s32(0), i2 = svdup_s32(0), i3 = svdup_s32(0);
         const int64_t c0 = g * group / cols, c1 = (g + 1) * group / cols;
+        svuint8_t pl = svdup_u8(0), pl4 = svdup_u8(0);
+        if (W5) {
+          pl = svld1_u8(p8, w5_plane(wt, g) + piece);
+          pl4 = svlsl_n_u8_x(p8, pl, 4);
+        }
+        // chunk c of this group's tile bytes, this piece of it
+        auto at = [&](int64_t c) { return (W5 ? w5_chunk(wt, g, c - c0) : chunk(wt, c, g)) + piece; };
         if (NT == 1) {
           // Decode: two chunks a step into four chains (low / high nibbles x even / odd chunk; w8:
           // two), summed once per group (integer sums: the same result). One chain of SDOTs held
           // Neoverse V1 to 6 cycles a chunk where its pipes need 2 (llvm-mca, benchmarks/arm_model.py).
 #define ARMSERVE_DECODE_STEP(C, A, B)                                                             \
   {                                                                                               \
-    const svuint8_t b = svld1_u8(p8, chunk(wt, C, g) + piece);                                    \
-    if (W4) {                                                                                     \
-      A = svdot_s32(A, svreinterpret_s8_u8(svand_n_u8_x(p8, b, 0x0f)),                            \
-                    svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8))));                    \
-      B = svdot_s32(B, svreinterpret_s8_u8(svlsr_n_u8_x(p8, b, 4)),                               \
-                    svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8 + 4))));                \
+    const svuint8_t b = svld1_u8(p8, at(C));                                                      \
+    if (NIB) {                                                                                    \
+      svint8_t lo, hi;                                                                            \
+      codes<W5>(p8, b, pl, pl4, (C) - c0, lo, hi);                                                \
+      A = svdot_s32(A, lo, svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8))));             \
+      B = svdot_s32(B, hi, svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8 + 4))));         \
     } else {                                                                                      \
       A = svdot_s32(A, svreinterpret_s8_u8(b), svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 4)))); \
     }                                                                                             \
@@ -95,10 +125,10 @@ struct QSve {
           i0 = svadd_s32_x(p32, svadd_s32_x(p32, i0, i1), svadd_s32_x(p32, i2, i3));
         }
         for (int64_t c = c0; NT > 1 && c < c1; ++c) {
-          const svuint8_t b = svld1_u8(p8, chunk(wt, c, g) + piece);
-          if (W4) {
-            const svint8_t lo = svreinterpret_s8_u8(svand_n_u8_x(p8, b, 0x0f));
-            const svint8_t hi = svreinterpret_s8_u8(svlsr_n_u8_x(p8, b, 4));
+          const svuint8_t b = svld1_u8(p8, at(c));
+          if (NIB) {
+            svint8_t lo, hi;
+            codes<W5>(p8, b, pl, pl4, c - c0, lo, hi);
 #define ARMSERVE_W4_STEP(I, ACC)                                                              \
   if (NT > I) {                                                                               \
     ACC = svdot_s32(ACC, lo, svreinterpret_s8_s32(svdup_n_s32(load4(q[I] + c * 8))));         \
@@ -114,17 +144,18 @@ struct QSve {
 #undef ARMSERVE_W8_STEP
           }
         }
-        svfloat32_t s, z;
-        if (W4) {  // float16 scales inline (qgemm.h)
-          const uint16_t* h = w4_scales(wt, g, group) + piece / 4;
+        svfloat32_t s, z = svdup_f32(0.f);
+        if (NIB) {  // float16 scales inline (qgemm.h)
+          const uint16_t* h = (W5 ? w5_scales(wt, g) : w4_scales(wt, g, group)) + piece / 4;
           s = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h)));
-          z = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h + 16)));
+          if (W4) z = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h + 16)));
         } else {
           s = svld1_f32(p32, w8_scales(wt, g, group) + piece / 4);
           z = svdup_f32(0.f);  // unused: signed x signed needs no offset
         }
 #define ARMSERVE_FOLD(I, ACC, F)                                                     \
   if (NT > I) {                                                                      \
+    if (W5) ACC = svsub_n_s32_x(p32, ACC, 16 * gs[I][g]); /* the dot of (u - 16) and a */ \
     F = svmla_f32_x(p32, F, svmul_n_f32_x(p32, s, as[I][g]), svcvt_f32_s32_x(p32, ACC)); \
     if (W4) F = svmls_n_f32_x(p32, F, z, as[I][g] * float(gs[I][g]));                 \
   }
@@ -141,12 +172,17 @@ struct QSve {
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile<true, NT>(wt, q, as, gs, k, group, acc);
+    tile<kW4, NT>(wt, q, as, gs, k, group, acc);
   }
   template <int NT>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile<false, NT>(wt, q, as, gs, k, group, acc);
+    tile<kW8, NT>(wt, q, as, gs, k, group, acc);
+  }
+  template <int NT>
+  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile<kW5, NT>(wt, q, as, gs, k, group, acc);
   }
 };
 }  // namespace

@@ -20,11 +20,11 @@ from conftest import CACHE, assert_next_token_logprobs_close, hf_model, make_tin
 H, I, E = 64, 96, 6
 
 
-def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: bool = False
+def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: bool = False, w5: bool = False
                  ) -> tuple[torch.nn.ModuleList, torch.Tensor, torch.Tensor]:
     """E gated MLPs with random weights, and their stacked weights as the reference sees them;
-    quantized to w4 or w8 (`split`: gate and up as two shards of the fused layer, as a checkpoint
-    with separate gate_proj / up_proj loads them)."""
+    quantized to w4, w8 or w5 (GGUF Q5_0 blocks) (`split`: gate and up as two shards of the fused
+    layer, as a checkpoint with separate gate_proj / up_proj loads them)."""
     torch.manual_seed(0)
     cfg = SimpleNamespace(hidden_size=H, intermediate_size=I, hidden_act="silu")
     w13 = torch.randn(E, 2 * I, H) / H**0.5
@@ -32,14 +32,15 @@ def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: 
     experts = torch.nn.ModuleList()
     for e in range(E):
         m = LlamaMLP(cfg)
-        if w4 or w8:
+        if w4 or w8 or w5:
             for name, w in (("gate_up_proj", w13[e]), ("down_proj", w2[e])):
                 halves = split and name == "gate_up_proj"
                 shards = [("g", I), ("u", I)] if halves else [("all", w.shape[0])]
                 q = QuantizedLinear(w.shape[1], w.shape[0], False, shards)
                 deq = []
                 for (shard, rows), ws in zip(shards, w.split([r for _, r in shards])):
-                    qt = quantize_weight(ws, 32, symmetric=False) if w4 else quantize_weight_int8(ws)
+                    qt = (quantize_weight(ws, 32, symmetric=False) if w4 else q5_0(ws) if w5
+                          else quantize_weight_int8(ws))
                     q.load_shard(shard, qt)
                     # the reference gets the weights the kernels use
                     deq.append(kernel_scales(qt).dequantize())
@@ -53,6 +54,16 @@ def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: 
         if hasattr(m, "finalize"):
             m.finalize()
     return experts, w13.to(dtype), w2.to(dtype)
+
+
+def q5_0(w: torch.Tensor):
+    """w rounded to GGUF Q5_0 blocks by the gguf package, as the loader converts them (w5)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from armserve.quantization.gguf import convert
+
+    return convert("Q5_0", quantize(w.float().numpy(), GGMLQuantizationType.Q5_0))
 
 
 def test_select_experts_matches_softmax_topk():
@@ -90,7 +101,7 @@ def test_fused_experts_matches_reference(isa, kind, routing):
 
 
 EXPERT_KINDS = {"bfloat16": dict(), "w4a8": dict(w4=True), "w4a8-split": dict(w4=True, split=True),
-                "w8a8": dict(w8=True), "w4a8-bf16": dict(w4=True)}
+                "w8a8": dict(w8=True), "w4a8-bf16": dict(w4=True), "w5a8": dict(w5=True)}
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert", "one_token", "prefill"])
@@ -102,7 +113,7 @@ def test_fused_moe_kernel_equals_expert_by_expert(isa, kind, routing):
     dtype = torch.bfloat16 if kind in ("bfloat16", "w4a8-bf16") else torch.float32
     experts, w13, w2 = make_experts(dtype, **EXPERT_KINDS[kind])
     ke = kernel_experts(experts)
-    assert ke is not None and ke.fmt == {"bfloat16": "bf16", "w8a8": "w8"}.get(kind, "w4")
+    assert ke is not None and ke.fmt == {"bfloat16": "bf16", "w8a8": "w8", "w5a8": "w5"}.get(kind, "w4")
     g = torch.Generator().manual_seed(7)
     tokens = {"one_token": 1, "prefill": 300}.get(routing, 13)
     x = torch.randn(tokens, H, generator=g).to(dtype)

@@ -30,6 +30,28 @@ def random_w8(n: int, k: int, group: int) -> QuantizedTensor:
     return QuantizedTensor("w8", q, s, None, group)
 
 
+def random_w5(n: int, k: int) -> QuantizedTensor:
+    """GGUF Q5_0's meaning (w = d * (u - 16), u in 0..31, float16 d per 32 columns), random codes."""
+    return QuantizedTensor("w5", torch.randint(0, 32, (n, k), dtype=torch.uint8),
+                           (torch.rand(n, k // 32) * 0.05 + 1e-3).half().float(), None, 32)
+
+
+def w5_as_w8(qt: QuantizedTensor) -> QuantizedTensor:
+    """The w8 tensor armserve held for the same Q5_0 blocks before w5: codes u - 16 as int8."""
+    return QuantizedTensor("w8", (qt.codes.to(torch.int16) - 16).to(torch.int8), qt.scales, None, qt.group)
+
+
+def random_q(fmt: str, n: int, k: int, g: int, symmetric: bool) -> QuantizedTensor:
+    if fmt == "w4":
+        return quantize_weight(torch.randn(n, k), g, symmetric=symmetric)
+    return random_w8(n, k, g) if fmt == "w8" else random_w5(n, k)
+
+
+def fits(fmt: str, g: int) -> bool:
+    """Whether the format takes groups of g columns (w4: whole 8-column chunks; w5: Q5_0's 32)."""
+    return g % 8 == 0 if fmt == "w4" else (g == 32 if fmt == "w5" else True)
+
+
 # (1, 16, 72, 24): an odd number of 8-column chunks per group at one token (the decode loops that take
 # two chunks a step keep one for the end: qgemm_sve.cpp).
 # 2, 3 and 5 tokens: the 2- and 3-token tiles (a speculative verify step's rows).
@@ -39,14 +61,14 @@ if SMALL:
     SHAPES = [(1, 20, 64, 32), (5, 17, 64, 16), (1, 16, 72, 24), (2, 17, 96, 32)]
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_qgemm_matches_reference(isa, fmt, dtype):
     torch.manual_seed(0)
-    for m, n, k, g in SHAPES:
-        if fmt == "w4" and g % 8:
+    for m, n, k, g in SHAPES + ([(5, 33, 160, 32), (3, 17, 64, 32)] if fmt == "w5" else []):
+        if not fits(fmt, g):
             continue
-        qt = quantize_weight(torch.randn(n, k), g, symmetric=(m % 2 == 0)) if fmt == "w4" else random_w8(n, k, g)
+        qt = random_q(fmt, n, k, g, symmetric=(m % 2 == 0))
         x = torch.randn(m, k).to(dtype)
         acts = kernels.quantize_act(x, g)
         q_ref, s_ref, gs_ref = quantize_act_ref(x, g)
@@ -60,7 +82,22 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
         assert torch.all(out[:, :3] == 7) and torch.all(out[:, 3 + n:] == 7), "wrote outside its columns"
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8"])
+def test_w5_gemm_equals_w8_of_the_same_blocks(isa):
+    """w5 (GGUF Q5_0 at 5.5 bits a weight) gives bit for bit what the w8 tiles of the same blocks
+    gave (the int8 path Q5_0 took before): 1 to 5 tokens (each tile width, and 4 + 1), every dtype."""
+    torch.manual_seed(6)
+    for m, n, k in [(1, 40, 96), (2, 17, 64), (3, 33, 128), (4, 16, 96), (5, 20, 160)]:
+        qt = random_w5(n, k)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(m, k).to(dtype)
+            acts = kernels.quantize_act(x, 32)
+            got, want = (torch.empty(m, n, dtype=dtype) for _ in range(2))
+            kernels.qgemm("w5", got, 0, acts, pack(qt), n, 32)
+            kernels.qgemm("w8", want, 0, acts, pack(w5_as_w8(qt)), n, 32)
+            assert torch.equal(got, want), (m, n, k, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
 def test_qgemm_dense_matches_reference(isa, fmt):
     """The prefill path of quantized layers: the weight dequantized to bf16 panel by panel for the
     dense GEMM's tiles (with the bf16 dot instruction where the variant has one, and without; on
@@ -76,10 +113,9 @@ def test_qgemm_dense_matches_reference(isa, fmt):
             assert (kernels.dense_isa() == "amx_bf16") == bool(amx)
             # the last: weights wider than one ~1 MiB group of dequantized panels (AMX path)
             for m, n, k, g in SHAPES + [(130, 70, 192, 32), (40, 1100, 512, 64)]:
-                if g % 8:
+                if g % 8 or not fits(fmt, g):
                     continue
-                qt = (quantize_weight(torch.randn(n, k), g, symmetric=(n % 2 == 0)) if fmt == "w4"
-                      else random_w8(n, k, g))
+                qt = random_q(fmt, n, k, g, symmetric=(n % 2 == 0))
                 x = torch.randn(m, k).to(torch.bfloat16)
                 out = torch.full((m, n + 5), 7.0, dtype=torch.bfloat16)
                 kernels.qgemm_dense(fmt, out, 2, x, pack(qt), n, g)  # into a column slice of a wider output
@@ -130,6 +166,40 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
         finally:
             if before is not None:
                 kernels.set_amx(before)
+
+
+def test_q5_0_gguf_stays_w5_and_equals_the_int8_path(tiny_llama, tmp_path, monkeypatch):
+    """A GGUF's Q5_0 tensors (here q, gate, up and the token table, which is also the LM head) load
+    as w5 (5.5 bits a weight) and the model's log-probabilities are, bit for bit, those of the
+    same file loaded the way Q5_0 was before (int8 tiles), prefill rows and decode steps alike."""
+    from armserve.quantization import gguf
+    from test_engine import tiny
+    from test_tp import write_llama_gguf
+
+    path = str(tmp_path / "q5.gguf")
+    write_llama_gguf(tiny_llama, path, q5_0=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13], list(range(3, 3 + 140)))]  # 140: a prefill-sized part
+
+    def run() -> tuple[dict[str, int], list]:
+        llm = tiny(path, tokenizer=tiny_llama, dtype="bfloat16")
+        fmts: dict[str, int] = {}
+        for m in llm.llm_engine.model.modules():
+            if isinstance(m, QuantizedLinear):
+                for p in m.parts:
+                    fmts[p.fmt] = fmts.get(p.fmt, 0) + p.packed.numel()
+        outs = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+        return fmts, outs
+
+    fmts, w5 = run()
+    assert set(fmts) == {"w5", "w8"}
+    monkeypatch.setitem(gguf._CONVERTERS, "Q5_0", lambda data: w5_as_w8(gguf._q5_0(data)))
+    fmts8, w8 = run()
+    assert set(fmts8) == {"w8"}
+    assert w5 == w8
+    # the Q5_0 layers' bytes: 5.5 bits a weight where w8 took 9
+    assert fmts["w5"] * 9 == (fmts8["w8"] - fmts["w8"]) * 5.5
 
 
 def test_quantized_linear_with_mixed_shards(isa):
@@ -213,11 +283,11 @@ def test_gguf_blocks_convert_exactly(name):
         raw = quantize(rng.standard_normal((6, 512)).astype(np.float32), qtype)
     qt = convert(name, raw)
     want = dequantize(raw, qtype)
-    assert qt.fmt == ("w4" if name.startswith("Q4") else "w8")
+    assert qt.fmt == ("w4" if name.startswith("Q4") else "w5" if name == "Q5_0" else "w8")
     np.testing.assert_array_equal(qt.dequantize().numpy(), want)
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
 def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
     """The layers' C++ pack (kernels.pack_q) and the reference `pack`, which works in row chunks,
     both equal one pass of the reference over all rows; the qgemm tests above check that layout
@@ -226,7 +296,10 @@ def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
 
     torch.manual_seed(0)
     for n, k, g in [(1045, 4096, 32), (21, 96, 96)]:  # 1024 rows a chunk: the last not whole tiles; one group a row
-        qt = quantize_weight(torch.randn(n, k), g, symmetric=False, search=False) if fmt == "w4" else random_w8(n, k, g)
+        if fmt == "w5" and g != 32:
+            n, k, g = 21, 96, 32
+        qt = (quantize_weight(torch.randn(n, k), g, symmetric=False, search=False) if fmt == "w4"
+              else random_q(fmt, n, k, g, False))
         one = torch.empty(packed_bytes(fmt, n, k, g), dtype=torch.uint8)
         _pack_rows(qt, one)
         assert torch.equal(pack(qt), one)
@@ -237,7 +310,7 @@ def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
 
 
 @pytest.mark.parametrize("fmt,group,exact", [("w4", 32, False), ("w4", 32, True), ("w4", 64, True), ("w8", 32, False),
-                                             ("w8", 16, False)])
+                                             ("w8", 16, False), ("w5", 32, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_qembedding_matches_reference(isa, fmt, group, exact, dtype):
     torch.manual_seed(0)
@@ -246,7 +319,7 @@ def test_qembedding_matches_reference(isa, fmt, group, exact, dtype):
         qt = quantize_weight(torch.randn(n, k), group, symmetric=False, search=False)
         qt = qt if exact else kernel_scales(qt)  # float32 scales (as Q4_K's d * sc) or float16 ones (Q4_0)
     else:
-        qt = random_w8(n, k, group)
+        qt = random_q(fmt, n, k, group, False)
     emb = QuantizedEmbedding(qt, dtype)
     assert (emb.exact is not None) == exact and emb.packed is not None
     ids = torch.tensor([start, start + 36, 12, start + 16, start + 15, 0, start + n, 40, 40, start + 5])

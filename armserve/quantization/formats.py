@@ -4,6 +4,7 @@ the packed layout the qgemm kernels read (csrc/qgemm.h).
 Dequantized meaning of the formats, per group of `group` input columns:
     w4:  w = scale * u - szp      u in 0..15 (unsigned code), szp = scale * zero point
     w8:  w = scale * q            q in -127..127
+    w5:  w = scale * (u - 16)     u in 0..31 (GGUF Q5_0 as stored), group 32
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import torch.nn.functional as F
 class QuantizedTensor:
     """One checkpoint weight [n, k] in an armserve quantized format (unpacked, row-major)."""
 
-    fmt: str  # "w4" or "w8"
-    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8: int8 [n, k]
+    fmt: str  # "w4", "w8" or "w5"
+    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8: int8 [n, k]; w5: uint8 [n, k] values 0..31
     scales: torch.Tensor  # float32 [n, k // group]
-    szp: torch.Tensor | None  # w4: float32 [n, k // group] (scale * zero point); w8: None
+    szp: torch.Tensor | None  # w4: float32 [n, k // group] (scale * zero point); w8, w5: None
     group: int
 
     @property
@@ -35,6 +36,8 @@ class QuantizedTensor:
         s = self.scales.repeat_interleave(g, dim=1)
         if self.fmt == "w4":
             return self.codes.float() * s - self.szp.repeat_interleave(g, dim=1)
+        if self.fmt == "w5":  # (u - 16 as an integer first: the w8 codes of the same blocks, bit for bit)
+            return (self.codes.to(torch.int16) - 16).float() * s
         return self.codes.float() * s
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
@@ -170,23 +173,33 @@ def quantize_weight_int8(w: torch.Tensor) -> QuantizedTensor:
 
 
 def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
-    """`qt` with the scales the kernels apply: float16 for w4 (packed inline, see csrc/qgemm.h),
-    float32 for w8. Rounding a scale to float16 moves it by at most 2^-11 of itself, far below the
-    4-bit step; GGUF Q4_0 / Q4_1 scales are float16 already, so only derived ones (Q4_K's d * sc,
-    `armserve quantize`'s s * zero) change."""
-    if qt.fmt != "w4":
+    """`qt` with the scales the kernels apply: float16 for w4 and w5 (packed inline, see
+    csrc/qgemm.h), float32 for w8. Rounding a scale to float16 moves it by at most 2^-11 of itself,
+    far below the 4-bit step; GGUF Q4_0 / Q4_1 / Q5_0 scales are float16 already, so only derived
+    ones (Q4_K's d * sc, `armserve quantize`'s s * zero) change."""
+    if qt.fmt == "w8":
         return qt
-    return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), qt.szp.half().float(), qt.group)
+    szp = None if qt.szp is None else qt.szp.half().float()
+    return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), szp, qt.group)
 
 
 def packed_bytes(fmt: str, n: int, k: int, group: int) -> int:
     """Bytes of an [n, k] weight packed for the qgemm kernels (`pack`): whole 16-row tiles of
-    codes (w4: half a byte a weight, w8: a byte) and 64 bytes of scales per group."""
-    return -(-n // 16) * _tile_bytes(fmt, k, group)
+    codes (w4: half a byte a weight, w8: a byte) and 64 bytes of scales per group; w5: 352 bytes
+    per group of 32 columns (low nibbles, the plane of bit 4, float16 scales: 5.5 bits a weight)."""
+    return -(-n // 16) * tile_bytes(fmt, k, group)
 
 
-def _tile_bytes(fmt: str, k: int, group: int) -> int:
+def tile_bytes(fmt: str, k: int, group: int) -> int:
+    """Bytes of one 16-row tile of a packed [n, k] weight (csrc/qgemm.h)."""
+    if fmt == "w5":
+        if group != W5_GROUP or k % group:
+            raise ValueError(f"w5 weights come in groups of {W5_GROUP} columns, not {group} (k = {k})")
+        return k // W5_GROUP * 352
     return (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)
+
+
+W5_GROUP = 32  # the one group size of w5 (GGUF Q5_0's block)
 
 
 def pack(qt: QuantizedTensor) -> torch.Tensor:
@@ -195,7 +208,7 @@ def pack(qt: QuantizedTensor) -> torch.Tensor:
     MB of rows at a time straight into the result, so that the temporaries stay small beside it
     (an LM head is 100M+ weights)."""
     n, k = qt.codes.shape
-    tile = _tile_bytes(qt.fmt, k, qt.group)  # bytes of a 16-row tile
+    tile = tile_bytes(qt.fmt, k, qt.group)  # bytes of a 16-row tile
     out = torch.empty(packed_bytes(qt.fmt, n, k, qt.group), dtype=torch.uint8)
     step = max(16, (1 << 22) // k // 16 * 16)
     for r in range(0, n, step):
@@ -221,6 +234,9 @@ def _pack_rows(qt: QuantizedTensor, out: torch.Tensor) -> None:
         rows = (0, 0, 0, n_pad - n)
         codes, scales = F.pad(codes, rows), F.pad(scales, rows)
         szp = None if szp is None else F.pad(szp, rows)
+    if qt.fmt == "w5":
+        _pack_w5(codes, scales, out.view(torch.int32).view(tiles, ng, 88))
+        return
     words = codes.contiguous().view(torch.int32)  # [n_pad, k // 4]: 4 columns a word
     dst = out.view(torch.int32).view(tiles, ng, -1)  # per tile and group: weight words, then 16 scale words
     if qt.fmt == "w4":
@@ -235,3 +251,19 @@ def _pack_rows(qt: QuantizedTensor, out: torch.Tensor) -> None:
     nw = dst.shape[2] - 16
     dst[:, :, :nw] = w.reshape(tiles, ng, nw)
     dst[:, :, nw:] = sc
+
+
+def _pack_w5(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor) -> None:
+    """w5 rows (whole tiles, [n_pad, k]) into dst int32 [tiles, groups, 88] (csrc/qgemm.h): per group
+    64 words of low nibbles (w4's chunk order), 16 of the bit-4 plane, 8 of float16 scales."""
+    tiles, ng = dst.shape[:2]
+    c = codes.view(tiles, 16, ng, 4, 2, 4).to(torch.int32)  # [tile, row, group, chunk cl, nibble h, byte j]
+    low = c & 15
+    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [tile, group, cl, row, j]
+    # plane byte (row, j): bit cl from chunk cl's low-nibble code, bit 4 + cl from its high-nibble one
+    shift = (torch.arange(4).view(4, 1, 1) + 4 * torch.arange(2).view(1, 2, 1)).to(torch.int32)
+    plane = ((c >> 4) << shift).sum(dim=(3, 4)).permute(0, 2, 1, 3)  # [tile, group, row, j]
+    dst[:, :, :64] = nibbles.to(torch.uint8).contiguous().view(torch.int32).view(tiles, ng, 64)
+    dst[:, :, 64:80] = plane.to(torch.uint8).contiguous().view(torch.int32).view(tiles, ng, 16)
+    sc = scales.half().view(tiles, 16, ng).permute(0, 2, 1).contiguous().view(torch.int32)  # [tiles, ng, 8]
+    dst[:, :, 80:] = sc

@@ -6,7 +6,7 @@ float detour.
     Q4_K  (256 per super-block, 8 sub-blocks of 32 with 6-bit scale and min;
            w = d * sc * q - dmin * mn)                          -> w4, group 32, szp = dmin * mn
     Q8_0  (32 per block: d, int8 q; w = d * q)                  -> w8, group 32
-    Q5_0  (32 per block: d, 5-bit q; w = d * (q - 16))         -> w8, group 32 (q - 16 as int8)
+    Q5_0  (32 per block: d, 5-bit q; w = d * (q - 16))         -> w5, group 32
     Q6_K  (256 per super-block, 16 sub-blocks of 16 with int8 scales, 6-bit q;
            w = d * sc * (q - 32))                               -> w8, group 16
 Layouts follow llama.cpp's ggml-common.h block structs (read for the bit positions only).
@@ -28,7 +28,7 @@ from armserve.quantization.formats import QuantizedTensor
 # ggml_type codes of the types whose rows the `gguf_embedding` kernel reads as stored (csrc/gguf_rows.h)
 GGUF_ROW_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
 # armserve format and group each converted type becomes (the converters below)
-GGUF_FORMATS = {"Q4_0": ("w4", 32), "Q4_1": ("w4", 32), "Q4_K": ("w4", 32), "Q5_0": ("w8", 32), "Q8_0": ("w8", 32),
+GGUF_FORMATS = {"Q4_0": ("w4", 32), "Q4_1": ("w4", 32), "Q4_K": ("w4", 32), "Q5_0": ("w5", 32), "Q8_0": ("w8", 32),
                 "Q6_K": ("w8", 16)}
 
 
@@ -129,8 +129,8 @@ def _q8_0(data: np.ndarray) -> QuantizedTensor:
 
 def _q5_0(data: np.ndarray) -> QuantizedTensor:
     # Q5_0 is what llama.cpp writes for rows too short for k-quants (Qwen2.5-0.5B's hidden size 896
-    # is not a multiple of 256: most of its Q4_K_M file is Q5_0). 5 bits do not fit w4, but int8
-    # holds them exactly at 9 bits a weight instead of bfloat16's 16.
+    # is not a multiple of 256: most of its Q4_K_M file is Q5_0): held as w5, 5.5 bits a weight as
+    # in the file (w8 took 9), and computed bit for bit as w8 computed the same blocks.
     b = _blocks(data, 22)
     d = _f16(b[..., 0:2])
     # qh: a little-endian uint32 whose bit j is the 5th bit of element j, i.e. bit j % 8 of byte j // 8
@@ -138,7 +138,7 @@ def _q5_0(data: np.ndarray) -> QuantizedTensor:
     qs = b[..., 6:22]
     q = np.concatenate([qs & 15, qs >> 4], axis=-1)  # elements 0..15 low nibbles, 16..31 high
     q |= high << 4
-    return _w8(q.view(np.int8) - np.int8(16), d, 32)
+    return QuantizedTensor("w5", _rows(q, np.uint8), _rows(d, np.float32), None, 32)
 
 
 def _q6_k(data: np.ndarray) -> QuantizedTensor:

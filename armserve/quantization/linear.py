@@ -1,4 +1,5 @@
-"""Linear layers with int4 (w4a8) or int8 (w8a8) weights and per-token int8 activations.
+"""Linear layers with int4 (w4a8), int8 (w8a8) or GGUF Q5_0 (w5a8) weights and per-token int8
+activations.
 
 Weights arrive as `QuantizedTensor`s (formats.py; from an `armserve quantize` checkpoint or
 straight from GGUF Q4_0/Q4_1/Q4_K/Q8_0/Q6_K blocks, see gguf.py), one per checkpoint tensor. A
@@ -19,7 +20,7 @@ from torch import nn
 from armserve import kernels
 from armserve.kernels.reference import quantize_act_ref
 from armserve.layers.linear import Split
-from armserve.quantization.formats import QuantizedTensor, kernel_scales, quantize_weight_int8
+from armserve.quantization.formats import QuantizedTensor, kernel_scales, quantize_weight_int8, tile_bytes
 
 _ACT_BUFFERS: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -127,7 +128,7 @@ class QuantizedLinear(nn.Module):
         if not parts or any(p.packed is None or p.fmt != parts[0].fmt or p.group != parts[0].group for p in parts):
             return None
         fmt, group = parts[0].fmt, parts[0].group
-        tile = (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)  # bytes of one 16-row tile (formats.pack)
+        tile = tile_bytes(fmt, k, group)
         addrs = []
         for p in parts:  # a part may hold several of the row ranges (a fused gate_up), or one
             if p.col % rows or p.n % rows:

@@ -1,0 +1,142 @@
+// Quantized GEMM tiles with AVX2: vpmaddubsw + vpmaddwd stand in for the VNNI dot product. A
+// header so that the AVX-512 variant (qgemm_avx512.cpp) takes its W5 tiles from here: the one W5
+// tile body on x86, run on this AVX2 code path wherever it is compiled (qgemm_avx2.cpp's table).
+#pragma once
+#include <immintrin.h>
+
+#include "qembed_x86.h"
+#include "qgemm_impl.h"
+
+namespace {
+using armserve::load4;
+using armserve::chunk;
+using armserve::w4_scales;
+using armserve::w8_scales;
+using armserve::w5_chunk;
+using armserve::w5_plane;
+using armserve::w5_scales;
+
+static inline __m256i dot4(__m256i u8, __m256i s8) {
+  // u8 x s8 pairs summed to int16 (no saturation: |u| <= 127 or <= 15 here), then pairs to int32
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1));
+}
+
+struct QAvx2 : EmbedRowsAvx2 {
+  // NOTE: a vpmaddubsw lane (u4 x s8 pairs) is at most 2 * 15 * 127 = 3810 in magnitude, so the
+  // lo and hi products of 4 chunks (8 lanes' worth, <= 30480) add up exactly in int16 and are
+  // widened with one vpmaddwd per 4 chunks instead of one per product: on Zen 3 the two share
+  // the multiply ports, which bound this loop once several tokens reuse each unpacked weight
+  // (a speculative verify step, prefill). Integer sums: the result is unchanged, bit for bit.
+  // W5 (W5 = true, group 32): the same loop with each code's bit 4 ORed in from the group's plane
+  // (qgemm.h); 16-bit shifts are exact here, as the 0x10 mask keeps bits of the byte's own only.
+  // u5 products reach 2 * 31 * 127 = 7874 a lane, so int16 sums span 2 chunks instead of 4.
+  template <int NT, bool W5>
+  static void tile_nib(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                       int64_t k, int64_t group, float (*acc)[16]) {
+    const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), bit4 = _mm256_set1_epi8(0x10);
+    constexpr int64_t kStep = W5 ? 2 : 4;
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / group; ++g) {
+      __m256i ia[NT][2];
+      for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      __m256i pl[2], pl4[2];  // W5: the plane's rows 0-7, 8-15, and shifted to put bit cl at 4 + cl
+      if (W5)
+        for (int h = 0; h < 2; ++h) {
+          pl[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_plane(wt, g) + h * 32));
+          pl4[h] = _mm256_slli_epi16(pl[h], 4);
+        }
+      const int64_t c_first = g * group / 8, c_end = (g + 1) * group / 8;
+      for (int64_t c0 = c_first; c0 < c_end; c0 += kStep) {
+        const int64_t c1 = c0 + kStep < c_end ? c0 + kStep : c_end;
+        __m256i s16[NT][2];
+        for (int i = 0; i < NT; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+        for (int64_t c = c0; c < c1; ++c) {
+          __m256i lo[2], hi[2];
+          const uint8_t* cp = W5 ? w5_chunk(wt, g, c - c_first) : chunk(wt, c, g);
+          for (int h = 0; h < 2; ++h) {  // rows 0-7, 8-15
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + h * 32));
+            lo[h] = _mm256_and_si256(b, nib);
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+            if (W5) {
+              const __m128i cl = _mm_cvtsi64_si128(c - c_first);
+              lo[h] = _mm256_or_si256(lo[h], _mm256_and_si256(_mm256_srl_epi16(pl4[h], cl), bit4));
+              hi[h] = _mm256_or_si256(hi[h], _mm256_and_si256(_mm256_srl_epi16(pl[h], cl), bit4));
+            }
+          }
+          for (int i = 0; i < NT; ++i) {
+            const __m256i qa = _mm256_set1_epi32(load4(q[i] + c * 8)), qb = _mm256_set1_epi32(load4(q[i] + c * 8 + 4));
+            for (int h = 0; h < 2; ++h)
+              s16[i][h] = _mm256_add_epi16(
+                  s16[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], qa), _mm256_maddubs_epi16(hi[h], qb)));
+          }
+        }
+        for (int i = 0; i < NT; ++i)
+          for (int h = 0; h < 2; ++h) ia[i][h] = _mm256_add_epi32(ia[i][h], _mm256_madd_epi16(s16[i][h], ones));
+      }
+      const uint16_t* hs = W5 ? w5_scales(wt, g) : w4_scales(wt, g, group);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + h * 8)));
+        for (int i = 0; i < NT; ++i) {
+          const __m256 sa = _mm256_set1_ps(as[i][g]);
+          if (W5) {  // the integer dot of (u - 16) and a, folded as tile_w8 folds its own
+            const __m256i d = _mm256_sub_epi32(ia[i][h], _mm256_set1_epi32(16 * gs[i][g]));
+            facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(d), facc[i][h]);
+            continue;
+          }
+          const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + 16 + h * 8)));
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
+          facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(as[i][g] * float(gs[i][g])), facc[i][h]);
+        }
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(acc[i], facc[i][0]);
+      _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
+    }
+  }
+
+  template <int NT>
+  static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile_nib<NT, false>(wt, q, as, gs, k, group, acc);
+  }
+  template <int NT>
+  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile_nib<NT, true>(wt, q, as, gs, k, group, acc);
+  }
+
+  template <int NT>
+  static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    (void)gs;
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / group; ++g) {
+      __m256i ia[NT][2];
+      for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
+        for (int h = 0; h < 2; ++h) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk(wt, c, g) + h * 32));
+          for (int i = 0; i < NT; ++i) {
+            // a * w = |a| * (w * sign(a)): keeps maddubs' unsigned operand within 0..127
+            const __m256i a = _mm256_set1_epi32(load4(q[i] + c * 4));
+            ia[i][h] = _mm256_add_epi32(ia[i][h], dot4(_mm256_abs_epi8(a), _mm256_sign_epi8(w, a)));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_loadu_ps(w8_scales(wt, g, group) + h * 8);
+        for (int i = 0; i < NT; ++i)
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[i][g])), _mm256_cvtepi32_ps(ia[i][h]),
+                                       facc[i][h]);
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(acc[i], facc[i][0]);
+      _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
+    }
+  }
+};
+}  // namespace
