@@ -160,7 +160,7 @@ def open_webui_env(data_dir: str, chat_url: str, embed_url: str) -> dict[str, st
     return {
         "DATA_DIR": data_dir,
         "WEBUI_AUTH": "false",  # one local user, no sign-in page
-        "WEBUI_SECRET_KEY": "armserve-webui-check",
+        "WEBUI_SECRET_KEY": "armserve-webui-check-not-a-secret-0123456789",
         "ENABLE_OLLAMA_API": "false",
         "OPENAI_API_BASE_URL": chat_url + "/v1",
         "OPENAI_API_KEY": "unused",
