@@ -20,6 +20,7 @@ holds; a summary is printed either way, and the run folder (logs, screenshots) i
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import re
@@ -160,7 +161,8 @@ def open_webui_env(data_dir: str, chat_url: str, embed_url: str) -> dict[str, st
     return {
         "DATA_DIR": data_dir,
         "WEBUI_AUTH": "false",  # one local user, no sign-in page
-        "WEBUI_SECRET_KEY": "armserve-webui-check-not-a-secret-0123456789",
+        # Open WebUI also makes a Fernet key of it: 32 bytes, url-safe base64. Not a secret: loopback only.
+        "WEBUI_SECRET_KEY": base64.urlsafe_b64encode(b"armserve open webui check key 32").decode(),
         "ENABLE_OLLAMA_API": "false",
         "OPENAI_API_BASE_URL": chat_url + "/v1",
         "OPENAI_API_KEY": "unused",
