@@ -69,6 +69,17 @@ def install_transformers() -> str:
     return _venv("transformers", ["torch==2.13.0", "transformers[serving]", "accelerate", "gguf"])
 
 
+OPEN_WEBUI_VERSION = "0.12.4"  # the newest release when checked; installs on Python 3.11
+
+
+def install_open_webui() -> str:
+    """Open WebUI (for the RAG client check, benchmarks/webui_rag_check.py) and playwright to drive a
+    browser. torch goes in first and is named again beside open-webui so that sentence-transformers
+    finds it satisfied and pip fails rather than fetch another torch."""
+    return _venv("open-webui", ["torch==2.13.0"],
+                 after=[["pip", "install", "-q", f"open-webui=={OPEN_WEBUI_VERSION}", "torch==2.13.0", "playwright"]])
+
+
 def install_llama_server() -> str:
     """llama.cpp's llama-server, built with cmake from the llama-cpp-python sdist's vendored tree."""
     root = os.path.join(PEERS_DIR, "llama.cpp")

@@ -463,7 +463,7 @@ def embed_server(minilm, tmp_path_factory):
     """all-MiniLM-L6-v2 served as `minilm` in float32 (the runner picked from the checkpoint)."""
     from server_process import ServerProcess
 
-    srv = ServerProcess(minilm, ["--dtype", "float32", "--served-model-name", "minilm"],
+    srv = ServerProcess(minilm, ["--dtype", "float32", "--served-model-name", "minilm", "--enable-log-requests"],
                         str(tmp_path_factory.mktemp("embed") / "server.log"))
     yield srv
     srv.stop()

@@ -274,6 +274,15 @@ def test_base64_round_trip_and_pooling_endpoint(embed_server):
                          torch.tensor([d["embedding"] for d in floats["data"]]))
 
 
+def test_request_log_shows_pooling_params(embed_server):
+    # --enable-log-requests: an embedding request logs its PoolingParams, not a placeholder SamplingParams
+    body = {"model": "minilm", "input": ["one two three four five six"], "truncate_prompt_tokens": 4}
+    r = httpx.post(f"{embed_server.base_url}/embeddings", json=body, timeout=60).json()
+    line = next(ln for ln in embed_server.log().splitlines() if f"Received request {r['id']}-0:" in ln)
+    assert "4 prompt tokens" in line and "PoolingParams(" in line and "truncate_prompt_tokens=4" in line, line
+    assert "SamplingParams" not in line
+
+
 def test_langchain_openai_embeddings(minilm, embed_server):
     from langchain_openai import OpenAIEmbeddings
 

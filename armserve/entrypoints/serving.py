@@ -254,7 +254,8 @@ class OpenAIServing:
         may name a LoRA adapter to run with."""
         request.lora_request = self.models.lora_request(model)
         if self.log_requests:
-            shown = repr(request.params)
+            # A pooling request's SamplingParams are a placeholder: show what it really asks for.
+            shown = repr(request.params if request.pooling is None else request.pooling)
             if len(shown) > LOGGED_PARAMS_CHARS:
                 shown = shown[:LOGGED_PARAMS_CHARS] + f"... ({len(shown)} characters)"
             logger.info("Received request %s: %d prompt tokens, params: %s", request.request_id,
