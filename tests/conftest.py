@@ -24,6 +24,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-tests")
+# Set by test_forced_isa for its rerun under another kernel variant (the scalar one runs at a
+# fraction of the SIMD speed): the real-model tests there take the same paths with fewer tokens.
+FORCED_RERUN = os.environ.get("ARMSERVE_TEST_FORCED_RERUN") == "1"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
