@@ -141,16 +141,9 @@ MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny
 # The session servers below: a file using one runs on the same pytest-xdist worker as every other
 # file using it, so each starts once (a server start is an engine load in a fresh process).
 SHARED_SERVERS = ("server", "auth_server", "embed_server", "smollm2_server", "dp_server")
-# The worker groups handed out first, longest first (a group named by any of its files), so the
-# groups left for the end are short and neither worker runs alone for long: xdist hands a worker the
-# next group in line when it is nearly idle. Rough sizes: the forced-ISA rerun and pip's virtualenv
-# 3-4 minutes each, the shared-server files ~5, Ray ~3, OpenVINO (exporting on a fresh machine) 2-4,
-# then 1-2 minutes down to ~20 s; every file not listed takes less.
-LONGEST_FIRST = ("test_forced_isa.py", "test_install.py", "test_server.py", "test_ray.py", "test_openvino.py",
-                 "test_models.py", "test_structured.py", "test_tp.py", "test_step_graph.py", "test_quantized.py",
-                 "test_spec_decode.py", "test_kv_cache_int8.py", "test_grammar_budget.py", "test_moe.py",
-                 "test_bench_offline.py", "test_bench_serve.py", "test_async_llm.py", "test_cpu.py", "test_deepseek.py",
-                 "test_engine.py")
+# The longest single tests (minutes each: a virtualenv built by pip; three test files rerun under
+# another kernel variant), started first so neither is left running alone at the end.
+LONGEST_FIRST = ("test_install.py", "test_forced_isa.py")
 
 
 # tryfirst: xdist's own hook reads the xdist_group marks added here.
@@ -178,10 +171,8 @@ def pytest_collection_modifyitems(config, items):
             defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get(name)
             if defs and defs[-1].func.__module__ == "conftest":  # (test_openvino has a `server` of its own)
                 parent[root(item.path.name)] = root(name)
-    rank: dict[str, int] = {}
-    for i, name in enumerate(LONGEST_FIRST):
-        rank.setdefault(root(name), i)
-    items.sort(key=lambda item: rank.get(root(item.path.name), len(rank)))  # stable: files keep their order
+    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: files keep their order
     for item in items:
         item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
 
