@@ -8,6 +8,7 @@ import fcntl
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -24,6 +25,9 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "armserve-tests")
+# Set by test_forced_isa for its rerun under another kernel variant (the scalar one runs at a
+# fraction of the SIMD speed): the real-model tests there take the same paths with fewer tokens.
+FORCED_RERUN = os.environ.get("ARMSERVE_TEST_FORCED_RERUN") == "1"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -181,6 +185,35 @@ def smollm2_gguf() -> str:
 @pytest.fixture(scope="session")
 def smollm2_hf_reference(smollm2_gguf) -> str:
     return hf_folder_from_gguf(smollm2_gguf, os.path.join(CACHE, "smollm2-hf-from-gguf"))
+
+
+# The text both perplexity tests score (its first 1024 tokens), and the prompt they continue greedily.
+PROSE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "prose.txt")
+BASELINE_PROMPT = "It is a truth universally acknowledged, that"
+
+
+@pytest.fixture(scope="session")
+def smollm2_float32_baseline(smollm2_hf_reference, tmp_path_factory, worker_id) -> dict:
+    """SmolLM2 in float32 with the float KV cache (max_model_len 1088): the ids of the first 1024
+    tokens of PROSE, their perplexity, and a greedy continuation of BASELINE_PROMPT. It is
+    test_quantized's (w4a8) and test_kv_cache_int8's (int8 cache) common reference, computed once per
+    run: the two xdist workers share it through a file in the run's temporary folder."""
+    from armserve import LLM, SamplingParams
+    from armserve.evaluate import perplexity
+
+    root = tmp_path_factory.getbasetemp()
+    root = root if worker_id == "master" else root.parent  # (each worker's folder is under the run's)
+
+    def make(tmp: str) -> None:
+        llm = LLM(smollm2_hf_reference, dtype="float32", kv_cache_space=0.1, max_model_len=1088)
+        ids = llm.get_tokenizer().encode(open(PROSE).read())[:1024]
+        ppl = perplexity(llm, ids, 1024)
+        out = llm.generate(BASELINE_PROMPT, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+        with open(tmp, "w") as f:
+            json.dump({"ids": ids, "perplexity": ppl, "token_ids": list(out.token_ids), "text": out.text}, f)
+
+    with open(cached(str(root / "smollm2-float32-baseline.json"), "", make)) as f:
+        return json.load(f)
 
 
 def hf_folder_from_gguf(gguf_path: str, out: str) -> str:

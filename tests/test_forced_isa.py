@@ -5,7 +5,8 @@ A forced variant stands for the CPUs it is built for in every decision (bf16 dot
 native bfloat16 and so `dtype="auto"`, matmul token limits, which steps replay from step graphs),
 so `ARMSERVE_ISA=avx2` on an AVX-512 machine runs what an AVX2-only CPU runs. The kernel tests
 already cover every variant through the `isa` fixture; these files pick the variant once, at
-import, like the engine does. Their tests that no variant can change run once, in the suite itself.
+import, like the engine does. Their tests that no variant can change run once, in the suite itself;
+their real-model tests take the same paths there with fewer tokens (conftest.FORCED_RERUN).
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _pytest(variant: str, keyword: str, log: str) -> tuple[subprocess.Popen, str
         # The checkout's armserve, as the suite itself imports it (`python3 -m pytest` from the root puts
         # the root on sys.path; this child runs in tests/), not whatever copy is installed.
         path = os.pathsep.join(p for p in (os.path.dirname(HERE), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "ARMSERVE_ISA": variant, "PYTHONPATH": path}
+        env = {**os.environ, "ARMSERVE_ISA": variant, "PYTHONPATH": path, "ARMSERVE_TEST_FORCED_RERUN": "1"}
         return subprocess.Popen(cmd, cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT), log
 
 

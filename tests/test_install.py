@@ -96,18 +96,21 @@ def test_readme_install_commands_leave_a_working_virtualenv(tmp_path):
     run([*pip, "torch==2.13.0"], tmp)
     run([*pip, src], tmp)
     run([*pip, "armserve[openvino]"], tmp)
-    # ... which are the commands the backend's error message names.
-    hint = run([py, "-c", "from armserve.engine.openvino_backend import INSTALL_HINT; print(INSTALL_HINT)"], tmp)
+    # ... which are the commands the backend's error message names; where the exporter's environment
+    # will be; armserve's extras. (One interpreter for the three: each import of armserve is seconds.)
+    out = run([py, "-c", textwrap.dedent("""
+        import importlib.metadata as m, json
+        from armserve.engine.openvino_backend import INSTALL_HINT, export_env_dir
+        print(json.dumps([INSTALL_HINT, export_env_dir(), m.metadata('armserve').get_all('Provides-Extra') or []]))
+        """)], tmp)
+    hint, exporter_env, extras = json.loads(out.strip().splitlines()[-1])
+    extras = ",".join(extras)
     assert f"{py} -m pip install armserve[openvino]" in hint, hint
     assert f"{py} -m armserve.engine.openvino_backend --install-exporter" in hint, hint
     before_exporter = installed(py, tmp)
-    exporter_env = run([py, "-c", "from armserve.engine.openvino_backend import export_env_dir; "
-                                  "print(export_env_dir())"], tmp).strip()
     assert exporter_env.startswith(os.path.join(os.path.expanduser("~"), ".cache", "armserve"))
     # Every declared extra resolved (checked at the end) while the exporter installs: a dry run
     # touches no environment, and the exporter's is not this one (checked below).
-    extras = run([py, "-c", "import importlib.metadata as m; "
-                            "print(','.join(m.metadata('armserve').get_all('Provides-Extra') or []))"], tmp).strip()
     report = str(tmp_path / "report.json")
     dry_run = start([*pip, "--dry-run", "--report", report, f"armserve[{extras}]"], tmp)
     try:
@@ -122,15 +125,18 @@ def test_readme_install_commands_leave_a_working_virtualenv(tmp_path):
         assert not (FORBIDDEN - {"torch"}) & set(pkgs), sorted(FORBIDDEN & set(pkgs))
         assert not [n for n in pkgs if n.startswith("nvidia-")]
         # The failure reported: transformers (and so armserve) would not even import.
+        # (export_python() is the exporter's environment's python, checked below.)
         out = run([py, "-c", textwrap.dedent("""
+            import json
             from transformers import LlamaConfig
             import armserve, openvino_genai, torch, transformers, xgrammar
             from armserve import kernels
+            from armserve.engine.openvino_backend import export_python
             assert kernels.available(), kernels.load_error()
             xgrammar.Grammar.from_regex("[0-9]+")
-            print(transformers.__version__)
+            print(json.dumps([transformers.__version__, export_python()]))
             """)], tmp)
-        serving_transformers = out.strip().splitlines()[-1]
+        serving_transformers, exporter = json.loads(out.strip().splitlines()[-1])
 
         check = subprocess.run([py, "-m", "pip", "check"], cwd=tmp, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True).stdout.strip().splitlines()
@@ -140,8 +146,6 @@ def test_readme_install_commands_leave_a_working_virtualenv(tmp_path):
 
         # The exporter: found by export_python() for this environment, sees this virtualenv's torch
         # and openvino, and has a transformers optimum-intel supports, while serving keeps its own.
-        exporter = run([py, "-c", "from armserve.engine.openvino_backend import export_python; "
-                                  "print(export_python())"], tmp).strip()
         assert exporter == os.path.join(exporter_env, "bin", "python")
         out = run([exporter, "-c", textwrap.dedent("""
             import json, openvino, torch, transformers

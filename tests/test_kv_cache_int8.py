@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from conftest import cached, kernel_isas, random_batch
+from conftest import BASELINE_PROMPT, cached, kernel_isas, random_batch
 
 from armserve import LLM, SamplingParams, kernels
 from armserve.config import ConfigError, EngineConfig
@@ -364,7 +364,7 @@ def test_perplexity_helper_matches_transformers(tiny_llama):
         perplexity(llm, ids, 1)
 
 
-def test_smollm2_int8_perplexity_within_1_percent(smollm2_hf_reference):
+def test_smollm2_int8_perplexity_within_1_percent(smollm2_hf_reference, smollm2_float32_baseline):
     """Perplexity of SmolLM2 (float32) on the first 1024 tokens of tests/data/prose.txt: the int8
     KV cache within 1% of the float cache; greedy continuations mostly identical.
 
@@ -372,18 +372,18 @@ def test_smollm2_int8_perplexity_within_1_percent(smollm2_hf_reference):
     fixture, made once from smollm2_gguf): it loads in about a second where the GGUF takes ~12 s
     (config and tokenizer parsing, Q4_1 dequantization), twice, and it is float32 whatever the
     loader does with quantized GGUF blocks, so the only quantization compared is the KV cache's.
+    The float cache's side is the smollm2_float32_baseline fixture (the same engine settings but
+    the cache dtype), shared with test_quantized.
     """
-    ppl, gen = {}, {}
-    prompt = "It is a truth universally acknowledged, that"
-    for kv in ("auto", "int8"):
-        llm = LLM(smollm2_hf_reference, dtype="float32", kv_cache_dtype=kv, kv_cache_space=0.1)
-        ids = llm.get_tokenizer().encode(open(PROSE).read())
-        assert len(ids) >= 1024
-        ppl[kv] = perplexity(llm, ids[:1024], 1024)
-        gen[kv] = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+    base = smollm2_float32_baseline
+    llm = LLM(smollm2_hf_reference, dtype="float32", kv_cache_dtype="int8", kv_cache_space=0.1, max_model_len=1088)
+    ids = llm.get_tokenizer().encode(open(PROSE).read())
+    assert len(ids) >= 1024 and ids[:1024] == base["ids"]
+    ppl = {"auto": base["perplexity"], "int8": perplexity(llm, ids[:1024], 1024)}
+    gen = llm.generate(BASELINE_PROMPT, SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0].outputs[0]
     print(f"SmolLM2 perplexity, float cache {ppl['auto']:.4f}, int8 cache {ppl['int8']:.4f}")
     assert 3 < ppl["auto"] < 40  # a real model on English prose
     assert abs(ppl["int8"] - ppl["auto"]) / ppl["auto"] < 0.01, ppl
-    a, b = gen["auto"].outputs[0].token_ids, gen["int8"].outputs[0].token_ids
+    a, b = base["token_ids"], gen.token_ids
     same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-    assert same >= 16, (gen["auto"].outputs[0].text, gen["int8"].outputs[0].text)
+    assert same >= 16, (base["text"], gen.text)

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from armserve import LLM, SamplingParams
-from conftest import hf_model
+from conftest import FORCED_RERUN, hf_model
 
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    ",
     "Once upon a time, in a land far away, there lived a dragon who",
 ]
-NUM_TOKENS = 32
+NUM_TOKENS = 12 if FORCED_RERUN else 32
 TOP = 5
 
 
@@ -125,7 +125,7 @@ def test_gemma3_gguf_quantized_perplexity(gemma3_gguf, gemma3_hf_reference):
         "spread of printed pamphlets changed how news, science and religious ideas travelled."
     )
     llm = LLM(gemma3_gguf, kv_cache_space=0.2, max_model_len=1024)
-    ids = llm.get_tokenizer()(text)["input_ids"]
+    ids = llm.get_tokenizer()(text)["input_ids"][:40 if FORCED_RERUN else None]
     ours = perplexity(llm, ids, window=len(ids))
     ref_model = hf_model(gemma3_hf_reference)  # the test above's, kept: one load per process
     with torch.no_grad():
