@@ -79,7 +79,7 @@ class PoolingBackend:
         self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, model_class=cls)
         self.pooler = replace(pooler_config(src, hf, cls.default_pooling_type, cls.pooling_task),
                               use_sep_token=cls.uses_sep_token,
-                              score_template=config.chat_template or (gguf.rerank_template(src) if src.is_gguf else None))
+                              score_template=config.chat_template or getattr(hf, "rerank_template", None))
         self.model.sep_token_id = self.tokenizer.sep_token_id  # pairs' token types (models/bert.py)
         self.vocab_size = hf.vocab_size
         self.eos_token_ids: set[int] = set()

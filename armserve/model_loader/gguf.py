@@ -104,18 +104,20 @@ def read_config(src: ModelSource):
     from transformers import AutoConfig
 
     reader = _reader(os.path.join(src.folder, src.gguf_file))
-    cls = gguf_model_class(header_field(reader, "general.architecture") or "")
+    field = lambda key: header_field(reader, key)  # noqa: E731
+    gguf_arch = field("general.architecture") or ""
+    cls = gguf_model_class(gguf_arch)
 
     def read():
         with shared_with_transformers(src):
             return AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
 
     tensors = {t.name: t.data for t in reader.tensors}
-    field = lambda key: header_field(reader, key)  # noqa: E731
     config = cls.gguf_config(field, tensors, read)
-    if GGUF_POOLING.get(field(f"{field('general.architecture')}.pooling_type")) == "RANK":
+    if GGUF_POOLING.get(field(f"{gguf_arch}.pooling_type")) == "RANK":
         config = rank_config(config, (getattr(config, "architectures", None) or cls.architectures)[0], tensors,
                              src.gguf_file)
+        config.rerank_template = rerank_template(field("tokenizer.chat_template.rerank"))
     return config
 
 
@@ -124,7 +126,7 @@ def rank_config(config, arch: str, tensors: Mapping[str, Any], name: str):
     head: encoders score their first token through `cls` (dense + tanh, optional) and
     `cls.output`; decoders (Qwen3-Reranker) their last token through `cls.output`, whose rows
     llama.cpp softmaxes, the first row's probability being the score: two rows ([yes, no]) are
-    one logit, yes - no, whose sigmoid is that probability."""
+    one logit, yes - no, whose sigmoid is that probability. (The pair's prompt: `rerank_template`.)"""
     target = arch.removesuffix("ForCausalLM").removesuffix("Model") + "ForSequenceClassification"
     try:
         model_cls = get_model_class(target)
@@ -200,12 +202,11 @@ def wordpiece_tokenizer(src: ModelSource):
                              mask_token=special("mask_token_id", "[MASK]"))
 
 
-def rerank_template(src: ModelSource) -> str | None:
-    """A reranker GGUF's prompt for a pair (`tokenizer.chat_template.rerank`, which llama.cpp's
+def rerank_template(text: str | None) -> str | None:
+    """A reranker GGUF's prompt for a pair (its `tokenizer.chat_template.rerank`, which llama.cpp's
     converter writes for Qwen3-Reranker: text with `{query}` and `{document}` in it) as a score
     template, a chat template over the roles "query" and "document" (prompts.encode_pair); None
     when the file has none."""
-    text = header_field(_reader(os.path.join(src.folder, src.gguf_file)), "tokenizer.chat_template.rerank")
     if not text:
         return None
     out = []

@@ -190,6 +190,9 @@ def packed_bytes(fmt: str, n: int, k: int, group: int) -> int:
     return -(-n // 16) * tile_bytes(fmt, k, group)
 
 
+W5_GROUP = 32  # the one group size of w5 (GGUF Q5_0's block)
+
+
 def tile_bytes(fmt: str, k: int, group: int) -> int:
     """Bytes of one 16-row tile of a packed [n, k] weight (csrc/qgemm.h)."""
     if fmt == "w5":
@@ -197,9 +200,6 @@ def tile_bytes(fmt: str, k: int, group: int) -> int:
             raise ValueError(f"w5 weights come in groups of {W5_GROUP} columns, not {group} (k = {k})")
         return k // W5_GROUP * 352
     return (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)
-
-
-W5_GROUP = 32  # the one group size of w5 (GGUF Q5_0's block)
 
 
 def pack(qt: QuantizedTensor) -> torch.Tensor:
