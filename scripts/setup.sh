@@ -24,6 +24,9 @@ step "pip"
 pip_install --upgrade pip
 step "torch 2.13.0 (CPU)"
 pip_install torch==2.13.0
+# The kernels' compiled objects are kept (csrc/build.py, keyed by compiler, flags and sources), so
+# tests/test_install.py's `pip install .` of the same tree links them instead of compiling again.
+export ARMSERVE_BUILD_CACHE=${ARMSERVE_BUILD_CACHE:-$HOME/.cache/armserve-build}
 step "armserve (editable, C++ kernels built) with its test extras and the OpenVINO runtime"
 # -q twice here: setuptools' editable install adds a note ("Please be careful with folders in your
 # working directory ...") that pip shows as a warning; errors still print and fail the step.
