@@ -57,6 +57,12 @@ def _reader(path: str):
     key = (os.path.realpath(path), st.st_mtime, st.st_size)
     if _READER is None or _READER[0] != key:
         _READER = None  # drop the old parse first: it holds one small array per vocabulary entry
+        # NOTE: the parse is ~200 MiB of small Python objects, freed after the load; the modules
+        # that read it (transformers' GGUF config and tokenizer converters, the Auto classes,
+        # tokenizers) are imported before it, not lazily during it, where their ~20 MiB of objects
+        # sat among the parse's and kept ~25 MiB of its freed pymalloc arenas in the engine for good.
+        import transformers.modeling_gguf_pytorch_utils  # noqa: F401
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
         class _Reader(GGUFReader):
             # NOTE: the same parse over a plain ndarray view of the file's memory map: slicing a
