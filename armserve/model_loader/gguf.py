@@ -55,13 +55,6 @@ def _reader(path: str):
     key = (os.path.realpath(path), st.st_mtime, st.st_size)
     if _READER is None or _READER[0] != key:
         _READER = None  # drop the old parse first
-        # NOTE: the modules that read the header (transformers' GGUF config and tokenizer converters,
-        # the Auto classes, tokenizers) are imported before the parse, not lazily while the reader
-        # and the converters' transient objects fill the heap: their ~20 MiB of objects sat among
-        # those and kept ~25 MiB of freed pymalloc arenas in the engine for good.
-        import transformers.modeling_gguf_pytorch_utils  # noqa: F401
-        from transformers import AutoConfig, AutoTokenizer  # noqa: F401
-
         _READER = (key, LazyGGUFReader(path))
     return _READER[1]
 
