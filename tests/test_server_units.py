@@ -91,8 +91,12 @@ def test_a_small_request_is_tokenized_while_a_huge_one_is_on_the_worker(tokenize
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     reference = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.backend_tokenizer.enable_truncation(8)  # (state a tokenizer.json may bring, which an encode would reset)
+    tok.backend_tokenizer.enable_padding()
     serving = _serving(tok)
     assert serving._prep_tokenizer is tok
+    # set off once, before the threads share it: no encode changes it any more
+    assert tok.backend_tokenizer.truncation is None and tok.backend_tokenizer.padding is None
     huge = "All work and no play makes Jack a dull boy. " * 60_000  # 2.6 MB, seconds to encode
     small = ["Hello there, how are you?", "The capital of France is", "def f(x): return x * 2"]
     started = threading.Event()

@@ -52,12 +52,13 @@ _M = TypeVar("_M", bound=BaseModel)
 
 def shares_tokenizer(tokenizer: Any, generates: bool) -> bool:
     """Whether the large-body worker thread may encode with the event loop's own `tokenizer`: only a
-    transformers fast tokenizer whose Rust state no call changes. Its truncation and padding settings
-    are state that transformers sets before an encode when they differ from the call's
-    (enable_truncation needs the Rust object to itself and raises "Already borrowed" while another
+    transformers fast tokenizer whose Rust state no call changes. Its truncation, padding and
+    special-token splitting are state that transformers sets before an encode when they differ from
+    the call's (a setter needs the Rust object to itself and raises "Already borrowed" while another
     thread encodes, and its setting would apply to that thread's text): a generating model's prompts
-    are encoded without either, set off here once for all, while a pooling model truncates its inputs
-    (`generates` False), so its worker keeps a copy of its own."""
+    are encoded without truncation or padding and with the tokenizer's own splitting, set here once
+    for all, while a pooling model truncates its inputs (`generates` False), so its worker keeps a
+    copy of its own."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not generates or backend is None:
         return False
@@ -65,6 +66,9 @@ def shares_tokenizer(tokenizer: Any, generates: bool) -> bool:
         backend.no_truncation()
     if backend.padding is not None:
         backend.no_padding()
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
     return True
 
 
