@@ -1,4 +1,5 @@
-"""Pure parts of the server stack: the reasoning parser and the merging of delta outputs."""
+"""Pure parts of the server stack: the reasoning parser, the merging of delta outputs, and the large-body
+worker sharing the event loop's tokenizer."""
 
 from __future__ import annotations
 
@@ -55,3 +56,84 @@ def test_merge_delta_outputs_concatenates_per_completion():
     assert first.finish_reason == "stop" and m.finished
     assert m.outputs[1].text == "x"
     assert a.outputs[0].text == "Hel" and a.outputs[0].token_ids == [5]  # inputs untouched
+
+
+# ---- the large-body worker shares the event loop's tokenizer ---------------------------------
+
+
+def _serving(tokenizer, pooling: bool = False):
+    from types import SimpleNamespace
+
+    from armserve.entrypoints.serving import OpenAIServing
+
+    engine = SimpleNamespace(tokenizer=tokenizer, config=SimpleNamespace(model="m", generation_config="vllm"),
+                             input_processor=SimpleNamespace(pooler=object() if pooling else None))
+    return OpenAIServing(engine, ["m"])  # type: ignore[arg-type]
+
+
+class _Raw:
+    """A request as `prepare` sees it: only its content-length."""
+
+    def __init__(self, size: int) -> None:
+        self.headers = {"content-length": str(size)}
+
+
+@pytest.mark.needs_model
+def test_a_small_request_is_tokenized_while_a_huge_one_is_on_the_worker(tokenizer_dir):
+    """The worker encodes with the event loop's own tokenizer (no second copy: ~40 MiB of the front
+    end), and the loop still tokenizes small requests meanwhile: the Rust encode_batch that
+    transformers calls releases the GIL. (With the GIL held, as the Rust tokenizer's plain `encode`
+    holds it, ~60 small requests got through here while 2.6 MB was encoded, against ~26,000.)"""
+    import asyncio
+    import threading
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    reference = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tok.backend_tokenizer.enable_truncation(8)  # (state a tokenizer.json may bring, which an encode would reset)
+    tok.backend_tokenizer.enable_padding()
+    serving = _serving(tok)
+    assert serving._prep_tokenizer is tok
+    # set off once, before the threads share it: no encode changes it any more
+    assert tok.backend_tokenizer.truncation is None and tok.backend_tokenizer.padding is None
+    huge = "All work and no play makes Jack a dull boy. " * 60_000  # 2.6 MB, seconds to encode
+    small = ["Hello there, how are you?", "The capital of France is", "def f(x): return x * 2"]
+    started = threading.Event()
+
+    def encode_huge(t):
+        assert t is tok  # the shared one
+        started.set()
+        return t.encode(huge, add_special_tokens=False)
+
+    async def run():
+        big = asyncio.ensure_future(serving.prepare(_Raw(len(huge)), encode_huge))
+        while not started.is_set():
+            await asyncio.sleep(0.001)
+        done_meanwhile = []
+        while not big.done() and len(done_meanwhile) < 1000:
+            text = small[len(done_meanwhile) % len(small)]
+            done_meanwhile.append((text, await serving.prepare(_Raw(len(text)), lambda t: t.encode(text))))
+            await asyncio.sleep(0)
+        return done_meanwhile, big.done(), await big
+
+    done_meanwhile, big_done, big_ids = asyncio.run(run())
+    assert not big_done and len(done_meanwhile) == 1000, f"{len(done_meanwhile)} small requests got through"
+    for text, ids in done_meanwhile:
+        assert ids == reference.encode(text)
+    assert big_ids == reference.encode(huge, add_special_tokens=False)
+    serving._prep_pool.shutdown()
+
+
+@pytest.mark.needs_model
+def test_a_pooling_models_worker_keeps_its_own_tokenizer(tokenizer_dir):
+    """A pooling model truncates its inputs through the tokenizer's Rust state (which another thread's
+    encode would see, and which cannot change while one encodes): its worker has a copy."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    serving = _serving(tok, pooling=True)
+    serving._prep_ready.result()
+    assert serving._prep_tokenizer is not tok
+    assert serving._prep_tokenizer.encode("Hello there") == tok.encode("Hello there")
+    serving._prep_pool.shutdown()

@@ -50,6 +50,28 @@ _T = TypeVar("_T")
 _M = TypeVar("_M", bound=BaseModel)
 
 
+def shares_tokenizer(tokenizer: Any, generates: bool) -> bool:
+    """Whether the large-body worker thread may encode with the event loop's own `tokenizer`: only a
+    transformers fast tokenizer whose Rust state no call changes. Its truncation, padding and
+    special-token splitting are state that transformers sets before an encode when they differ from
+    the call's (a setter needs the Rust object to itself and raises "Already borrowed" while another
+    thread encodes, and its setting would apply to that thread's text): a generating model's prompts
+    are encoded without truncation or padding and with the tokenizer's own splitting, set here once
+    for all, while a pooling model truncates its inputs (`generates` False), so its worker keeps a
+    copy of its own."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not generates or backend is None:
+        return False
+    if backend.truncation is not None:
+        backend.no_truncation()
+    if backend.padding is not None:
+        backend.no_padding()
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
+    return True
+
+
 def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
@@ -145,13 +167,19 @@ class OpenAIServing:
             SamplingParams(**self.default_sampling)
             logger.info("default sampling parameters from the model's generation config: %s (--generation-config "
                         "vllm to ignore them)", self.default_sampling)
-        # NOTE: the worker has a tokenizer of its own: the event loop's keeps tokenizing small
-        # requests meanwhile, and one Rust tokenizer is not meant to be used by two threads at once.
-        # The worker unpickles it now, off the event loop (seconds for a 150k vocabulary, holding the
-        # GIL): a deep copy here left ~70 MiB of copying scratch in the heap beside the copy's 35.
         self._prep_pool = ThreadPoolExecutor(1, thread_name_prefix="armserve-tokenize")
         self._prep_tokenizer: Any = None
-        self._prep_ready = self._prep_pool.submit(self._worker_tokenizer, pickle.dumps(self.tokenizer))
+        if shares_tokenizer(self.tokenizer, engine.input_processor.pooler is None):
+            # NOTE: one tokenizer for the loop and the worker (~40 MiB less than a copy each): the
+            # Rust tokenizer encodes with the GIL released (transformers calls its encode_batch), and
+            # two threads may encode at once, so a small request is tokenized on the loop while a
+            # large one is on the worker (tests/test_server_units.py shows it).
+            self._prep_tokenizer = self.tokenizer
+            self._prep_ready = self._prep_pool.submit(lambda: None)
+        else:
+            # The worker's own copy, unpickled off the event loop (seconds for a 150k vocabulary,
+            # holding the GIL): a deep copy here left ~70 MiB of copying scratch in the heap.
+            self._prep_ready = self._prep_pool.submit(self._worker_tokenizer, pickle.dumps(self.tokenizer))
 
     async def parse(self, raw: Request, model: type[_M]) -> _M:
         """The request body as `model`: JSON parsing and validation, on the worker thread when the

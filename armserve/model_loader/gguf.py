@@ -41,33 +41,21 @@ BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
-# One parsed GGUF file, shared by the config, the tokenizer and the weights of one load. Parsing a
-# GGUF header means slicing every vocabulary entry out of the file (Qwen2.5: 151k tokens and
-# merges, ~8 s), and transformers parses the whole file again for the config and for the tokenizer.
+# One parsed GGUF file, shared by the config, the tokenizer and the weights of one load:
+# transformers would parse the whole file again for the config and for the tokenizer.
 _READER: tuple[tuple[str, float, int], Any] | None = None
 
 
 def _reader(path: str):
-    """The GGUFReader of `path`, parsed once (until another file or a changed one is read)."""
+    """The GGUFReader of `path` (gguf_reader.py), parsed once (until another file or a changed one is read)."""
     global _READER
-    import numpy as np
-    from gguf.gguf_reader import GGUFReader  # the class itself, not a patched package attribute
+    from armserve.model_loader.gguf_reader import LazyGGUFReader
 
     st = os.stat(path)
     key = (os.path.realpath(path), st.st_mtime, st.st_size)
     if _READER is None or _READER[0] != key:
-        _READER = None  # drop the old parse first: it holds one small array per vocabulary entry
-
-        class _Reader(GGUFReader):
-            # NOTE: the same parse over a plain ndarray view of the file's memory map: slicing a
-            # np.memmap runs its Python __array_finalize__ for every field part (millions of them),
-            # which was most of the parse time.
-            def __setattr__(self, name: str, value: Any) -> None:
-                if name == "data" and isinstance(value, np.memmap):
-                    value = value.view(np.ndarray)
-                super().__setattr__(name, value)
-
-        _READER = (key, _Reader(path))
+        _READER = None  # drop the old parse first
+        _READER = (key, LazyGGUFReader(path))
     return _READER[1]
 
 

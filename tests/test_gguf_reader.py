@@ -1,0 +1,63 @@
+"""armserve's GGUF header reader (model_loader/gguf_reader.py) against gguf's GGUFReader: every field's
+parts, data indices, types and contents, and every tensor, the same on a written file with each kind
+of metadata and on the bundled SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from armserve.model_loader.gguf_reader import LazyGGUFReader
+
+
+def _assert_same(path: str) -> None:
+    a, b = GGUFReader(path), LazyGGUFReader(path)
+    assert list(a.fields) == list(b.fields)
+    for name, fa in a.fields.items():
+        fb = b.fields[name]
+        assert (fb.offset, fb.name, list(fb.types)) == (fa.offset, fa.name, list(fa.types))
+        assert list(fb.data) == list(fa.data), name
+        assert len(fb.parts) == len(fa.parts), name
+        for pa, pb in zip(fa.parts, fb.parts):
+            assert pb.dtype == pa.dtype and pb.shape == pa.shape and np.array_equal(pb, pa), name
+        assert [p.dtype for p in fb.parts[-3:]] == [p.dtype for p in fa.parts[-3:]], name  # (negative indices)
+        assert fb.contents() == fa.contents(), name
+        if fa.data:
+            assert fb.contents(0) == fa.contents(0), name
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in b.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset, t.n_bytes) for t in a.tensors]
+    for ta, tb in zip(a.tensors, b.tensors):
+        assert np.array_equal(ta.data, tb.data)
+
+
+def test_every_kind_of_metadata_reads_as_ggufreader_reads_it(tmp_path):
+    path = str(tmp_path / "meta.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_string("s.plain", "hello")
+    w.add_string("s.empty", "")
+    w.add_array("a.strings", ["a", "", "ünïcödé ✓", "<|endoftext|>", "Ġthe"] * 50)
+    w.add_array("a.empty", [])
+    w.add_key_value("a.u8", [0, 1, 255], GGUFValueType.ARRAY, GGUFValueType.UINT8)
+    w.add_key_value("a.i16", [-5, 7], GGUFValueType.ARRAY, GGUFValueType.INT16)
+    w.add_key_value("a.i32", list(range(-100, 100)), GGUFValueType.ARRAY, GGUFValueType.INT32)
+    w.add_key_value("a.u64", [2**40, 3], GGUFValueType.ARRAY, GGUFValueType.UINT64)
+    w.add_key_value("a.f32", [0.5, -1.25, 3.0], GGUFValueType.ARRAY, GGUFValueType.FLOAT32)
+    w.add_key_value("a.f64", [1e300], GGUFValueType.ARRAY, GGUFValueType.FLOAT64)
+    w.add_key_value("a.bool", [True, False, True], GGUFValueType.ARRAY, GGUFValueType.BOOL)
+    w.add_array("a.nested", [[1, 2], [3]])  # (an array of arrays: read as GGUFReader reads it)
+    w.add_uint32("n.u32", 7)
+    w.add_float32("n.f32", 0.25)
+    w.add_bool("n.bool", True)
+    w.add_tensor("t.a", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("t.b", np.ones(5, dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_same(path)
+
+
+@pytest.mark.needs_model
+def test_a_real_vocabulary_reads_as_ggufreader_reads_it(smollm2_gguf):
+    _assert_same(smollm2_gguf)  # 49k tokens and merges
