@@ -61,3 +61,27 @@ def test_every_kind_of_metadata_reads_as_ggufreader_reads_it(tmp_path):
 @pytest.mark.needs_model
 def test_a_real_vocabulary_reads_as_ggufreader_reads_it(smollm2_gguf):
     _assert_same(smollm2_gguf)  # 49k tokens and merges
+
+
+def test_a_gguf_release_the_lazy_reader_does_not_fit_falls_back_to_ggufreader(tmp_path, monkeypatch, caplog):
+    from armserve.model_loader import gguf as loader
+    from armserve.model_loader import gguf_reader
+
+    path = str(tmp_path / "meta.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_array("a.strings", ["x", "yz"])
+    w.add_tensor("t.a", np.arange(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    def changed(self, *args):  # (as if a gguf release renamed a private helper the lazy reader calls)
+        raise AttributeError("'LazyGGUFReader' object has no attribute '_get'")
+
+    monkeypatch.setattr(gguf_reader.LazyGGUFReader, "_array_field", changed)
+    monkeypatch.setattr(loader, "_READER", None)
+    with caplog.at_level("WARNING", logger=loader.__name__):
+        reader = loader._reader(path)
+    assert type(reader) is not gguf_reader.LazyGGUFReader and isinstance(reader, GGUFReader)
+    assert "lazy GGUF header reader does not fit" in caplog.text
+    assert reader.fields["a.strings"].contents() == ["x", "yz"]

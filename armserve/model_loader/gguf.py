@@ -7,6 +7,8 @@ kept as QuantizedTensors where they feed a linear layer, the rest dequantized.""
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import logging
 import mmap
 import os
 import re
@@ -20,6 +22,8 @@ from armserve.memory import release_free_heap
 from armserve.models import UnsupportedArchitectureError, get_model_class, gguf_model_class
 from armserve.quantization import QuantizedTensor
 from armserve.quantization.gguf import convert, gguf_rows
+
+logger = logging.getLogger(__name__)
 
 # llama.cpp's standard tensor names -> Hugging Face's (a family adds or overrides block names
 # with its `gguf_block_names`)
@@ -55,7 +59,16 @@ def _reader(path: str):
     key = (os.path.realpath(path), st.st_mtime, st.st_size)
     if _READER is None or _READER[0] != key:
         _READER = None  # drop the old parse first
-        _READER = (key, LazyGGUFReader(path))
+        try:
+            _READER = (key, LazyGGUFReader(path))
+        except (AttributeError, TypeError) as e:
+            # NOTE: LazyGGUFReader overrides GGUFReader's private field parsing (gguf 0.17-0.19): a
+            # gguf release that reshapes it must cost load time and memory, not the load itself.
+            from gguf.gguf_reader import GGUFReader
+
+            logger.warning("gguf %s: the lazy GGUF header reader does not fit it (%s); reading the whole "
+                           "header with gguf's GGUFReader", importlib.metadata.version("gguf"), e)
+            _READER = (key, GGUFReader(path))
     return _READER[1]
 
 
