@@ -162,11 +162,23 @@ def test_gguf_file_is_parsed_once_per_load(smollm2_gguf, monkeypatch):
         original_init(self, path, *args, **kwargs)
 
     monkeypatch.setattr(GGUFReader, "__init__", counting_init)
+    # transformers' conversion of the whole header to Python values (AutoConfig and AutoTokenizer
+    # each ask for it): once per load too
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    headers = []
+    original_header = hf_gguf.load_gguf_checkpoint
+
+    def counting_header(path, *args, **kwargs):
+        headers.append(path)
+        return original_header(path, *args, **kwargs)
+
+    monkeypatch.setattr(hf_gguf, "load_gguf_checkpoint", counting_header)
     package_reader = gguf.GGUFReader
     llm = LLM(smollm2_gguf, dtype="float32", kv_cache_space=0.05, max_model_len=128)
-    assert len(parses) == 1
-    assert gguf.GGUFReader is package_reader
-    assert gguf_loader._READER is None
+    assert len(parses) == 1 and len(headers) == 1, (parses, headers)
+    assert gguf.GGUFReader is package_reader and hf_gguf.load_gguf_checkpoint is counting_header
+    assert gguf_loader._READER is None and gguf_loader._HEADER is None
     assert llm.get_tokenizer().vocab_size == 49152
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -7,6 +7,7 @@ kept as QuantizedTensors where they feed a linear layer, the rest dequantized.""
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 import logging
 import mmap
@@ -72,19 +73,26 @@ def _reader(path: str):
     return _READER[1]
 
 
+# transformers' reading of the whole header (`load_gguf_checkpoint(path, return_tensors=False)`) for
+# the file of the load under way: every metadata value as Python objects, the vocabulary included.
+_HEADER: tuple[tuple[str, float, int], dict] | None = None
+
+
 def release_reader() -> None:
     """Forget the parsed GGUF file (after a load has taken what it needs)."""
-    global _READER
-    _READER = None
+    global _READER, _HEADER
+    _READER = _HEADER = None
 
 
 @contextlib.contextmanager
 def shared_with_transformers(src: ModelSource) -> Iterator[None]:
     """While transformers builds a config or tokenizer from `src`'s GGUF file, its
-    `gguf.GGUFReader(path)` returns the reader parsed by `_reader` instead of a new parse."""
+    `gguf.GGUFReader(path)` returns the reader parsed by `_reader` instead of a new parse, and its
+    reading of the whole header is done once per load."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
-    original = gguf.GGUFReader
+    original, original_header = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
     mine = os.path.realpath(os.path.join(src.folder, src.gguf_file))
 
     def reader(path, mode: str = "r"):
@@ -92,11 +100,25 @@ def shared_with_transformers(src: ModelSource) -> Iterator[None]:
             return _reader(mine)
         return original(path, mode)
 
-    gguf.GGUFReader = reader
+    def header(path, return_tensors: bool = False, **kwargs):
+        # NOTE: AutoConfig and AutoTokenizer each read the whole header for the config (transformers
+        # 5.x, for the architectures its metadata-only reader does not cover), converting every
+        # vocabulary entry to Python values: seconds for a 150-260k vocabulary. Both take only
+        # "config" from it, which each gets a copy of.
+        global _HEADER
+        if return_tensors or kwargs or os.path.realpath(path) != mine:
+            return original_header(path, return_tensors, **kwargs)
+        st = os.stat(mine)
+        key = (mine, st.st_mtime, st.st_size)
+        if _HEADER is None or _HEADER[0] != key:
+            _HEADER = (key, original_header(path, return_tensors=False))
+        return {**_HEADER[1], "config": copy.deepcopy(_HEADER[1]["config"])}
+
+    gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader, header
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = original, original_header
 
 
 def read_config(src: ModelSource):
