@@ -15,6 +15,7 @@ using armserve::w8_scales;
 using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
+using armserve::kW5Group;
 
 static inline __m256i dot4(__m256i u8, __m256i s8) {
   // u8 x s8 pairs summed to int16 (no saturation: |u| <= 127 or <= 15 here), then pairs to int32
@@ -74,21 +75,7 @@ struct QAvx2 : EmbedRowsAvx2 {
         for (int i = 0; i < NT; ++i)
           for (int h = 0; h < 2; ++h) ia[i][h] = _mm256_add_epi32(ia[i][h], _mm256_madd_epi16(s16[i][h], ones));
       }
-      const uint16_t* hs = W5 ? w5_scales(wt, g) : w4_scales(wt, g, group);
-      for (int h = 0; h < 2; ++h) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + h * 8)));
-        for (int i = 0; i < NT; ++i) {
-          const __m256 sa = _mm256_set1_ps(as[i][g]);
-          if (W5) {  // the integer dot of (u - 16) and a, folded as tile_w8 folds its own
-            const __m256i d = _mm256_sub_epi32(ia[i][h], _mm256_set1_epi32(16 * gs[i][g]));
-            facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(d), facc[i][h]);
-            continue;
-          }
-          const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + 16 + h * 8)));
-          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
-          facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(as[i][g] * float(gs[i][g])), facc[i][h]);
-        }
-      }
+      fold_nib<NT, W5>(wt, as, gs, g, group, ia, facc);
     }
     for (int i = 0; i < NT; ++i) {
       _mm256_storeu_ps(acc[i], facc[i][0]);
@@ -96,20 +83,119 @@ struct QAvx2 : EmbedRowsAvx2 {
     }
   }
 
+  // Tokens one tile pass takes (qgemm_impl.h tile_rows): a verify step of 1 + up to 7 drafts.
+  static constexpr int kMaxTokens = 8;
+
+  // W5 at 5-8 tokens: 16 registers hold the int16 sums of 4 tokens, so the tokens go in blocks of
+  // at most 4 over each pair of chunks, whose weights are unpacked once (W5's unpacking, with its
+  // bit plane, costs as much as a token's products) into `wv` for both blocks: a 5-row verify step's
+  // W5 GEMMs took ~15% less than 4 tokens and then 1 (Qwen2.5-Coder's 9728 x 896 gate/up shape).
+  // W4 and W8 tiles run 4 + the rest instead: their weights cost little to unpack or none, and
+  // the 16-row tile is re-read from L1. The same integer sums in another order (exact), then
+  // tile_nib's float folding: bit for bit the same outputs.
+  template <int B>
+  static void w5_block(__m256i (*wv)[2][2], const int8_t* const* q, int64_t c0, __m256i (*ia)[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s16[B][2];
+    for (int i = 0; i < B; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 2; ++c)
+      for (int i = 0; i < B; ++i) {
+        const __m256i qa = _mm256_set1_epi32(load4(q[i] + (c0 + c) * 8)),
+                      qb = _mm256_set1_epi32(load4(q[i] + (c0 + c) * 8 + 4));
+        for (int h = 0; h < 2; ++h)
+          s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(wv[c][h][0], qa),
+                                                                   _mm256_maddubs_epi16(wv[c][h][1], qb)));
+      }
+    for (int i = 0; i < B; ++i)
+      for (int h = 0; h < 2; ++h) ia[i][h] = _mm256_add_epi32(ia[i][h], _mm256_madd_epi16(s16[i][h], ones));
+  }
+
+  template <int NT>
+  static void tile_w5_wide(const uint8_t* wt, const int8_t* const* q, const float* const* as,
+                           const int32_t* const* gs, int64_t k, float (*acc)[16]) {
+    static_assert(NT > 4 && NT <= 8, "tile_nib takes up to 4 tokens");
+    const __m256i nib = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / kW5Group; ++g) {
+      __m256i ia[NT][2];
+      for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      __m256i pl[2], pl4[2];
+      for (int h = 0; h < 2; ++h) {
+        pl[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_plane(wt, g) + h * 32));
+        pl4[h] = _mm256_slli_epi16(pl[h], 4);
+      }
+      for (int64_t cl0 = 0; cl0 < 4; cl0 += 2) {  // (int16 sums span 2 chunks: tile_nib)
+        __m256i wv[2][2][2];  // [chunk][rows 0-7, 8-15][low, high nibble codes with bit 4]
+        for (int c = 0; c < 2; ++c) {
+          const __m128i cl = _mm_cvtsi64_si128(cl0 + c);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_chunk(wt, g, cl0 + c) + h * 32));
+            wv[c][h][0] = _mm256_or_si256(_mm256_and_si256(b, nib), _mm256_and_si256(_mm256_srl_epi16(pl4[h], cl), bit4));
+            wv[c][h][1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nib),
+                                          _mm256_and_si256(_mm256_srl_epi16(pl[h], cl), bit4));
+          }
+        }
+        w5_block<4>(wv, q, g * 4 + cl0, ia);
+        w5_block<NT - 4>(wv, q + 4, g * 4 + cl0, ia + 4);
+      }
+      fold_nib<NT, true>(wt, as, gs, g, kW5Group, ia, facc);
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(acc[i], facc[i][0]);
+      _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
+    }
+  }
+
+  // Group g's integer sums into the float accumulators (W4: s * sum(u a) - szp * sum(a); W5: the
+  // integer dot of (u - 16) and a, folded as tile_w8 folds its own).
+  template <int NT, bool W5>
+  static void fold_nib(const uint8_t* wt, const float* const* as, const int32_t* const* gs, int64_t g,
+                       int64_t group, __m256i (*ia)[2], __m256 (*facc)[2]) {
+    const uint16_t* hs = W5 ? w5_scales(wt, g) : w4_scales(wt, g, group);
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + h * 8)));
+      for (int i = 0; i < NT; ++i) {
+        const __m256 sa = _mm256_set1_ps(as[i][g]);
+        if (W5) {
+          const __m256i d = _mm256_sub_epi32(ia[i][h], _mm256_set1_epi32(16 * gs[i][g]));
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(d), facc[i][h]);
+          continue;
+        }
+        const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + 16 + h * 8)));
+        facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
+        facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(as[i][g] * float(gs[i][g])), facc[i][h]);
+      }
+    }
+  }
+
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile_nib<NT, false>(wt, q, as, gs, k, group, acc);
+    if constexpr (NT > 4) {
+      tile_nib<4, false>(wt, q, as, gs, k, group, acc);
+      tile_nib<NT - 4, false>(wt, q + 4, as + 4, gs + 4, k, group, acc + 4);
+    } else {
+      tile_nib<NT, false>(wt, q, as, gs, k, group, acc);
+    }
   }
   template <int NT>
   static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile_nib<NT, true>(wt, q, as, gs, k, group, acc);
+    if constexpr (NT > 4)
+      tile_w5_wide<NT>(wt, q, as, gs, k, acc);
+    else
+      tile_nib<NT, true>(wt, q, as, gs, k, group, acc);
   }
 
   template <int NT>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
+    if constexpr (NT > 4) {  // 4 + the rest: no unpacking to share, the tile is re-read from L1
+      tile_w8<4>(wt, q, as, gs, k, group, acc);
+      tile_w8<NT - 4>(wt, q + 4, as + 4, gs + 4, k, group, acc + 4);
+      return;
+    }
     (void)gs;
     __m256 facc[NT][2];
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();

@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gguf_rows.h"
 #include "kernels_impl.h"
@@ -166,6 +167,17 @@ struct ScalarQ {
 template <class Isa, class IsaQ>
 struct Moe;  // moe_impl.h
 
+// Tokens one tile pass of a variant takes (its tile_* templates' largest NT): `kMaxTokens` where
+// the variant declares it (AVX2: 8, a verify step's rows unpacking each weight once), else 4.
+template <class Q, class = void>
+struct MaxTokens {
+  static constexpr int value = 4;
+};
+template <class Q>
+struct MaxTokens<Q, std::void_t<decltype(Q::kMaxTokens)>> {
+  static constexpr int value = Q::kMaxTokens;
+};
+
 template <class Isa, class IsaQ>
 struct QKernels {
   // One token's row: int8 codes, per-group scales and code sums.
@@ -225,22 +237,28 @@ struct QKernels {
   static void tile_rows(int32_t dtype, void* out, int64_t ldo, const int8_t* q, const float* ascale,
                         const int32_t* agsum, const int32_t* idx, int64_t m, const uint8_t* wt, int cols, int64_t k,
                         int64_t group) {
+    constexpr int kMax = MaxTokens<IsaQ>::value;
     const int es = dtype_size(dtype);
     const int64_t ng = k / group;
-    float acc[4][16];
-    for (int64_t m0 = 0; m0 < m; m0 += 4) {
-      const int nt = int(m - m0 < 4 ? m - m0 : 4);
-      const int8_t* qs[4];
-      const float* as[4];
-      const int32_t* gs[4];
+    float acc[kMax][16];
+    for (int64_t m0 = 0; m0 < m; m0 += kMax) {
+      const int nt = int(m - m0 < kMax ? m - m0 : kMax);
+      const int8_t* qs[kMax];
+      const float* as[kMax];
+      const int32_t* gs[kMax];
       for (int i = 0; i < nt; ++i) {
         const int64_t r = idx ? idx[m0 + i] : m0 + i;
         qs[i] = q + r * k;
         as[i] = ascale + r * ng;
         gs[i] = agsum + r * ng;
       }
-      // (2 or 3 tokens in one pass too: a speculative verify step's 2-5 rows unpack each weight once)
+      // (2 or 3 tokens in one pass too, and up to kMax: a speculative verify step's rows unpack each
+      // weight once)
       switch (nt) {
+        case 8: if constexpr (kMax >= 8) tile<F, 8>(wt, qs, as, gs, k, group, acc); break;
+        case 7: if constexpr (kMax >= 7) tile<F, 7>(wt, qs, as, gs, k, group, acc); break;
+        case 6: if constexpr (kMax >= 6) tile<F, 6>(wt, qs, as, gs, k, group, acc); break;
+        case 5: if constexpr (kMax >= 5) tile<F, 5>(wt, qs, as, gs, k, group, acc); break;
         case 4: tile<F, 4>(wt, qs, as, gs, k, group, acc); break;
         case 3: tile<F, 3>(wt, qs, as, gs, k, group, acc); break;
         case 2: tile<F, 2>(wt, qs, as, gs, k, group, acc); break;
