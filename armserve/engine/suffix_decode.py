@@ -187,10 +187,14 @@ class SuffixTree:
         length); ([], 0.0, 0) when no suffix of it occurs."""
         best: tuple[list[int], float, int] = ([], 0.0, 0)
         for m in range(1, len(pattern)):
+            if self.max_depth - m < best[1]:
+                break  # (a path holds max_depth tokens: a longer match drafts too few to win)
             node, idx = self._match(pattern[len(pattern) - m:])
             if node is None:
                 break  # a longer suffix cannot occur either
             cap = min(max_tokens, int(m * max_spec_factor + 1e-6))
+            if cap < best[1]:
+                continue  # (a score is a sum of at most `cap` probabilities: it cannot win)
             toks, score = _follow(node, idx, cap, min_token_prob)
             if score >= best[1]:
                 best = (toks, score, m)
