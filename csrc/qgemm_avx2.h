@@ -75,7 +75,21 @@ struct QAvx2 : EmbedRowsAvx2 {
         for (int i = 0; i < NT; ++i)
           for (int h = 0; h < 2; ++h) ia[i][h] = _mm256_add_epi32(ia[i][h], _mm256_madd_epi16(s16[i][h], ones));
       }
-      fold_nib<NT, W5>(wt, as, gs, g, group, ia, facc);
+      const uint16_t* hs = W5 ? w5_scales(wt, g) : w4_scales(wt, g, group);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + h * 8)));
+        for (int i = 0; i < NT; ++i) {
+          const __m256 sa = _mm256_set1_ps(as[i][g]);
+          if (W5) {  // the integer dot of (u - 16) and a, folded as tile_w8 folds its own
+            const __m256i d = _mm256_sub_epi32(ia[i][h], _mm256_set1_epi32(16 * gs[i][g]));
+            facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(d), facc[i][h]);
+            continue;
+          }
+          const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + 16 + h * 8)));
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
+          facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(as[i][g] * float(gs[i][g])), facc[i][h]);
+        }
+      }
     }
     for (int i = 0; i < NT; ++i) {
       _mm256_storeu_ps(acc[i], facc[i][0]);
@@ -83,16 +97,17 @@ struct QAvx2 : EmbedRowsAvx2 {
     }
   }
 
-  // Tokens one tile pass takes (qgemm_impl.h tile_rows): a verify step of 1 + up to 7 drafts.
-  static constexpr int kMaxTokens = 8;
+  // Tokens one W5 tile pass takes (qgemm_impl.h tile_rows, which balances the passes: 8 rows go as
+  // 4 + 4, 13 as 5 + 4 + 4); W4 and W8 passes take 4.
+  static constexpr int kMaxTokens = 6;
 
-  // W5 at 5-8 tokens: 16 registers hold the int16 sums of 4 tokens, so the tokens go in blocks of
+  // W5 at 5-6 tokens: 16 registers hold the int16 sums of 4 tokens, so the tokens go in blocks of
   // at most 4 over each pair of chunks, whose weights are unpacked once (W5's unpacking, with its
-  // bit plane, costs as much as a token's products) into `wv` for both blocks: a 5-row verify step's
-  // W5 GEMMs took ~15% less than 4 tokens and then 1 (Qwen2.5-Coder's 9728 x 896 gate/up shape).
-  // W4 and W8 tiles run 4 + the rest instead: their weights cost little to unpack or none, and
-  // the 16-row tile is re-read from L1. The same integer sums in another order (exact), then
-  // tile_nib's float folding: bit for bit the same outputs.
+  // bit plane, costs about as much as a token's products) into `wv` for both blocks: ~11% less
+  // than 4 tokens and then the rest at 5 and 6 (Zen 3; at 7-8 the spilled sums cost more than a
+  // second unpacking, hence kMaxTokens 6). W4 and W8 passes stay at 4 tokens: their weights cost
+  // little to unpack or none, and each pass re-reads the 16-row tile from L1. The same integer sums
+  // in another order (exact), then tile_nib's float folding: bit for bit the same outputs.
   template <int B>
   static void w5_block(__m256i (*wv)[2][2], const int8_t* const* q, int64_t c0, __m256i (*ia)[2]) {
     const __m256i ones = _mm256_set1_epi16(1);
@@ -113,7 +128,7 @@ struct QAvx2 : EmbedRowsAvx2 {
   template <int NT>
   static void tile_w5_wide(const uint8_t* wt, const int8_t* const* q, const float* const* as,
                            const int32_t* const* gs, int64_t k, float (*acc)[16]) {
-    static_assert(NT > 4 && NT <= 8, "tile_nib takes up to 4 tokens");
+    static_assert(NT > 4 && NT <= 8, "tile_nib takes up to 4 tokens, w5_block 4");
     const __m256i nib = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
     __m256 facc[NT][2];
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
@@ -139,7 +154,14 @@ struct QAvx2 : EmbedRowsAvx2 {
         w5_block<4>(wv, q, g * 4 + cl0, ia);
         w5_block<NT - 4>(wv, q + 4, g * 4 + cl0, ia + 4);
       }
-      fold_nib<NT, true>(wt, as, gs, g, kW5Group, ia, facc);
+      const uint16_t* hs = w5_scales(wt, g);
+      for (int h = 0; h < 2; ++h) {  // (tile_nib's W5 folding)
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + h * 8)));
+        for (int i = 0; i < NT; ++i) {
+          const __m256i d = _mm256_sub_epi32(ia[i][h], _mm256_set1_epi32(16 * gs[i][g]));
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[i][g])), _mm256_cvtepi32_ps(d), facc[i][h]);
+        }
+      }
     }
     for (int i = 0; i < NT; ++i) {
       _mm256_storeu_ps(acc[i], facc[i][0]);
@@ -147,37 +169,10 @@ struct QAvx2 : EmbedRowsAvx2 {
     }
   }
 
-  // Group g's integer sums into the float accumulators (W4: s * sum(u a) - szp * sum(a); W5: the
-  // integer dot of (u - 16) and a, folded as tile_w8 folds its own).
-  template <int NT, bool W5>
-  static void fold_nib(const uint8_t* wt, const float* const* as, const int32_t* const* gs, int64_t g,
-                       int64_t group, __m256i (*ia)[2], __m256 (*facc)[2]) {
-    const uint16_t* hs = W5 ? w5_scales(wt, g) : w4_scales(wt, g, group);
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + h * 8)));
-      for (int i = 0; i < NT; ++i) {
-        const __m256 sa = _mm256_set1_ps(as[i][g]);
-        if (W5) {
-          const __m256i d = _mm256_sub_epi32(ia[i][h], _mm256_set1_epi32(16 * gs[i][g]));
-          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(d), facc[i][h]);
-          continue;
-        }
-        const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + 16 + h * 8)));
-        facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, sa), _mm256_cvtepi32_ps(ia[i][h]), facc[i][h]);
-        facc[i][h] = _mm256_fnmadd_ps(z, _mm256_set1_ps(as[i][g] * float(gs[i][g])), facc[i][h]);
-      }
-    }
-  }
-
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    if constexpr (NT > 4) {
-      tile_nib<4, false>(wt, q, as, gs, k, group, acc);
-      tile_nib<NT - 4, false>(wt, q + 4, as + 4, gs + 4, k, group, acc + 4);
-    } else {
-      tile_nib<NT, false>(wt, q, as, gs, k, group, acc);
-    }
+    tile_nib<NT, false>(wt, q, as, gs, k, group, acc);
   }
   template <int NT>
   static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
@@ -191,11 +186,6 @@ struct QAvx2 : EmbedRowsAvx2 {
   template <int NT>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    if constexpr (NT > 4) {  // 4 + the rest: no unpacking to share, the tile is re-read from L1
-      tile_w8<4>(wt, q, as, gs, k, group, acc);
-      tile_w8<NT - 4>(wt, q + 4, as + 4, gs + 4, k, group, acc + 4);
-      return;
-    }
     (void)gs;
     __m256 facc[NT][2];
     for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
