@@ -226,18 +226,25 @@ def test_greedy_equals_no_speculation_and_drafts_across_requests(markov_llama): 
 
 def test_long_matches_draft_past_four_and_stay_exact(markov_llama):  # noqa: F811
     """vLLM's defaults (num_speculative_tokens = the tree depth): a request copying a long span
-    drafts more than 4 tokens a step, at batch 1 and beside others, and greedy output is the same."""
+    drafts more than 4 tokens a step, at batch 1 and beside others, and greedy output is the same;
+    the warm-up recorded every verify step a lone request takes."""
     kw = dict(kv_cache_space=0.02, max_model_len=256, block_size=16)
     off = LLM(markov_llama, **kw)
     on = LLM(markov_llama, speculative_config={"method": "suffix"}, **kw)
+    backend = on.llm_engine.backend
+    assert backend.scheduler.proposer.max_draft == 12  # (depth 24, factor 1: a 12-token match drafts 12)
+    backend.warm_up()  # (a server's start-up): a lone request's verify graphs, 2 to 13 rows
+    graphs = backend.runner.graphs
+    assert {(1, q) for q in range(2, 14)} <= set(graphs.verify_graphs)
+    captured = len(graphs.verify_graphs)
     prompts = _chain_prompts(off)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     want = [c.token_ids for c in _run(off, prompts, params)]
     assert [c.token_ids for c in _run(on, prompts[:1], params)] == want[:1]
+    assert len(graphs.verify_graphs) == captured and graphs.verify_replays >= 4
     st = _spec_stats(on)
     assert sum(st.num_accepted_tokens_per_pos[4:]) >= 5  # runs of 5+ accepted drafts
     assert st.num_accepted_tokens >= 25 and st.num_drafts <= 12
     assert [c.token_ids for c in _run(on, prompts, params)] == want
-    backend = on.llm_engine.backend
     backend.kv.check_invariants()
     assert backend.kv.num_free_blocks == backend.kv.num_blocks

@@ -243,6 +243,10 @@ class SuffixProposer:
         self.factor: float = config.suffix_decoding_max_spec_factor  # type: ignore[assignment]
         self.min_prob: float = config.suffix_decoding_min_token_prob  # type: ignore[assignment]
         self.step = 0
+        # the longest draft the trees can make: a match of m tokens drafts at most factor x m and
+        # the depth less m
+        self.max_draft = min(self.k, max((min(int(m * self.factor + 1e-6), self.depth - m)
+                                          for m in range(1, self.depth)), default=0))
         self.global_tree = SuffixTree(self.depth)
         self.cached: OrderedDict[int, None] = OrderedDict()  # global sequence ids, oldest first
         self._next_gid = 0
