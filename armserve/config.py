@@ -135,10 +135,13 @@ SPEC_DRAFT_QUANTIZATIONS = ("w4a8",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # Suffix decoding (engine/suffix_decode.py), vLLM's keys and defaults but one: the trees' depth (a match
 # plus its draft), the finished requests' outputs kept for other requests (0: none), draft length
-# per matched token, and the least estimated probability of a drafted token. vLLM lets suffix
-# decoding draft up to the tree depth by default; here num_speculative_tokens keeps the common
-# default, as a CPU verifying step costs more with every row (SmolLM2 agent loop, 1 thread: 4
-# drafted 1.24x faster than plain decoding, 8 only 1.12x, from lower acceptance).
+# per matched token, and the least estimated probability of a drafted token. As in vLLM,
+# num_speculative_tokens defaults to the tree depth for suffix decoding: the tree bounds each draft
+# by its match (max_spec_factor x its length, and the depth less it) and by min_token_prob, so
+# only a long, confident match drafts long (a copied span: up to 12 tokens a step at depth 24),
+# and the request's adaptive length and the step's verify budget (SPEC_MAX_VERIFY_TOKENS) bound it
+# further. (A fixed 8 drafted on every match cost more than 4: SmolLM2 agent loop, 1 thread, 1.12x
+# against 1.24x over plain decoding, from lower acceptance.)
 DEFAULT_SUFFIX_MAX_TREE_DEPTH = 24
 # (vLLM: 10000. A cached output token costs about 160 bytes in the global tree here, so 1000
 # answers of 500 tokens hold ~80 MB.)
@@ -150,10 +153,13 @@ DEFAULT_SUFFIX_MIN_TOKEN_PROB = 0.1
 # are mostly noise, hence 2.
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 5
-# A step speculates only while (running decodes) x (1 + num_speculative_tokens) stays within this
-# many query tokens: beyond it one sequence's step no longer reads the weights alone, verifying
-# drafts costs compute a plain decode would not spend, and the decode step graph (replayed, a spec
-# step runs eagerly) is the faster step. vLLM's `disable_by_batch_size` sets it per sequence.
+# A step speculates only while (running decodes) x (1 + min(num_speculative_tokens,
+# DEFAULT_NUM_SPECULATIVE_TOKENS)) stays within this many query tokens: beyond it one sequence's
+# step no longer reads the weights alone and verifying drafts costs compute a plain decode would
+# not spend. Within it each request drafts at most its even share of these query tokens (less its
+# own known token), so a lone request over a long match (suffix decoding) drafts up to
+# num_speculative_tokens in one step, and 6 at once get 4 each. vLLM's `disable_by_batch_size`
+# replaces the rule: a step speculates while at most that many requests run.
 SPEC_MAX_VERIFY_TOKENS = 32
 # Per request: after a verification that accepted nothing, the request's draft length halves; at 0
 # it stops drafting for SPEC_BACKOFF_STEPS steps (doubling each time it is turned off again, up to
@@ -180,7 +186,8 @@ class SpeculativeConfig:
     `disable_by_batch_size` (no speculation in a step with more running decodes than this)."""
 
     method: str = "ngram"
-    num_speculative_tokens: int = DEFAULT_NUM_SPECULATIVE_TOKENS
+    # (None: DEFAULT_NUM_SPECULATIVE_TOKENS, or for "suffix" the tree depth, as vLLM)
+    num_speculative_tokens: int = None  # type: ignore[assignment]
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     model: str | None = None
@@ -202,8 +209,12 @@ class SpeculativeConfig:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
         self._check_suffix_keys()
-        if self.num_speculative_tokens > 16:
-            raise ConfigError(f"speculative_config: num_speculative_tokens must be <= 16, got "
+        depth = self.suffix_decoding_max_tree_depth
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = depth if depth is not None else DEFAULT_NUM_SPECULATIVE_TOKENS
+        most = max(16, depth or 0)  # (suffix decoding: up to its tree depth, its default)
+        if self.num_speculative_tokens > most:
+            raise ConfigError(f"speculative_config: num_speculative_tokens must be <= {most}, got "
                               f"{self.num_speculative_tokens}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
@@ -280,11 +291,15 @@ class SpeculativeConfig:
             raise ConfigError("speculative_config needs a 'method' (e.g. \"ngram\")")
         return cls(**value)
 
-    def max_verify_tokens(self) -> int:
-        """Query tokens (running decodes x (1 + k)) up to which a step still speculates."""
+    def draft_share(self, num_running: int) -> int:
+        """Tokens each request may draft in a step with `num_running` running requests; 0: the
+        step does not speculate (SPEC_MAX_VERIFY_TOKENS, or `disable_by_batch_size` when given)."""
+        k = self.num_speculative_tokens
         if self.disable_by_batch_size is not None:
-            return self.disable_by_batch_size * (1 + self.num_speculative_tokens)
-        return SPEC_MAX_VERIFY_TOKENS
+            return k if num_running <= self.disable_by_batch_size else 0
+        if num_running * (1 + min(k, DEFAULT_NUM_SPECULATIVE_TOKENS)) > SPEC_MAX_VERIFY_TOKENS:
+            return 0
+        return min(k, SPEC_MAX_VERIFY_TOKENS // max(num_running, 1) - 1)
 
 
 @dataclass(slots=True)

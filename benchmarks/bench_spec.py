@@ -260,7 +260,8 @@ def main() -> int:
     for name, path in models if not args.skip_batch1 else []:
         kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False)
         engines = {"off": LLM(path, **kw), **{m: LLM(path, speculative_config=c, **kw) for m, c in METHODS.items()}}
-        for llm in engines.values():  # warm-up: step graphs, first-touch memory
+        for llm in engines.values():  # warm-up: step graphs (verify ones too, as a server's start-up), first-touch memory
+            llm.llm_engine.backend.warm_up()
             batch1(llm, "Say hello.", 8)
         agent = len(AGENT_NAMES) if not args.smoke else 2
         work = [(kind, lambda llm, _, prompt=prompt: batch1(llm, prompt, edit_max_tokens), rounds, 0)

@@ -15,6 +15,7 @@ using armserve::w8_scales;
 using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
+using armserve::kW5Group;
 
 static inline __m256i dot4(__m256i u8, __m256i s8) {
   // u8 x s8 pairs summed to int16 (no saturation: |u| <= 127 or <= 15 here), then pairs to int32
@@ -96,6 +97,78 @@ struct QAvx2 : EmbedRowsAvx2 {
     }
   }
 
+  // Tokens one W5 tile pass takes (qgemm_impl.h tile_rows, which balances the passes: 8 rows go as
+  // 4 + 4, 13 as 5 + 4 + 4); W4 and W8 passes take 4.
+  static constexpr int kMaxTokens = 6;
+
+  // W5 at 5-6 tokens: 16 registers hold the int16 sums of 4 tokens, so the tokens go in blocks of
+  // at most 4 over each pair of chunks, whose weights are unpacked once (W5's unpacking, with its
+  // bit plane, costs about as much as a token's products) into `wv` for both blocks: ~11% less
+  // than 4 tokens and then the rest at 5 and 6 (Zen 3; at 7-8 the spilled sums cost more than a
+  // second unpacking, hence kMaxTokens 6). W4 and W8 passes stay at 4 tokens: their weights cost
+  // little to unpack or none, and each pass re-reads the 16-row tile from L1. The same integer sums
+  // in another order (exact), then tile_nib's float folding: bit for bit the same outputs.
+  template <int B>
+  static void w5_block(__m256i (*wv)[2][2], const int8_t* const* q, int64_t c0, __m256i (*ia)[2]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i s16[B][2];
+    for (int i = 0; i < B; ++i) s16[i][0] = s16[i][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 2; ++c)
+      for (int i = 0; i < B; ++i) {
+        const __m256i qa = _mm256_set1_epi32(load4(q[i] + (c0 + c) * 8)),
+                      qb = _mm256_set1_epi32(load4(q[i] + (c0 + c) * 8 + 4));
+        for (int h = 0; h < 2; ++h)
+          s16[i][h] = _mm256_add_epi16(s16[i][h], _mm256_add_epi16(_mm256_maddubs_epi16(wv[c][h][0], qa),
+                                                                   _mm256_maddubs_epi16(wv[c][h][1], qb)));
+      }
+    for (int i = 0; i < B; ++i)
+      for (int h = 0; h < 2; ++h) ia[i][h] = _mm256_add_epi32(ia[i][h], _mm256_madd_epi16(s16[i][h], ones));
+  }
+
+  template <int NT>
+  static void tile_w5_wide(const uint8_t* wt, const int8_t* const* q, const float* const* as,
+                           const int32_t* const* gs, int64_t k, float (*acc)[16]) {
+    static_assert(NT > 4 && NT <= 8, "tile_nib takes up to 4 tokens, w5_block 4");
+    const __m256i nib = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
+    __m256 facc[NT][2];
+    for (int i = 0; i < NT; ++i) facc[i][0] = facc[i][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < k / kW5Group; ++g) {
+      __m256i ia[NT][2];
+      for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      __m256i pl[2], pl4[2];
+      for (int h = 0; h < 2; ++h) {
+        pl[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_plane(wt, g) + h * 32));
+        pl4[h] = _mm256_slli_epi16(pl[h], 4);
+      }
+      for (int64_t cl0 = 0; cl0 < 4; cl0 += 2) {  // (int16 sums span 2 chunks: tile_nib)
+        __m256i wv[2][2][2];  // [chunk][rows 0-7, 8-15][low, high nibble codes with bit 4]
+        for (int c = 0; c < 2; ++c) {
+          const __m128i cl = _mm_cvtsi64_si128(cl0 + c);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_chunk(wt, g, cl0 + c) + h * 32));
+            wv[c][h][0] = _mm256_or_si256(_mm256_and_si256(b, nib), _mm256_and_si256(_mm256_srl_epi16(pl4[h], cl), bit4));
+            wv[c][h][1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), nib),
+                                          _mm256_and_si256(_mm256_srl_epi16(pl[h], cl), bit4));
+          }
+        }
+        w5_block<4>(wv, q, g * 4 + cl0, ia);
+        w5_block<NT - 4>(wv, q + 4, g * 4 + cl0, ia + 4);
+      }
+      const uint16_t* hs = w5_scales(wt, g);
+      for (int h = 0; h < 2; ++h) {  // (tile_nib's W5 folding)
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs + h * 8)));
+        for (int i = 0; i < NT; ++i) {
+          const __m256i d = _mm256_sub_epi32(ia[i][h], _mm256_set1_epi32(16 * gs[i][g]));
+          facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[i][g])), _mm256_cvtepi32_ps(d), facc[i][h]);
+        }
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      _mm256_storeu_ps(acc[i], facc[i][0]);
+      _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
+    }
+  }
+
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
@@ -104,7 +177,10 @@ struct QAvx2 : EmbedRowsAvx2 {
   template <int NT>
   static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile_nib<NT, true>(wt, q, as, gs, k, group, acc);
+    if constexpr (NT > 4)
+      tile_w5_wide<NT>(wt, q, as, gs, k, acc);
+    else
+      tile_nib<NT, true>(wt, q, as, gs, k, group, acc);
   }
 
   template <int NT>

@@ -13,6 +13,10 @@ using armserve::w4_scales;
 using armserve::w8_scales;
 
 struct QAvx512 : QAvx2 {
+  // (VNNI's tiles below, and the W5 ones they inherit, take up to 4 tokens a pass, as when they
+  // were measured; AVX2's 8 are for its costlier unpacking)
+  static constexpr int kMaxTokens = 4;
+
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {

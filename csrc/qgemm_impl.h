@@ -8,6 +8,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gguf_rows.h"
 #include "kernels_impl.h"
@@ -166,6 +167,18 @@ struct ScalarQ {
 template <class Isa, class IsaQ>
 struct Moe;  // moe_impl.h
 
+// Tokens one W5 tile pass of a variant takes (its tile_w5 template's largest NT): `kMaxTokens` where
+// the variant declares it (AVX2: 6, a verify step's rows unpacking each weight once), else 4. W4
+// and W8 passes take 4 tokens everywhere.
+template <class Q, class = void>
+struct MaxTokens {
+  static constexpr int value = 4;
+};
+template <class Q>
+struct MaxTokens<Q, std::void_t<decltype(Q::kMaxTokens)>> {
+  static constexpr int value = Q::kMaxTokens;
+};
+
 template <class Isa, class IsaQ>
 struct QKernels {
   // One token's row: int8 codes, per-group scales and code sums.
@@ -225,22 +238,27 @@ struct QKernels {
   static void tile_rows(int32_t dtype, void* out, int64_t ldo, const int8_t* q, const float* ascale,
                         const int32_t* agsum, const int32_t* idx, int64_t m, const uint8_t* wt, int cols, int64_t k,
                         int64_t group) {
+    constexpr int kMax = F == kW5 ? MaxTokens<IsaQ>::value : 4;
     const int es = dtype_size(dtype);
     const int64_t ng = k / group;
-    float acc[4][16];
-    for (int64_t m0 = 0; m0 < m; m0 += 4) {
-      const int nt = int(m - m0 < 4 ? m - m0 : 4);
-      const int8_t* qs[4];
-      const float* as[4];
-      const int32_t* gs[4];
+    // past 4 a pass: as few passes as kMax allows, of even sizes (each unpacks the tile once)
+    const int64_t passes = (m + kMax - 1) / kMax, per = kMax > 4 ? (m + passes - 1) / passes : kMax;
+    float acc[kMax][16];
+    for (int64_t m0 = 0; m0 < m; m0 += per) {
+      const int nt = int(m - m0 < per ? m - m0 : per);
+      const int8_t* qs[kMax];
+      const float* as[kMax];
+      const int32_t* gs[kMax];
       for (int i = 0; i < nt; ++i) {
         const int64_t r = idx ? idx[m0 + i] : m0 + i;
         qs[i] = q + r * k;
         as[i] = ascale + r * ng;
         gs[i] = agsum + r * ng;
       }
-      // (2 or 3 tokens in one pass too: a speculative verify step's 2-5 rows unpack each weight once)
+      // (2 or 3 tokens in one pass too, and up to kMax: a speculative verify step's rows)
       switch (nt) {
+        case 6: if constexpr (kMax >= 6) tile<F, 6>(wt, qs, as, gs, k, group, acc); break;
+        case 5: if constexpr (kMax >= 5) tile<F, 5>(wt, qs, as, gs, k, group, acc); break;
         case 4: tile<F, 4>(wt, qs, as, gs, k, group, acc); break;
         case 3: tile<F, 3>(wt, qs, as, gs, k, group, acc); break;
         case 2: tile<F, 2>(wt, qs, as, gs, k, group, acc); break;

@@ -175,8 +175,29 @@ def test_suffix_config_defaults():
     assert (c.suffix_decoding_max_tree_depth, c.suffix_decoding_max_spec_factor,
             c.suffix_decoding_min_token_prob) == (24, 1.0, 0.1)
     assert 0 < c.suffix_decoding_max_cached_requests <= 10000
-    assert 1 <= c.num_speculative_tokens <= 16
+    # vLLM's too: suffix decoding drafts up to the tree depth unless told; other methods 4
+    assert c.num_speculative_tokens == 24
+    assert SpeculativeConfig("suffix", suffix_decoding_max_tree_depth=8).num_speculative_tokens == 8
+    assert SpeculativeConfig("suffix", num_speculative_tokens=3).num_speculative_tokens == 3
+    assert SpeculativeConfig("ngram").num_speculative_tokens == 4
     assert SpeculativeConfig("ngram").suffix_decoding_max_tree_depth is None
+    with pytest.raises(ConfigError, match="must be <= 16"):
+        SpeculativeConfig("ngram", num_speculative_tokens=20)
+    with pytest.raises(ConfigError, match="must be <= 30"):
+        SpeculativeConfig("suffix", num_speculative_tokens=31, suffix_decoding_max_tree_depth=30)
+
+
+def test_draft_share_of_the_verify_budget():
+    """Each request drafts at most its even share of SPEC_MAX_VERIFY_TOKENS (32) query rows, less its
+    own token; a step speculates while every request's share holds min(k, 4) drafts."""
+    suffix = SpeculativeConfig("suffix")  # k = 24
+    assert [suffix.draft_share(n) for n in (1, 2, 3, 4, 5, 6, 7, 8, 64)] == [24, 15, 9, 7, 5, 4, 0, 0, 0]
+    ngram = SpeculativeConfig("ngram")  # k = 4: the step rule as before, 4 drafts each while on
+    assert [ngram.draft_share(n) for n in (1, 6, 7)] == [4, 4, 0]
+    two = SpeculativeConfig("ngram", num_speculative_tokens=2)
+    assert [two.draft_share(n) for n in (1, 10, 11)] == [2, 2, 0]
+    given = SpeculativeConfig("suffix", disable_by_batch_size=3)  # vLLM's rule instead
+    assert [given.draft_share(n) for n in (1, 3, 4)] == [24, 24, 0]
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -199,5 +220,31 @@ def test_greedy_equals_no_speculation_and_drafts_across_requests(markov_llama): 
     assert [c.token_ids for c in _run(on, [plain], params)] == want[2:]
     assert _spec_stats(on).num_accepted_tokens - mid.num_accepted_tokens >= 10
     backend = on.llm_engine.backend
+    backend.kv.check_invariants()
+    assert backend.kv.num_free_blocks == backend.kv.num_blocks
+
+
+def test_long_matches_draft_past_four_and_stay_exact(markov_llama):  # noqa: F811
+    """vLLM's defaults (num_speculative_tokens = the tree depth): a request copying a long span
+    drafts more than 4 tokens a step, at batch 1 and beside others, and greedy output is the same;
+    the warm-up recorded every verify step a lone request takes."""
+    kw = dict(kv_cache_space=0.02, max_model_len=256, block_size=16)
+    off = LLM(markov_llama, **kw)
+    on = LLM(markov_llama, speculative_config={"method": "suffix"}, **kw)
+    backend = on.llm_engine.backend
+    assert backend.scheduler.proposer.max_draft == 12  # (depth 24, factor 1: a 12-token match drafts 12)
+    backend.warm_up()  # (a server's start-up): a lone request's verify graphs, 2 to 13 rows
+    graphs = backend.runner.graphs
+    assert {(1, q) for q in range(2, 14)} <= set(graphs.verify_graphs)
+    captured = len(graphs.verify_graphs)
+    prompts = _chain_prompts(off)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [c.token_ids for c in _run(off, prompts, params)]
+    assert [c.token_ids for c in _run(on, prompts[:1], params)] == want[:1]
+    assert len(graphs.verify_graphs) == captured and graphs.verify_replays >= 4
+    st = _spec_stats(on)
+    assert sum(st.num_accepted_tokens_per_pos[4:]) >= 5  # runs of 5+ accepted drafts
+    assert st.num_accepted_tokens >= 25 and st.num_drafts <= 12
+    assert [c.token_ids for c in _run(on, prompts, params)] == want
     backend.kv.check_invariants()
     assert backend.kv.num_free_blocks == backend.kv.num_blocks

@@ -370,6 +370,17 @@ class ModelRunner:
             blocks.append(s.block_ids)
         return self.graphs.run_verify(tokens, starts, blocks)
 
+    @torch.inference_mode()
+    def capture_verify_graphs(self, max_rows: int) -> None:
+        """Record the step graphs of one sequence verifying 1..max_rows - 1 drafts now (warm-up),
+        on dummy tokens whose keys and values go to the spare block, rather than on first use."""
+        if not (self.use_kernels and self.graphs.enabled) or self.tp_workers is not None:
+            return
+        pad = self.graphs.pad_block
+        for q in range(2, max_rows + 1):
+            if pad is None or self.graphs.run_verify([[0] * q], [0], [[pad] * (q // self.block_size + 1)]) is None:
+                return  # (graphs off for this model, or q past what a graph takes)
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one scheduled step and sample its requests."""
         if self.tp_workers is None:

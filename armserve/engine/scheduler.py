@@ -118,7 +118,8 @@ class Scheduler:
         kv = self.kv
 
         proposer = self.proposer
-        if proposer is not None and len(self.running) * (1 + proposer.k) > proposer.config.max_verify_tokens():
+        share = proposer.config.draft_share(len(self.running)) if proposer is not None else 0
+        if share == 0:
             proposer = None  # a batch this large: verifying drafts costs more than it saves
         if proposer is not None:
             proposer.step += 1
@@ -132,9 +133,10 @@ class Scheduler:
             drafts: list[int] = []
             reserve = 0  # slots for a draft model's tokens, drafted once every slot is allocated
             if proposer is not None and n == 1 and req.num_computed_tokens + 1 == req.num_tokens:
-                # never draft past max_tokens or max_model_len, nor past the budget
+                # never draft past max_tokens or max_model_len, nor past the budget or the request's
+                # share of the step's verify budget
                 limit = min(req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1,
-                            budget - 1)
+                            budget - 1, share)
                 if batched:
                     reserve = proposer.draft_length(req, limit)  # type: ignore[union-attr]
                 else:

@@ -187,10 +187,14 @@ class SuffixTree:
         length); ([], 0.0, 0) when no suffix of it occurs."""
         best: tuple[list[int], float, int] = ([], 0.0, 0)
         for m in range(1, len(pattern)):
+            if self.max_depth - m < best[1]:
+                break  # (a path holds max_depth tokens: a longer match drafts too few to win)
             node, idx = self._match(pattern[len(pattern) - m:])
             if node is None:
                 break  # a longer suffix cannot occur either
             cap = min(max_tokens, int(m * max_spec_factor + 1e-6))
+            if cap < best[1]:
+                continue  # (a score is a sum of at most `cap` probabilities: it cannot win)
             toks, score = _follow(node, idx, cap, min_token_prob)
             if score >= best[1]:
                 best = (toks, score, m)
@@ -239,6 +243,10 @@ class SuffixProposer:
         self.factor: float = config.suffix_decoding_max_spec_factor  # type: ignore[assignment]
         self.min_prob: float = config.suffix_decoding_min_token_prob  # type: ignore[assignment]
         self.step = 0
+        # the longest draft the trees can make: a match of m tokens drafts at most factor x m and
+        # the depth less m
+        self.max_draft = min(self.k, max((min(int(m * self.factor + 1e-6), self.depth - m)
+                                          for m in range(1, self.depth)), default=0))
         self.global_tree = SuffixTree(self.depth)
         self.cached: OrderedDict[int, None] = OrderedDict()  # global sequence ids, oldest first
         self._next_gid = 0

@@ -175,6 +175,12 @@ class TorchBackend:
         saved = (kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions)
         run_dummy_request(self, min(self.config.max_num_batched_tokens, self.max_model_len - 2))  # type: ignore
         kv.prefix_queries, kv.prefix_hits, self.scheduler.num_preemptions = saved
+        proposer = self.scheduler.proposer
+        if proposer is not None:
+            # a lone request's verify steps, one graph per draft length it can reach: captured on
+            # first use they cost a suffix-decoding request copying code ~14% of its time
+            most = min(getattr(proposer, "max_draft", proposer.k), proposer.config.draft_share(1))
+            self.runner.capture_verify_graphs(min(most, self.max_model_len - 1) + 1)
         if self.scheduler.spec_stats is not None:
             self.scheduler.spec_stats = type(self.scheduler.spec_stats).empty(self.scheduler.proposer.k)
         kv.reset_prefix_cache()
