@@ -14,7 +14,7 @@ using armserve::w8_scales;
 
 struct QAvx512 : QAvx2 {
   // (VNNI's tiles below, and the W5 ones they inherit, take up to 4 tokens a pass, as when they
-  // were measured; AVX2's 8 are for its costlier unpacking)
+  // were measured; AVX2's 6 are for its costlier unpacking)
   static constexpr int kMaxTokens = 4;
 
   template <int NT>

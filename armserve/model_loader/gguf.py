@@ -51,13 +51,18 @@ BLOCK_NAMES = {
 _READER: tuple[tuple[str, float, int], Any] | None = None
 
 
+def _file_key(path: str) -> tuple[str, float, int]:
+    """What names one version of a file: its real path, modification time and size."""
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_mtime, st.st_size
+
+
 def _reader(path: str):
     """The GGUFReader of `path` (gguf_reader.py), parsed once (until another file or a changed one is read)."""
     global _READER
     from armserve.model_loader.gguf_reader import LazyGGUFReader
 
-    st = os.stat(path)
-    key = (os.path.realpath(path), st.st_mtime, st.st_size)
+    key = _file_key(path)
     if _READER is None or _READER[0] != key:
         _READER = None  # drop the old parse first
         try:
@@ -108,8 +113,7 @@ def shared_with_transformers(src: ModelSource) -> Iterator[None]:
         global _HEADER
         if return_tensors or kwargs or os.path.realpath(path) != mine:
             return original_header(path, return_tensors, **kwargs)
-        st = os.stat(mine)
-        key = (mine, st.st_mtime, st.st_size)
+        key = _file_key(mine)
         if _HEADER is None or _HEADER[0] != key:
             _HEADER = (key, original_header(path, return_tensors=False))
         return {**_HEADER[1], "config": copy.deepcopy(_HEADER[1]["config"])}
