@@ -27,6 +27,15 @@ DTYPE_NAMES = {
 # available memory is an error instead.
 DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.5
 
+# Files armserve writes once and reads on later starts (converted GGUF tokenizers, quantized
+# self-draft copies, OpenVINO IR and its exporter's environments) go in folders under this one;
+# ARMSERVE_CACHE_ROOT overrides it.
+def cache_dir(name: str) -> str:
+    """The cache folder `name` (not created)."""
+    root = os.environ.get("ARMSERVE_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "armserve")
+    return os.path.join(root, name)
+
+
 # Seconds between the engine's stats lines while it is busy (ARMSERVE_LOG_STATS_INTERVAL overrides it).
 DEFAULT_STATS_INTERVAL = 5.0
 

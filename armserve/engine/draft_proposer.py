@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from armserve import kernels
-from armserve.config import ConfigError, SpeculativeConfig
+from armserve.config import ConfigError, SpeculativeConfig, cache_dir
 from armserve.engine.request import Request
 from armserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from armserve.engine.spec_decode import SpecState, draft_limit, request_state
@@ -161,8 +161,7 @@ def _int4_copy(path: str, dtype: torch.dtype) -> str:
     st = os.stat(path)
     # ("untied": copies made before the head was untied are not reused)
     key = hashlib.sha1(repr((os.path.abspath(path), st.st_mtime_ns, st.st_size, keep, "untied")).encode()).hexdigest()[:16]
-    root = os.environ.get("ARMSERVE_SELF_DRAFT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "armserve",
-                                                                        "self-draft")
+    root = os.environ.get("ARMSERVE_SELF_DRAFT_CACHE") or cache_dir("self-draft")
     out = os.path.join(root, key)
     if os.path.isfile(os.path.join(out, "config.json")):
         return out

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from armserve import model_loader
-from armserve.config import OPENVINO_QUANTIZATIONS, ConfigError, EngineConfig
+from armserve.config import OPENVINO_QUANTIZATIONS, ConfigError, EngineConfig, cache_dir
 from armserve.dtypes import resolve_dtype, resolve_dtypes
 from armserve.engine.backend import BackendOutput, SequenceOutput, run_dummy_request
 from armserve.engine.input_processor import EngineCoreRequest
@@ -58,7 +58,7 @@ IR_FILE = "openvino_model.xml"
 # OpenVINO's CPU plugin pages its KV cache in blocks of 32 tokens.
 OV_CPU_BLOCK_SIZE = 32
 # The exporter's environments, one per Python environment that serves (`export_env_dir`).
-EXPORT_ENVS = os.path.join(os.path.expanduser("~"), ".cache", "armserve", "openvino-export-envs")
+EXPORT_ENVS = cache_dir("openvino-export-envs")
 # What the exporter's environment adds to the serving one: optimum-intel (installed --no-deps, see
 # `install_exporter`) and its other requirements, with the transformers it supports. The
 # OpenVINO pins are the `openvino` extra's (pyproject.toml), so an IR is written by the runtime
@@ -187,8 +187,7 @@ def install_exporter(quiet: bool = True) -> str:
 
 
 def cache_root() -> str:
-    return os.environ.get("ARMSERVE_OPENVINO_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "armserve", "openvino")
+    return os.environ.get("ARMSERVE_OPENVINO_CACHE") or cache_dir("openvino")
 
 
 def ir_cache_dir(folder: str, fmt: str) -> str:

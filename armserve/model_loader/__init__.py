@@ -12,6 +12,7 @@ from torch import nn
 
 from armserve.layers.linear import ParallelContext, parallel_context
 from armserve.model_loader import gguf, safetensors
+from armserve.model_loader.tokenizer_cache import cached_gguf_tokenizer
 from armserve.model_source import (ModelLoadError, ModelSource, bundled_model_path, generation_defaults,
                                    resolve_model_path)
 from armserve.memory import release_free_heap
@@ -61,7 +62,7 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
         if tokenizer and os.path.isfile(tokenizer):
             folder, name = os.path.split(os.path.abspath(tokenizer))
             if name.endswith(".gguf"):
-                tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+                tok = cached_gguf_tokenizer(tokenizer, lambda: AutoTokenizer.from_pretrained(folder, gguf_file=name))
             elif name == "tokenizer.json":
                 tok = AutoTokenizer.from_pretrained(folder)
             else:
@@ -71,8 +72,11 @@ def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
         elif src.is_gguf and gguf.tokenizer_model(src) == "bert":
             tok = gguf.wordpiece_tokenizer(src)  # (transformers reads no WordPiece vocabulary from GGUF)
         elif src.is_gguf:
-            with gguf.shared_with_transformers(src):
-                tok = AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+            def convert():
+                with gguf.shared_with_transformers(src):
+                    return AutoTokenizer.from_pretrained(src.folder, gguf_file=src.gguf_file)
+
+            tok = cached_gguf_tokenizer(os.path.join(src.folder, src.gguf_file), convert)
         else:
             tok = AutoTokenizer.from_pretrained(src.folder)
     except ModelLoadError:
