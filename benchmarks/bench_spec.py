@@ -125,11 +125,13 @@ def acceptance(llm) -> str:
 
 def alternate(engines: dict, run, rounds: int, skip: int = 0) -> tuple[dict, dict]:
     """`run(llm, r)` `rounds` times per engine, the engines alternating (so drifting load hits
-    all): the results per mode and each mode's mean tok/s (over the rounds after `skip`)."""
+    all) and each round starting one engine later (so none always runs first, after the idle
+    start of a round): the results per mode and each mode's mean tok/s (over the rounds after `skip`)."""
     res: dict[str, list] = {m: [] for m in engines}
+    modes = list(engines)
     for r in range(rounds):
-        for mode, llm in engines.items():
-            res[mode].append(run(llm, r))
+        for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
+            res[mode].append(run(engines[mode], r))
     return res, {m: sum(x["tok_s"] for x in v[skip:]) / (rounds - skip) for m, v in res.items()}
 
 
@@ -280,16 +282,20 @@ def main() -> int:
         kw = dict(max_model_len=2048, kv_cache_space=1, enable_prefix_caching=False)
         for conc in (8, 32):
             kw_c = dict(kw, max_num_seqs=conc)
-            engines = {"off": LLM(path, **kw_c),
+            # "off again": a second engine without speculation, the A/A control that shows what the
+            # ratios vary by when nothing differs
+            engines = {"off": LLM(path, **kw_c), "off again": LLM(path, **kw_c),
                        **{m: LLM(path, speculative_config=c, **kw_c) for m, c in METHODS.items()}}
             for llm in engines.values():
                 concurrent(llm, conc, 4, seed=99)
             _, tok_s = alternate(engines, lambda llm, r: concurrent(llm, 2 * conc if not args.smoke else conc,
                                                                     8 if args.smoke else 64, seed=r), rounds)
-            for m in METHODS:
-                conc_rows.append((name, conc, m, tok_s["off"], tok_s[m], acceptance(engines[m])))
+            for m in ["off again", *METHODS]:
+                drafts = engines[m].llm_engine.backend.scheduler.spec_stats
+                conc_rows.append((name, conc, m, tok_s["off"], tok_s[m], acceptance(engines[m]),
+                                  drafts.num_drafts if drafts is not None else 0))
                 print(f"{name} / {conc} concurrent / {m}: off {tok_s['off']:.1f}, on {tok_s[m]:.1f} "
-                      f"({tok_s[m] / tok_s['off']:.2f}x)", flush=True)
+                      f"({tok_s[m] / tok_s['off']:.2f}x), verifications {conc_rows[-1][-1]}", flush=True)
             del engines
     self_rows = []
     if not args.skip_self_draft:
@@ -323,8 +329,8 @@ def main() -> int:
                    f"{'yes' if s else 'no'} |" for n, k, m, off, on, tok, s, acc in rows)
     t3 = "\n".join(f"| {n} | {k} | {off:.1f} | {on:.1f} | {on / off:.2f}x | {acc} | {tok} | {'yes' if s else 'no'} |"
                    for n, k, off, on, tok, s, acc in self_rows)
-    t2 = "\n".join(f"| {n} | {c} | {m} | {off:.0f} | {on:.0f} | {on / off:.2f}x | {acc} |"
-                   for n, c, m, off, on, acc in conc_rows)
+    t2 = "\n".join(f"| {n} | {c} | {m} | {off:.0f} | {on:.0f} | {on / off:.2f}x | {acc} | {v} |"
+                   for n, c, m, off, on, acc, v in conc_rows)
     t4 = "\n".join(f"| {k} | {n} | {m} | {a:.1f} | {b:.1f} | {a / max(b, 1e-9):.2f}x | {ld:.1f} |"
                    for k, n, m, a, b, ld in vs_llama)
     t4 = f"""
@@ -366,9 +372,11 @@ CPU without native bfloat16), drafted for by its own w4a8 int4 copy made at load
 Concurrent random 128-token prompts, 64 output tokens each (`ignore_eos`), twice the concurrency in prompts
 (output tok/s over the whole run):
 
-| model | concurrent | method | off tok/s | on tok/s | on / off | draft acceptance |
-|---|---|---|---|---|---|---|
+| model | concurrent | method | off tok/s | on tok/s | on / off | draft acceptance | requests' verify steps |
+|---|---|---|---|---|---|---|---|
 {t2}
+
+("off again" is a second engine without speculation: its ratio is what two identical engines differ by.)
 {t4}
 Reproduce: `python benchmarks/bench_spec.py`"""
     update_section("spec_decode", body)
