@@ -141,9 +141,15 @@ MODEL_FIXTURES = {"smollm2_gguf", "smollm2_hf_reference", "tokenizer_dir", "tiny
 # The session servers below: a file using one runs on the same pytest-xdist worker as every other
 # file using it, so each starts once (a server start is an engine load in a fresh process).
 SHARED_SERVERS = ("server", "auth_server", "embed_server", "smollm2_server", "dp_server")
-# The longest single tests (minutes each: a virtualenv built by pip; three test files rerun under
-# another kernel variant), started first so neither is left running alone at the end.
-LONGEST_FIRST = ("test_install.py", "test_forced_isa.py")
+# The worker groups that take longest, longest first (wall seconds on 2 cores at rev 5e34aea): each
+# goes to the first worker free, so the short files fill in at the end and neither worker is left
+# running alone (test_tp.py's 90 s, started last, left the other worker idle for 80 s). The rest
+# follow in file order.
+LONGEST_FIRST = ("test_server.py",  # 250: with every file that shares its session servers
+                 "test_ray.py", "test_forced_isa.py", "test_install.py",  # 175, 160, 135
+                 "test_openvino.py", "test_models.py", "test_tp.py",  # 115, 100, 90
+                 "test_structured.py", "test_step_graph.py", "test_async_llm.py",  # 60, 55, 45
+                 "test_grammar_budget.py", "test_quantized.py")  # 40 each
 
 
 # tryfirst: xdist's own hook reads the xdist_group marks added here.
@@ -171,8 +177,10 @@ def pytest_collection_modifyitems(config, items):
             defs = getattr(item, "_fixtureinfo", None) and item._fixtureinfo.name2fixturedefs.get(name)
             if defs and defs[-1].func.__module__ == "conftest":  # (test_openvino has a `server` of its own)
                 parent[root(item.path.name)] = root(name)
-    order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: files keep their order
+    order: dict[str, int] = {}
+    for i, name in enumerate(LONGEST_FIRST):  # (a file's rank is its group's)
+        order.setdefault(root(name), i)
+    items.sort(key=lambda item: order.get(root(item.path.name), len(LONGEST_FIRST)))  # stable: files keep their order
     for item in items:
         item.add_marker(pytest.mark.xdist_group(root(item.path.name)))
 
