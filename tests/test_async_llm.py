@@ -283,3 +283,26 @@ def test_admission_bounds_refuse_with_retry_after(tiny_llama):
         assert llm.num_waiting_requests == 0 and llm.num_unfinished_requests == 0
     finally:
         llm.shutdown()
+
+
+def _ignore_sigterm_and_wait() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(120)
+
+
+def test_a_core_that_ignores_stop_and_sigterm_is_killed():
+    """shutdown's last resort: a core process that neither stops on its command nor exits on
+    SIGTERM (a loaded machine made one take longer than both waits) is killed, never left running."""
+    from armserve.engine.core_client import ProcessCore
+
+    core = ProcessCore.__new__(ProcessCore)  # (its process only: the stand-in below never reads commands)
+    core.proc = multiprocessing.get_context("fork").Process(target=_ignore_sigterm_and_wait, name="armserve-engine-core-x")
+    core.proc.start()
+    core.send = lambda command: None
+    core._cmd_send, ours = multiprocessing.Pipe(duplex=False)  # (stop closes the command pipe last)
+    time.sleep(0.5)  # (its SIGTERM handler is in place)
+    t0 = time.monotonic()
+    core.stop(0.5)
+    assert not core.proc.is_alive() and core.proc.exitcode == -signal.SIGKILL
+    assert time.monotonic() - t0 < 30
+    ours.close()

@@ -147,4 +147,8 @@ class ProcessCore:
                 logger.warning("the engine core process did not stop in %.0f s; terminating it", timeout)
                 self.proc.terminate()
                 self.proc.join(5)
+            if self.proc.is_alive():  # (seen on a 2-core machine loaded 8 deep: a core never outlives shutdown)
+                logger.warning("the engine core process did not exit on SIGTERM in 5 s; killing it")
+                self.proc.kill()
+                self.proc.join(5)
         self._cmd_send.close()
