@@ -314,3 +314,29 @@ def test_broken_model_folders(tiny_llama, tmp_path):
     bad_gguf.write_bytes(b"GGUF" + b"\x00" * 64)
     with pytest.raises(ModelLoadError, match="broken.gguf"):
         LLM(str(bad_gguf))
+
+
+def test_a_deleted_llm_is_freed_at_once(tiny_llama):
+    """`del llm` frees the engine (model, KV cache, grammar-compile workers) at once, without waiting
+    for the cyclic garbage collector: nothing made while the first LLM of a process is built holds
+    its constructor's frames. (A fresh interpreter: only the first LLM of a process imports transformers.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import gc, weakref
+gc.disable()
+from armserve import LLM, SamplingParams, StructuredOutputsParams
+llm = LLM({tiny_llama!r}, kv_cache_space=0.02, max_model_len=256)
+llm.generate(["Answer:"], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-c]{{3}}")),
+             use_tqdm=False)
+ref = weakref.ref(llm.llm_engine.backend)
+del llm
+print("freed" if ref() is None else "alive")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "freed"

@@ -38,7 +38,7 @@ RUN_ONCE = [
     # max_tokens and min_tokens end a completion: engine bookkeeping in Python, whichever tokens
     # the variant's kernels pick (batch and seed invariance, which a variant can change, stay)
     "test_no_block_leaks_after_aborts_and_preemptions", "test_n_completions_and_stop_strings",
-    "test_stop_token_ids_max_tokens_and_min_tokens",
+    "test_stop_token_ids_max_tokens_and_min_tokens", "test_a_deleted_llm_is_freed_at_once",
     # Real Gemma 3 in float32 against transformers: each kernel it runs (attention at head_dim 256,
     # GELU-tanh, sliding windows) is checked on every variant by test_kernels' `isa` fixture, a real
     # model in float32 against transformers on every variant by SmolLM2's test, and the real

@@ -8,6 +8,11 @@ import os
 from typing import Iterator
 
 import torch
+# transformers at import time, not inside the first LLM's constructor: its import leaves a few
+# exception-and-traceback cycles behind, and their frames' callers would then be the constructor's
+# frames, holding the engine (model, KV cache, compile workers) until the cyclic collector ran,
+# however soon the LLM was deleted.
+import transformers  # noqa: F401
 from torch import nn
 
 from armserve.layers.linear import ParallelContext, parallel_context
