@@ -8,12 +8,12 @@ import os
 from typing import Iterator
 
 import torch
-# transformers at import time, not inside the first LLM's constructor: its import leaves a few
+from torch import nn
+# (transformers at import time, not inside the first LLM's constructor: its import leaves a few
 # exception-and-traceback cycles behind, and their frames' callers would then be the constructor's
 # frames, holding the engine (model, KV cache, compile workers) until the cyclic collector ran,
-# however soon the LLM was deleted.
-import transformers  # noqa: F401
-from torch import nn
+# however soon the LLM was deleted)
+from transformers import AutoConfig, AutoTokenizer
 
 from armserve.layers.linear import ParallelContext, parallel_context
 from armserve.model_loader import gguf, safetensors
@@ -34,8 +34,6 @@ def load_config(src: ModelSource, overrides: dict | None = None):
     (vLLM's `hf_overrides`: keys set on the config, e.g. the original Qwen3-Reranker's
     `{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
     "is_original_qwen3_reranker": true}`)."""
-    from transformers import AutoConfig
-
     try:
         config = gguf.read_config(src) if src.is_gguf else AutoConfig.from_pretrained(src.folder)
     except UnsupportedArchitectureError:
@@ -58,8 +56,6 @@ def load_config(src: ModelSource, overrides: dict | None = None):
 def load_tokenizer(src: ModelSource, tokenizer: str | None = None):
     """The model's tokenizer, or `tokenizer`'s: an HF folder or name, a GGUF file, or a
     tokenizer.json file (with the tokenizer_config.json beside it, if any)."""
-    from transformers import AutoTokenizer
-
     what = f"the tokenizer {tokenizer}" if tokenizer else f"the tokenizer of {src.path}"
     # (transformers reads no tokenizer from some GGUF architectures, llama.cpp's deepseek2 among them)
     hint = "; pass tokenizer= (--tokenizer) an HF folder or file with the model's tokenizer" if not tokenizer else ""

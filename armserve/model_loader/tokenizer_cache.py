@@ -23,6 +23,7 @@ import tempfile
 from typing import Any, Callable
 
 from armserve.config import cache_dir
+from armserve.model_loader.gguf import _file_key
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +62,7 @@ def _key(path: str) -> str:
     import tokenizers
     import transformers
 
-    st = os.stat(path)
-    what = (os.path.realpath(path), st.st_mtime_ns, st.st_size, transformers.__version__, tokenizers.__version__,
-            FORMAT)
+    what = (*_file_key(path), transformers.__version__, tokenizers.__version__, FORMAT)
     return hashlib.sha1(repr(what).encode()).hexdigest()[:20]
 
 
