@@ -19,6 +19,12 @@ import pytest
 # 2 shared cores: spinning OpenMP threads only add noise. Set before torch loads, and the
 # engine respects OMP_NUM_THREADS (armserve/cpu.py).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Transparent huge pages off for every engine the suite starts (PyTorch's allocations and the KV
+# cache: THP_MEM_ALLOC_ENABLE, armserve/__init__.py), and so for every process it starts: on the
+# 2-core VMs here a huge page's first touch takes 3.5x the time per MiB of 4 KiB pages, and the
+# suite's hundreds of short-lived engines fault in weights and caches they use for a few steps
+# (a 13:42 run took 11:46 with them off). Speed only; test_memory_plan checks the switch itself.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
 
 import torch  # noqa: E402
 

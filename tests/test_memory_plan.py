@@ -142,3 +142,44 @@ def test_keep_freed_memory_stops_the_page_faults_of_each_layer():
     assert default_faults > 10 * 3072  # (glibc's behaviour the function is for: 2 x 3072 pages a layer)
     assert kept and faults < 1000, faults
     assert not _layer_faults("keep", MALLOC_TRIM_THRESHOLD_="100000")[0]
+
+
+def _thp_eligible(address: int) -> int:
+    """The THPeligible flag of the mapping holding `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "THPeligible:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"), reason="Linux THP")
+@pytest.mark.parametrize("switch", ["1", "0"])
+def test_kv_cache_huge_pages_follow_the_thp_switch(monkeypatch, switch):
+    """The KV cache is advised onto huge pages unless THP_MEM_ALLOC_ENABLE=0 (the switch PyTorch
+    reads for its own allocations) opts the engine out; the kernel's mode decides the rest: under
+    "madvise" the advice alone makes the cache eligible, under "always" it is anyway, under
+    "never" it never is. The buffer is mapped here, not allocated by PyTorch, whose own advice would
+    otherwise decide (private and anonymous, as the allocator's pages are)."""
+    import mmap
+
+    from armserve.engine.model_runner import _HUGE_PAGE, _thp_mode, prefault_kv_cache
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", switch)
+    monkeypatch.delenv("ARMSERVE_KV_PREFAULT", raising=False)
+    buf = mmap.mmap(-1, 8 * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (a shared one is shmem)
+    cache = torch.frombuffer(buf, dtype=torch.uint8)
+    cache.fill_(7)
+    prefault_kv_cache(cache)
+    assert int(cache.max()) == 0  # written once, with zeros
+    mode = _thp_mode()
+    expected = {"always": 1, "madvise": int(switch == "1")}.get(mode, 0)
+    aligned = -(-cache.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
+    assert _thp_eligible(aligned) == expected, mode
+    del cache
+    buf.close()
