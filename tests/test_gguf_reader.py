@@ -85,3 +85,26 @@ def test_a_gguf_release_the_lazy_reader_does_not_fit_falls_back_to_ggufreader(tm
     assert type(reader) is not gguf_reader.LazyGGUFReader and isinstance(reader, GGUFReader)
     assert "lazy GGUF header reader does not fit" in caplog.text
     assert reader.fields["a.strings"].contents() == ["x", "yz"]
+
+
+@pytest.mark.parametrize("model", ["smollm2_gguf", "qwen_coder_gguf", "gemma3_gguf"])
+def test_a_config_read_without_the_vocabulary_is_the_same_config(model, request, monkeypatch):
+    """A load whose tokenizer comes from the cache reads the config without converting the
+    vocabulary: the same config as transformers makes from the whole header (Qwen2.5's and Gemma
+    3's headers have no vocab_size, which transformers takes from the token count), and no
+    vocabulary item goes through transformers' value parsing."""
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+    from armserve.model_loader import gguf as gguf_loader
+    from armserve.model_source import resolve_model_path
+
+    src = resolve_model_path(request.getfixturevalue(model))
+    full = gguf_loader.read_config(src, vocabulary=True).to_dict()
+    gguf_loader.release_reader()
+    parsed = []
+    original = hf_gguf._gguf_parse_value
+    monkeypatch.setattr(hf_gguf, "_gguf_parse_value", lambda *a: parsed.append(1) or original(*a))
+    lean = gguf_loader.read_config(src, vocabulary=False).to_dict()
+    gguf_loader.release_reader()
+    assert lean == full
+    assert 0 < len(parsed) < 1000, len(parsed)

@@ -17,7 +17,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from armserve.layers.linear import ParallelContext, parallel_context
 from armserve.model_loader import gguf, safetensors
-from armserve.model_loader.tokenizer_cache import cached_gguf_tokenizer
+from armserve.model_loader.tokenizer_cache import cached_gguf_tokenizer, is_cached
 from armserve.model_source import (ModelLoadError, ModelSource, bundled_model_path, generation_defaults,
                                    resolve_model_path)
 from armserve.memory import release_free_heap
@@ -35,7 +35,12 @@ def load_config(src: ModelSource, overrides: dict | None = None):
     `{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
     "is_original_qwen3_reranker": true}`)."""
     try:
-        config = gguf.read_config(src) if src.is_gguf else AutoConfig.from_pretrained(src.folder)
+        if src.is_gguf:
+            # (the vocabulary converted only when the tokenizer will be made from it: a converted
+            # one is read from the cache, tokenizer_cache.py)
+            config = gguf.read_config(src, vocabulary=not is_cached(os.path.join(src.folder, src.gguf_file)))
+        else:
+            config = AutoConfig.from_pretrained(src.folder)
     except UnsupportedArchitectureError:
         raise
     except (OSError, ValueError, KeyError, TypeError) as e:  # (a bad config.json: a ValueError)

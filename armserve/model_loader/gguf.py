@@ -79,8 +79,34 @@ def _reader(path: str):
 
 
 # transformers' reading of the whole header (`load_gguf_checkpoint(path, return_tensors=False)`) for
-# the file of the load under way: every metadata value as Python objects, the vocabulary included.
-_HEADER: tuple[tuple[str, float, int], dict] | None = None
+# the file of the load under way: every metadata value as Python objects, with the vocabulary or
+# without it (the key's last item).
+_HEADER: tuple[tuple[str, float, int, bool], dict] | None = None
+# The vocabulary's arrays, which transformers reads for a tokenizer but not for a config (only
+# their length, as the vocabulary size of a file whose header leaves it out).
+_VOCABULARY = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type", "tokenizer.ggml.merges")
+
+
+class _WithoutVocabulary:
+    """A parsed GGUF file as transformers' config reading sees it: the vocabulary's arrays left out
+    (converted item by item to Python values they are 1-5 s of CPU for a 50-260k vocabulary, which
+    a config does not use), and `{arch}.vocab_size` added from the token count where the header
+    has none: what transformers would take for it."""
+
+    def __init__(self, reader) -> None:
+        import numpy as np
+        from gguf import GGUFValueType
+        from gguf.gguf_reader import ReaderField
+
+        self._reader = reader
+        self.fields = {k: f for k, f in reader.fields.items() if k not in _VOCABULARY}
+        tokens, key = reader.fields.get("tokenizer.ggml.tokens"), f"{header_field(reader, 'general.architecture')}.vocab_size"
+        if tokens is not None and key not in self.fields:
+            self.fields[key] = ReaderField(0, key, [np.array([len(tokens.data)], dtype=np.uint64)], [0],
+                                           [GGUFValueType.UINT64])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
 
 
 def release_reader() -> None:
@@ -90,19 +116,22 @@ def release_reader() -> None:
 
 
 @contextlib.contextmanager
-def shared_with_transformers(src: ModelSource) -> Iterator[None]:
+def shared_with_transformers(src: ModelSource, vocabulary: bool = True) -> Iterator[None]:
     """While transformers builds a config or tokenizer from `src`'s GGUF file, its
     `gguf.GGUFReader(path)` returns the reader parsed by `_reader` instead of a new parse, and its
-    reading of the whole header is done once per load."""
+    reading of the whole header is done once per load; without the vocabulary's arrays when
+    `vocabulary` is False (a config alone: the tokenizer is read from the cache, or not at all)."""
     import gguf
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     original, original_header = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
     mine = os.path.realpath(os.path.join(src.folder, src.gguf_file))
+    # (a header read without the vocabulary that still lacks vocab_size reads it all: never seen)
+    full = [vocabulary]
 
     def reader(path, mode: str = "r"):
         if mode == "r" and os.path.realpath(path) == mine:
-            return _reader(mine)
+            return _reader(mine) if full[0] else _WithoutVocabulary(_reader(mine))
         return original(path, mode)
 
     def header(path, return_tensors: bool = False, **kwargs):
@@ -113,9 +142,14 @@ def shared_with_transformers(src: ModelSource) -> Iterator[None]:
         global _HEADER
         if return_tensors or kwargs or os.path.realpath(path) != mine:
             return original_header(path, return_tensors, **kwargs)
-        key = _file_key(mine)
-        if _HEADER is None or _HEADER[0] != key:
-            _HEADER = (key, original_header(path, return_tensors=False))
+        # (one with the vocabulary serves a config too)
+        if _HEADER is None or _HEADER[0][:3] != _file_key(mine) or (full[0] and not _HEADER[0][3]):
+            _HEADER = None
+            parsed = original_header(path, return_tensors=False)
+            if not full[0] and "vocab_size" not in parsed["config"]:
+                full[0] = True
+                parsed = original_header(path, return_tensors=False)
+            _HEADER = ((*_file_key(mine), full[0]), parsed)
         return {**_HEADER[1], "config": copy.deepcopy(_HEADER[1]["config"])}
 
     gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader, header
@@ -125,9 +159,10 @@ def shared_with_transformers(src: ModelSource) -> Iterator[None]:
         gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = original, original_header
 
 
-def read_config(src: ModelSource):
+def read_config(src: ModelSource, vocabulary: bool = True):
     """The config of a GGUF file, made by the `gguf_config` of the family that names the file's
-    `general.architecture` (transformers' reading of the header, completed or replaced)."""
+    `general.architecture` (transformers' reading of the header, completed or replaced). With
+    `vocabulary` False the vocabulary is not converted: no tokenizer will be made from this parse."""
     from transformers import AutoConfig
 
     reader = _reader(os.path.join(src.folder, src.gguf_file))
@@ -136,7 +171,7 @@ def read_config(src: ModelSource):
     cls = gguf_model_class(gguf_arch)
 
     def read():
-        with shared_with_transformers(src):
+        with shared_with_transformers(src, vocabulary):
             return AutoConfig.from_pretrained(src.folder, gguf_file=src.gguf_file)
 
     tensors = {t.name: t.data for t in reader.tensors}

@@ -58,6 +58,12 @@ def cached_gguf_tokenizer(path: str, convert: Callable[[], Any]) -> Any:
     return tok
 
 
+def is_cached(path: str) -> bool:
+    """Whether the tokenizer of the GGUF file `path` will be read from the cache, not converted."""
+    meta = _meta(os.path.join(cache_dir("tokenizers"), _key(path)))
+    return bool(meta and meta.get("usable"))
+
+
 def _key(path: str) -> str:
     import tokenizers
     import transformers
