@@ -126,12 +126,10 @@ def shared_with_transformers(src: ModelSource, vocabulary: bool = True) -> Itera
 
     original, original_header = gguf.GGUFReader, hf_gguf.load_gguf_checkpoint
     mine = os.path.realpath(os.path.join(src.folder, src.gguf_file))
-    # (a header read without the vocabulary that still lacks vocab_size reads it all: never seen)
-    full = [vocabulary]
 
     def reader(path, mode: str = "r"):
         if mode == "r" and os.path.realpath(path) == mine:
-            return _reader(mine) if full[0] else _WithoutVocabulary(_reader(mine))
+            return _reader(mine) if vocabulary else _WithoutVocabulary(_reader(mine))
         return original(path, mode)
 
     def header(path, return_tensors: bool = False, **kwargs):
@@ -140,16 +138,19 @@ def shared_with_transformers(src: ModelSource, vocabulary: bool = True) -> Itera
         # vocabulary entry to Python values: seconds for a 150-260k vocabulary. Both take only
         # "config" from it, which each gets a copy of.
         global _HEADER
+        nonlocal vocabulary
         if return_tensors or kwargs or os.path.realpath(path) != mine:
             return original_header(path, return_tensors, **kwargs)
+        key = _file_key(mine)
         # (one with the vocabulary serves a config too)
-        if _HEADER is None or _HEADER[0][:3] != _file_key(mine) or (full[0] and not _HEADER[0][3]):
+        if _HEADER is None or _HEADER[0][:3] != key or (vocabulary and not _HEADER[0][3]):
             _HEADER = None
             parsed = original_header(path, return_tensors=False)
-            if not full[0] and "vocab_size" not in parsed["config"]:
-                full[0] = True
+            if not vocabulary and "vocab_size" not in parsed["config"]:
+                # (a header read without the vocabulary that still lacks vocab_size reads it all: never seen)
+                vocabulary = True
                 parsed = original_header(path, return_tensors=False)
-            _HEADER = ((*_file_key(mine), full[0]), parsed)
+            _HEADER = ((*key, vocabulary), parsed)
         return {**_HEADER[1], "config": copy.deepcopy(_HEADER[1]["config"])}
 
     gguf.GGUFReader, hf_gguf.load_gguf_checkpoint = reader, header
