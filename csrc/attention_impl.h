@@ -442,11 +442,17 @@ static void scores_bf16_dot(const uint16_t* q, const uint16_t* const* kt, int nt
     for (int i = t; vt && i < t + TT; ++i) pf[npf++] = reinterpret_cast<const char*>(vt[i]);
     scores_tiles<NR, TT, 1>(q, kt + t, hd, s + t * kKT, pf, npf);
   }
-  for (; t < nt; ++t) {  // the rest one tile at a time, two chains when few rows hide too little latency
-    int npf = 0;
-    if (vt) pf[npf++] = reinterpret_cast<const char*>(vt[t]);
-    if (vt && t + TT < nk_pf) pf[npf++] = reinterpret_cast<const char*>(kt[t + TT]);
-    scores_tiles<NR, 1, (NR <= 4 ? 2 : 1)>(q, kt + t, hd, s + t * kKT, pf, npf);
+  // The last tiles together, still one chain per score: a score must not depend on how many rows
+  // or tiles shared its call (a verify step's rows give the same bits as decode steps; two chains
+  // here once made speculative decoding's greedy text part from plain decoding's).
+  int npf = 0;
+  for (int i = nt; i < nt + TT && i < nk_pf; ++i) pf[npf++] = reinterpret_cast<const char*>(kt[i]);
+  for (int i = t; vt && i < nt; ++i) pf[npf++] = reinterpret_cast<const char*>(vt[i]);
+  switch (nt - t) {
+    case 1: scores_tiles<NR, 1, 1>(q, kt + t, hd, s + t * kKT, pf, npf); break;
+    case 2: scores_tiles<NR, 2, 1>(q, kt + t, hd, s + t * kKT, pf, npf); break;
+    case 3: scores_tiles<NR, 3, 1>(q, kt + t, hd, s + t * kKT, pf, npf); break;
+    default: break;
   }
 }
 
@@ -867,8 +873,10 @@ struct Attention {
   static constexpr int P = kP;    // keys per partition (a multiple of KT)
 #if defined(__AVX512F__)
   static constexpr int RB = 8;  // query rows whose scores / outputs stay in registers together
+  static constexpr int RB2 = 8;  // the same for float32 / float16 / int8 caches (two chains a row)
 #else
   static constexpr int RB = 4;
+  static constexpr int RB2 = 2;
 #endif
 
   static inline void prefetch(const char* p, int64_t bytes) {
@@ -943,11 +951,13 @@ struct Attention {
 
   // ---- micro-kernels ------------------------------------------------------------------------------
 
-  // Two accumulator sets (even and odd steps) where the registers allow: with a few rows, one
-  // chain per row would wait on the FMA latency every step.
+  // Two accumulator sets (even and odd steps) for every row count: with a few rows, one chain per
+  // row would wait on the FMA latency every step, and a row's sums must come out the same whatever
+  // rows share its block (a verify step's rows against decode steps'). Rows per block for these
+  // float kernels are capped where 2 x NR vectors would not fit the registers (RB2).
   template <int NR>
   static constexpr int chains() {
-    return NR * 2 <= RB ? 2 : 1;
+    return 2;
   }
 
   // s[r][0..16) = q[r] . key tile for NR rows of queries (fp32 rows `q`, and for a bfloat16 cache
@@ -1209,11 +1219,11 @@ struct Attention {
     // AMX for a block of at least 16 rows (prefill); a decode item's few rows keep the dot tiles.
     const bool amx = dot && a.amx && hd % 32 == 0 && R >= 16;
     const int RA = (R + kAmxRows - 1) / kAmxRows * kAmxRows;  // rows with room for tile padding
-    const int rb = amx ? kAmxRows : RB;                       // rows per block
+    const int rb = amx ? kAmxRows : CT == CT_BF16 ? RB : RB2;  // rows per block
     const AmxScope amx_scope(amx);
 #else
     const bool amx = false;
-    const int RA = R, rb = RB;
+    const int RA = R, rb = CT == CT_BF16 ? RB : RB2;
 #endif
     float* qf = scratch(0, int64_t(R) * hd);
     float* acc = scratch(1, int64_t(RA) * hd);

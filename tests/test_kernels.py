@@ -18,7 +18,7 @@ from conftest import kernel_isas, on_one_and_two_threads, random_batch
 
 from armserve import kernels
 from armserve.kernels.reference import (
-    act_and_mul_ref, encoder_attention_ref, paged_attention_ref, rms_norm_ref, rotary_ref,
+    act_and_mul_ref, encoder_attention_ref, paged_attention_ref, quantize_kv_ref, rms_norm_ref, rotary_ref,
 )
 from armserve.layers.attention import cache_from_rows, cache_rows, kv_cache_shapes
 from armserve.layers.rotary_embedding import RotaryEmbedding
@@ -210,6 +210,48 @@ def _attn_batch(q_start, q_len, ctx, tables, block_size: int):
     i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
     keep = (i32(q_start), i32(q_len), i32(ctx), bt)
     return kernels.make_attn_batch(*keep, block_size), keep
+
+
+VERIFY_CASES = [(4, 4, [2, 5]), (9, 3, [3, 5, 13]), (14, 2, [2, 5, 13])]  # (hq, hk, query rows)
+if SMALL:
+    VERIFY_CASES = [(9, 3, [5]), (14, 2, [3])]
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8"])
+@pytest.mark.parametrize("case", range(len(VERIFY_CASES)))
+def test_paged_attention_verify_rows_equal_decode_rows(isa, cache, case):
+    """A speculative verify step's query rows (one sequence, several positions at once) give the
+    same bits as each position decoded alone, as greedy decoding with and without speculation
+    must: a row's sums may not depend on which rows share its block, or on how many keys the
+    step's later rows add to its last tiles."""
+    hq, hk, row_counts = VERIFY_CASES[case]
+    hd, bs = 64, 16
+    torch.manual_seed(case)
+    dtype = torch.float32 if cache in ("float32", "int8") else getattr(torch, cache)
+    contexts = [40, 137, 300] if not SMALL else [37]
+    for ctx in contexts:
+        nb = (ctx + bs - 1) // bs + 1
+        table = torch.randperm(nb).to(torch.int32).view(1, -1)
+        k_rows, v_rows = torch.randn(nb * bs, hk, hd) * 3, torch.randn(nb * bs, hk, hd)
+        if cache == "int8":
+            (kq, ks), (vq, vs) = quantize_kv_ref(k_rows), quantize_kv_ref(v_rows)
+            layout = [cache_from_rows(x, bs, key=key) for x, key in ((kq, True), (vq, False), (ks, None), (vs, None))]
+        else:
+            layout = [cache_from_rows(k_rows.to(dtype), bs, key=True), cache_from_rows(v_rows.to(dtype), bs, key=False)]
+
+        def attend(q, q_len, context):
+            keep = (torch.tensor([0], dtype=torch.int32), torch.tensor([q_len], dtype=torch.int32),
+                    torch.tensor([context], dtype=torch.int32), table)
+            batch = kernels.make_attn_batch(*keep, bs)
+            if cache == "int8":
+                return kernels.paged_attention_i8(q, *layout, batch, hq, hk, hd, hd**-0.5)
+            return kernels.paged_attention(q, *layout, batch, hq, hk, hd, hd**-0.5)
+
+        for rows in row_counts:
+            q = (torch.randn(rows, (hq + 2 * hk) * hd) * 2).to(dtype)[:, : hq * hd]
+            verify = attend(q, rows, ctx)
+            decode = torch.cat([attend(q[i:i + 1], 1, ctx - rows + 1 + i) for i in range(rows)])
+            assert torch.equal(verify, decode), (ctx, rows, (verify.float() - decode.float()).abs().max().item())
 
 
 @pytest.mark.parametrize("boost", [3.0, 40.0])
