@@ -16,18 +16,36 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
   using Share = typename armserve_dense::PanelPrefetch<Avx2<F32>>::Share;
   static constexpr int kWeightBytes = F32 ? 4 : 2;
   static constexpr bool kDot = false;
-  // 5 rows x 1 block: 10 accumulators + 4 widened weight halves + 2 broadcasts = 16 ymm; 10
-  // chains of 2 FMAs hide the FMA latency (4 rows: 8 chains, 76 GFLOP/s; 5 rows: 109 on Zen 5).
+  // 5 rows x 1 block, a pass: 10 accumulators + 2 weight halves + 1 broadcast of 16 ymm; 10
+  // chains hide the FMA latency (4 rows: 8 chains, 76 GFLOP/s; 5 rows: 109 on Zen 5).
   static constexpr int MR = ARMSERVE_DENSE_AVX2_MR, NB = 1, kAlign = 1, kStreamRows = 0;
+  // Every output is (sum over k-pairs of even-k products) + (sum of odd-k products), each a chain
+  // in k order, whatever the tile's shape: a row gets the same bits alone (a decode step) as
+  // among others (a speculative verify step, a batch), which greedy decoding with and without
+  // speculation needs. Few accumulators (m = 1, 2) keep both chains in registers at once (one
+  // chain of 2 FMAs a step is latency-bound: 14 GB/s at m = 1); larger tiles run the even and
+  // the odd chains in two passes over the panel, each loading only its half of the weights.
   template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
+    constexpr int H = 2 * B;
+    if constexpr (F32) {
+      pass<R, B, kStream, 3>(xa, xs, w, kp, acc, pf);
+    } else if constexpr (R * H <= 4) {
+      pass<R, B, kStream, 2>(xa, xs, w, kp, acc, pf);
+    } else {
+      pass<R, B, kStream, 0>(xa, xs, w, kp, acc, pf);
+      pass<R, B, false, 1>(xa, xs, w, kp, acc, Share{nullptr, 0, 0});
+    }
+  }
+  // SET 0: the even-k chain into acc; 1: the odd-k chain added to acc; 2: both, in registers;
+  // 3: one chain over both.
+  template <int R, int B, bool kStream, int SET>
+  static void pass(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
     const float* x = static_cast<const float*>(xa);
     const float* wf = reinterpret_cast<const float*>(w);
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
     constexpr int H = 2 * B;
-    // Few accumulators (m = 1, 2): odd k-halves into their own set, so 2 FMAs per step do not
-    // form one dependency chain (latency-bound otherwise: 14 GB/s at m = 1).
-    constexpr bool kSplit = R * H <= 4;
+    constexpr bool kEven = SET != 1, kOdd = SET != 0;
     __m256 c[R][H], d[R][H];
     ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
@@ -46,39 +64,43 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
             armserve_dense::prefetch_stream(w + b * bs + p * 32);
           }
         }
-      else
+      else if (SET != 1)
         pf.step();
       ARMSERVE_UNROLL
       for (int h = 0; h < H; ++h) {
         if constexpr (F32) {  // columns 8 (h % 2) .. + 7 of block h / 2
           const float* src = wf + (h / 2) * bs + p * 32 + (h % 2) * 8;
-          we[h] = _mm256_loadu_ps(src);
-          wo[h] = _mm256_loadu_ps(src + 16);
+          if (kEven) we[h] = _mm256_loadu_ps(src);
+          if (kOdd) wo[h] = _mm256_loadu_ps(src + 16);
         } else {
           const uint16_t* src = w + (h / 2) * bs + p * 32 + (h % 2) * 16;
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-          we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-          wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+          if (kEven) we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+          if (kOdd) wo[h] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
         }
       }
       ARMSERVE_UNROLL
       for (int r = 0; r < R; ++r) {
-        const __m256 x0 = _mm256_broadcast_ss(x + r * xs + 2 * p), x1 = _mm256_broadcast_ss(x + r * xs + 2 * p + 1);
+        __m256 x0, x1;
+        if (kEven) x0 = _mm256_broadcast_ss(x + r * xs + 2 * p);
+        if (kOdd) x1 = _mm256_broadcast_ss(x + r * xs + 2 * p + 1);
         ARMSERVE_UNROLL
         for (int h = 0; h < H; ++h) {
-          c[r][h] = _mm256_fmadd_ps(we[h], x0, c[r][h]);
-          if (kSplit)
-            d[r][h] = _mm256_fmadd_ps(wo[h], x1, d[r][h]);
-          else
-            c[r][h] = _mm256_fmadd_ps(wo[h], x1, c[r][h]);
+          if (kEven) c[r][h] = _mm256_fmadd_ps(we[h], x0, c[r][h]);
+          if (SET == 3) c[r][h] = _mm256_fmadd_ps(wo[h], x1, c[r][h]);
+          else if (kOdd) d[r][h] = _mm256_fmadd_ps(wo[h], x1, d[r][h]);
         }
       }
     }
     ARMSERVE_UNROLL
     for (int r = 0; r < R; ++r)
       ARMSERVE_UNROLL
-      for (int h = 0; h < H; ++h)
-        _mm256_storeu_ps(acc + r * B * 16 + h * 8, kSplit ? _mm256_add_ps(c[r][h], d[r][h]) : c[r][h]);
+      for (int h = 0; h < H; ++h) {
+        float* o = acc + r * B * 16 + h * 8;
+        if (SET == 2) _mm256_storeu_ps(o, _mm256_add_ps(c[r][h], d[r][h]));
+        if (SET == 0 || SET == 3) _mm256_storeu_ps(o, c[r][h]);
+        if (SET == 1) _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), d[r][h]));
+      }
   }
 };
 }  // namespace

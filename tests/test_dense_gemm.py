@@ -316,3 +316,30 @@ def test_rows_over_several_chunks(isa):
         exact = x.double() @ w.double().t()
         tol = bound_f32(x, w) if f32 else bound(x, w)
         assert ((one[:, col:col + n].double() - exact).abs() <= tol).all(), dtype
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "widen"), (torch.bfloat16, "widen")]
+                         + ([(torch.bfloat16, "dot")] if has_dot() else []))
+def test_a_row_gets_the_same_bits_whatever_rows_share_the_call(isa, dtype, mode):
+    """Row i of an m-row product equals that row computed alone, bit for bit, for every row count
+    the tiles split differently: a speculative verify step (several rows of one sequence) must
+    give each position the logits a decode step gives it, or greedy decoding with speculation
+    parts from greedy decoding without it at the first near-tie. (AMX tiles, for prefill rows
+    on CPUs with AMX-BF16, are not held to this.)"""
+    before = kernels.set_bf16_dot(mode == "dot")
+    amx_before = kernels.set_amx(False) if kernels.amx_available() else None
+    try:
+        torch.manual_seed(3)
+        pack = kernels.pack_f32 if dtype == torch.float32 else kernels.pack_bf16
+        for n, k in SHAPES:
+            w = torch.randn(n, k).to(dtype)
+            p = pack(w)
+            x = torch.randn(max(ROWS), k).to(dtype)
+            alone = torch.cat([kernels.dense(x[i:i + 1], p, n, k) for i in range(max(ROWS))])
+            for m in ROWS:
+                together = kernels.dense(x[:m], p, n, k)
+                assert torch.equal(together, alone[:m]), (m, n, k)
+    finally:
+        kernels.set_bf16_dot(before)
+        if amx_before is not None:
+            kernels.set_amx(amx_before)

@@ -82,6 +82,29 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
         assert torch.all(out[:, :3] == 7) and torch.all(out[:, 3 + n:] == 7), "wrote outside its columns"
 
 
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
+def test_qgemm_row_alone_equals_row_among_others(isa, fmt):
+    """Each row of an m-row product is the same bits as that row alone, for every row count the
+    tiles take differently (1-9 tokens and more): a speculative verify step's rows must equal
+    decode steps' for greedy decoding to be the same with and without speculation."""
+    torch.manual_seed(8)
+    rows = 17 if not SMALL else 9
+    for n, k, g in [(40, 96, 32), (33, 128, 32)]:
+        if not fits(fmt, g):
+            continue
+        qt = random_q(fmt, n, k, g, symmetric=False)
+        packed = pack(qt)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, k).to(dtype)
+            alone = torch.empty(rows, n, dtype=dtype)
+            for i in range(rows):
+                kernels.qgemm(fmt, alone[i:i + 1], 0, kernels.quantize_act(x[i:i + 1], g), packed, n, g)
+            for m in range(2, rows + 1):
+                out = torch.empty(m, n, dtype=dtype)
+                kernels.qgemm(fmt, out, 0, kernels.quantize_act(x[:m], g), packed, n, g)
+                assert torch.equal(out, alone[:m]), (fmt, m, n, k, dtype)
+
+
 def test_w5_gemm_equals_w8_of_the_same_blocks(isa):
     """w5 (GGUF Q5_0 at 5.5 bits a weight) gives bit for bit what the w8 tiles of the same blocks
     gave (the int8 path Q5_0 took before): 1 to 9 tokens (each tile width: AVX2 takes 5-8 tokens in

@@ -250,19 +250,28 @@ def test_random_sampling_runs_and_penalties_apply(engines):
 # ---- a real model: SmolLM2 copying a list ---------------------------------------------------
 
 
-def test_smollm2_greedy_identical_with_and_without(smollm2_gguf):
-    # float32 weights: a multi-token step rounds exactly as single-token ones (docs/speculative_decoding.md)
-    llm = LLM(smollm2_gguf, dtype="float32", quantization="none", kv_cache_space=0.05, max_model_len=512,
+@pytest.mark.parametrize("weights", [{"dtype": "float32", "quantization": "none"}, {}],
+                         ids=["float32", "gguf-default"])
+def test_smollm2_greedy_identical_with_and_without(smollm2_gguf, weights):
+    """Speculation changes how many positions a step computes, never what a position gets: the
+    logprobs of every emitted token are the same bits with it as without (docs/speculative_decoding.md),
+    for dense float32 weights and for the GGUF's own (quantized blocks, int8 activations, bfloat16)."""
+    llm = LLM(smollm2_gguf, kv_cache_space=0.05, max_model_len=512, **weights,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     prompts = ["Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi. "
                "Again: apple, banana,", "Write a haiku about the sea."]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)
     scheduler = llm.llm_engine.backend.scheduler
     proposer, scheduler.proposer = scheduler.proposer, None  # the plain decode path first
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = llm.generate(prompts, params, use_tqdm=False)
     scheduler.proposer = proposer
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert got == want
+    got = llm.generate(prompts, params, use_tqdm=False)
+
+    def bits(outs):
+        return [[(t, {k: v.logprob for k, v in lp.items()}) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outs]
+
+    assert bits(got) == bits(want)
     assert scheduler.spec_stats.num_accepted_tokens >= 5
 
 
