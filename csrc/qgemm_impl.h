@@ -178,6 +178,16 @@ template <class Q>
 struct MaxTokens<Q, std::void_t<decltype(Q::kMaxTokens)>> {
   static constexpr int value = Q::kMaxTokens;
 };
+// The same for W4 and W8 passes: `kMaxTokensW48` where the variant declares it (AVX512-VNNI: 8,
+// a verify step's rows in one pass over the tile), else 4.
+template <class Q, class = void>
+struct MaxTokensW48 {
+  static constexpr int value = 4;
+};
+template <class Q>
+struct MaxTokensW48<Q, std::void_t<decltype(Q::kMaxTokensW48)>> {
+  static constexpr int value = Q::kMaxTokensW48;
+};
 
 template <class Isa, class IsaQ>
 struct QKernels {
@@ -238,7 +248,7 @@ struct QKernels {
   static void tile_rows(int32_t dtype, void* out, int64_t ldo, const int8_t* q, const float* ascale,
                         const int32_t* agsum, const int32_t* idx, int64_t m, const uint8_t* wt, int cols, int64_t k,
                         int64_t group) {
-    constexpr int kMax = F == kW5 ? MaxTokens<IsaQ>::value : 4;
+    constexpr int kMax = F == kW5 ? MaxTokens<IsaQ>::value : MaxTokensW48<IsaQ>::value;
     const int es = dtype_size(dtype);
     const int64_t ng = k / group;
     // past 4 a pass: as few passes as kMax allows, of even sizes (each unpacks the tile once)
@@ -257,6 +267,8 @@ struct QKernels {
       }
       // (2 or 3 tokens in one pass too, and up to kMax: a speculative verify step's rows)
       switch (nt) {
+        case 8: if constexpr (kMax >= 8) tile<F, 8>(wt, qs, as, gs, k, group, acc); break;
+        case 7: if constexpr (kMax >= 7) tile<F, 7>(wt, qs, as, gs, k, group, acc); break;
         case 6: if constexpr (kMax >= 6) tile<F, 6>(wt, qs, as, gs, k, group, acc); break;
         case 5: if constexpr (kMax >= 5) tile<F, 5>(wt, qs, as, gs, k, group, acc); break;
         case 4: tile<F, 4>(wt, qs, as, gs, k, group, acc); break;
