@@ -23,6 +23,11 @@ struct QAvx512 : QAvx2 {
   // W4 and W8 take up to 8 tokens a pass: 8 x 2 int32 chains + 8 float sums fit the 32 registers,
   // and past 4 tokens a second pass over each tile cost as much as the first.
   static constexpr int kMaxTokensW48 = 8;
+  // Several tokens' activation rows, scales and code sums are read beside the weights, more streams
+  // than the hardware prefetchers follow: a multi-token tile fetches its weights itself, this many
+  // bytes ahead (Qwen2.5's 896 x 4864 down projections streaming from memory at 5 tokens: 2.5 ms
+  // for 12 layers without, against 1.1 for the 4864 x 896 shape of the same bytes).
+  static constexpr int kAhead = 8192;
 
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
@@ -39,6 +44,7 @@ struct QAvx512 : QAvx2 {
       // registers and cost ~15% of the tile at 1 thread (perf annotate).
 #pragma GCC unroll 4
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(chunk(wt, c, g)) + kAhead, _MM_HINT_T0);
         const __m512i b = _mm512_loadu_si512(chunk(wt, c, g));
         const __m512i lo = _mm512_and_si512(b, nib);  // weights are the unsigned operand
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
@@ -79,6 +85,7 @@ struct QAvx512 : QAvx2 {
       const __m512i pl = _mm512_loadu_si512(w5_plane(wt, g)), pl4 = _mm512_slli_epi16(pl, 4);
 #pragma GCC unroll 4
       for (int cl = 0; cl < 4; ++cl) {
+        _mm_prefetch(reinterpret_cast<const char*>(w5_chunk(wt, g, cl)) + kAhead, _MM_HINT_T0);
         const __m512i b = _mm512_loadu_si512(w5_chunk(wt, g, cl));
         const __m128i sh = _mm_cvtsi32_si128(cl);
         const __m512i lo = _mm512_or_si512(_mm512_and_si512(b, nib), _mm512_and_si512(_mm512_srl_epi16(pl4, sh), bit4));
@@ -118,6 +125,8 @@ struct QAvx512 : QAvx2 {
       const int64_t end = (g + 1) * group / 4;
 #pragma GCC unroll 4
       for (; c + 2 <= end; c += 2) {
+        _mm_prefetch(reinterpret_cast<const char*>(chunk(wt, c, g)) + kAhead, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(chunk(wt, c + 1, g)) + kAhead, _MM_HINT_T0);
         const __m512i b0 = _mm512_xor_si512(_mm512_loadu_si512(chunk(wt, c, g)), flip);
         const __m512i b1 = _mm512_xor_si512(_mm512_loadu_si512(chunk(wt, c + 1, g)), flip);
         for (int i = 0; i < NT; ++i) {
