@@ -16,6 +16,8 @@ using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
 using armserve::kW5Group;
+using armserve::kW5GroupBytes;
+using armserve::prefetch_ahead;
 
 static inline __m256i dot4(__m256i u8, __m256i s8) {
   // u8 x s8 pairs summed to int16 (no saturation: |u| <= 127 or <= 15 here), then pairs to int32
@@ -41,6 +43,10 @@ struct QAvx2 : EmbedRowsAvx2 {
     for (int64_t g = 0; g < k / group; ++g) {
       __m256i ia[NT][2];
       for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      if (W5)
+        prefetch_ahead(w5_chunk(wt, g, 0), kW5GroupBytes);
+      else
+        prefetch_ahead(chunk(wt, g * group / 8, g), (group / 8 + 1) * 64);
       __m256i pl[2], pl4[2];  // W5: the plane's rows 0-7, 8-15, and shifted to put bit cl at 4 + cl
       if (W5)
         for (int h = 0; h < 2; ++h) {
@@ -135,6 +141,7 @@ struct QAvx2 : EmbedRowsAvx2 {
     for (int64_t g = 0; g < k / kW5Group; ++g) {
       __m256i ia[NT][2];
       for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      prefetch_ahead(w5_chunk(wt, g, 0), kW5GroupBytes);
       __m256i pl[2], pl4[2];
       for (int h = 0; h < 2; ++h) {
         pl[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_plane(wt, g) + h * 32));
@@ -192,6 +199,7 @@ struct QAvx2 : EmbedRowsAvx2 {
     for (int64_t g = 0; g < k / group; ++g) {
       __m256i ia[NT][2];
       for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
+      prefetch_ahead(chunk(wt, g * group / 4, g), (group / 4 + 1) * 64);
       for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
         for (int h = 0; h < 2; ++h) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk(wt, c, g) + h * 32));

@@ -15,6 +15,8 @@ using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
 using armserve::kW5Group;
+using armserve::kW5GroupBytes;
+using armserve::prefetch_ahead;
 
 struct QAvx512 : QAvx2 {
   // W5 takes up to 8 tokens a pass (its own tile_w5 below; 8 x 2 int32 chains + 8 float sums fit
@@ -23,11 +25,6 @@ struct QAvx512 : QAvx2 {
   // W4 and W8 take up to 8 tokens a pass: 8 x 2 int32 chains + 8 float sums fit the 32 registers,
   // and past 4 tokens a second pass over each tile cost as much as the first.
   static constexpr int kMaxTokensW48 = 8;
-  // Several tokens' activation rows, scales and code sums are read beside the weights, more streams
-  // than the hardware prefetchers follow: a multi-token tile fetches its weights itself, this many
-  // bytes ahead (Qwen2.5's 896 x 4864 down projections streaming from memory at 5 tokens: 2.5 ms
-  // for 12 layers without, against 1.1 for the 4864 x 896 shape of the same bytes).
-  static constexpr int kAhead = 8192;
 
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
@@ -38,13 +35,13 @@ struct QAvx512 : QAvx2 {
     for (int64_t g = 0; g < k / group; ++g) {
       // Low and high nibbles accumulate separately: two dependency chains of vpdpbusd instead of
       // one, which otherwise caps a single token's tile at its latency, well below memory speed.
+      prefetch_ahead(chunk(wt, g * group / 8, g), (group / 8 + 1) * 64);
       __m512i ia[NT], ib[NT];
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
       // Unrolled (group 32: 4 chunks): the rolled loop kept shuffling the accumulators between
       // registers and cost ~15% of the tile at 1 thread (perf annotate).
 #pragma GCC unroll 4
       for (int64_t c = g * group / 8; c < (g + 1) * group / 8; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(chunk(wt, c, g)) + kAhead, _MM_HINT_T0);
         const __m512i b = _mm512_loadu_si512(chunk(wt, c, g));
         const __m512i lo = _mm512_and_si512(b, nib);  // weights are the unsigned operand
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(b, 4), nib);
@@ -82,10 +79,10 @@ struct QAvx512 : QAvx2 {
     for (int64_t g = 0; g < k / kW5Group; ++g) {
       __m512i ia[NT], ib[NT];
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
+      prefetch_ahead(w5_chunk(wt, g, 0), kW5GroupBytes);
       const __m512i pl = _mm512_loadu_si512(w5_plane(wt, g)), pl4 = _mm512_slli_epi16(pl, 4);
 #pragma GCC unroll 4
       for (int cl = 0; cl < 4; ++cl) {
-        _mm_prefetch(reinterpret_cast<const char*>(w5_chunk(wt, g, cl)) + kAhead, _MM_HINT_T0);
         const __m512i b = _mm512_loadu_si512(w5_chunk(wt, g, cl));
         const __m128i sh = _mm_cvtsi32_si128(cl);
         const __m512i lo = _mm512_or_si512(_mm512_and_si512(b, nib), _mm512_and_si512(_mm512_srl_epi16(pl4, sh), bit4));
@@ -123,10 +120,9 @@ struct QAvx512 : QAvx2 {
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
       int64_t c = g * group / 4;
       const int64_t end = (g + 1) * group / 4;
+      prefetch_ahead(chunk(wt, c, g), (group / 4 + 1) * 64);
 #pragma GCC unroll 4
       for (; c + 2 <= end; c += 2) {
-        _mm_prefetch(reinterpret_cast<const char*>(chunk(wt, c, g)) + kAhead, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(chunk(wt, c + 1, g)) + kAhead, _MM_HINT_T0);
         const __m512i b0 = _mm512_xor_si512(_mm512_loadu_si512(chunk(wt, c, g)), flip);
         const __m512i b1 = _mm512_xor_si512(_mm512_loadu_si512(chunk(wt, c + 1, g)), flip);
         for (int i = 0; i < NT; ++i) {

@@ -47,6 +47,14 @@ static inline const uint16_t* w5_scales(const uint8_t* wt, int64_t g) {
 // The two 5-bit codes of chunk byte b (low nibble: column j, high: j + 4) of chunk cl, plane byte p.
 static inline int w5_lo(uint8_t b, uint8_t p, int64_t cl) { return (b & 15) | (((p >> cl) & 1) << 4); }
 static inline int w5_hi(uint8_t b, uint8_t p, int64_t cl) { return (b >> 4) | (((p >> (4 + cl)) & 1) << 4); }
+// The tiles prefetch each group's bytes this far ahead of the group they compute: several tokens'
+// activation rows, scales and code sums are read beside the weights, more streams than the
+// hardware prefetchers follow. Zen 5, AVX512-VNNI: batch-1 decode +11% (Qwen2.5-Coder Q4_K_M
+// 66.8 -> 74-75 tok/s); Qwen2.5's 12 down projections (896 x 4864, W4) at 5 tokens 2.5 -> 1.1 ms.
+constexpr int64_t kPrefetchAhead = 8192;
+static inline void prefetch_ahead(const uint8_t* group, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(group + kPrefetchAhead + i, 0, 3);
+}
 
 // Portable reference of the tile products, used by the scalar variant and as the fallback.
 // Also the reference of one table row's dequantization (`row_w4`, `row_w8`: row r < 16 of tile
