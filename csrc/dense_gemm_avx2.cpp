@@ -19,23 +19,15 @@ struct Avx2 : armserve_dense::PanelPrefetch<Avx2<F32>> {
   // 5 rows x 1 block, a pass: 10 accumulators + 2 weight halves + 1 broadcast of 16 ymm; 10
   // chains hide the FMA latency (4 rows: 8 chains, 76 GFLOP/s; 5 rows: 109 on Zen 5).
   static constexpr int MR = ARMSERVE_DENSE_AVX2_MR, NB = 1, kAlign = 1, kStreamRows = 0;
-  // Every output is (sum over k-pairs of even-k products) + (sum of odd-k products), each a chain
-  // in k order, whatever the tile's shape: a row gets the same bits alone (a decode step) as
-  // among others (a speculative verify step, a batch), which greedy decoding with and without
-  // speculation needs. Few accumulators (m = 1, 2) keep both chains in registers at once (one
-  // chain of 2 FMAs a step is latency-bound: 14 GB/s at m = 1); larger tiles run the even and
-  // the odd chains in two passes over the panel, each loading only its half of the weights.
+  // Each output sums in one order whatever the tile's shape, so that a row gets the same bits alone
+  // (a decode step) as among others (a speculative verify step, a batch), which greedy decoding
+  // with and without speculation needs (PanelPrefetch::run_in_order). Widened bf16: (even-k chain)
+  // + (odd-k chain), both in registers for few accumulators (m = 1, 2: one chain of 2 FMAs a step
+  // is latency-bound, 14 GB/s at m = 1), else in two passes over the panel, each widening only its
+  // half. float32: one chain, even and odd k in turn (128 weight bytes a step: faster than memory).
   template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
-    constexpr int H = 2 * B;
-    if constexpr (F32) {
-      pass<R, B, kStream, 3>(xa, xs, w, kp, acc, pf);
-    } else if constexpr (R * H <= 4) {
-      pass<R, B, kStream, 2>(xa, xs, w, kp, acc, pf);
-    } else {
-      pass<R, B, kStream, 0>(xa, xs, w, kp, acc, pf);
-      pass<R, B, false, 1>(xa, xs, w, kp, acc, Share{nullptr, 0, 0});
-    }
+    armserve_dense::PanelPrefetch<Avx2<F32>>::template run_in_order<R, B, kStream, F32, (R * 2 * B <= 4)>(xa, xs, w, kp, acc, pf);
   }
   // SET 0: the even-k chain into acc; 1: the odd-k chain added to acc; 2: both, in registers;
   // 3: one chain over both.

@@ -82,14 +82,7 @@ struct Avx512 : armserve_dense::PanelPrefetch<Avx512<F32>> {
   // streams 64 bytes of weights per 4-cycle FMA, faster than memory.
   template <int R, int B, bool kStream>  // (the tile: PanelPrefetch::tile)
   static void run(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Share pf) {
-    if constexpr (F32) {
-      pass<R, B, kStream, 3>(xa, xs, w, kp, acc, pf);
-    } else if constexpr (R * B <= 8) {
-      pass<R, B, kStream, 2>(xa, xs, w, kp, acc, pf);
-    } else {
-      pass<R, B, kStream, 0>(xa, xs, w, kp, acc, pf);
-      pass<R, B, false, 1>(xa, xs, w, kp, acc, Share{nullptr, 0, 0});
-    }
+    armserve_dense::PanelPrefetch<Avx512<F32>>::template run_in_order<R, B, kStream, F32, (R * B <= 8)>(xa, xs, w, kp, acc, pf);
   }
   // SET 0: the even-k chain into acc; 1: the odd-k chain added to acc; 2: both, in registers;
   // 3: one chain over both.

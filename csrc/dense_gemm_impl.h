@@ -240,6 +240,21 @@ struct PanelPrefetch : TileBase {
     pf_lines = 0;
     return s;
   }
+  // The x86 primitives' one summation order for every tile shape (dense_gemm_avx2.cpp says why), by
+  // `Self::pass<R, B, kStream, SET>`: float32 weights one chain over even and odd k in turn (SET 3);
+  // widened bf16 the even-k chain plus the odd-k chain, both in registers where `kBoth` (SET 2),
+  // else in two passes over the panel (SET 0, then 1 adding to acc).
+  template <int R, int B, bool kStream, bool kF32, bool kBoth, class Sh>
+  static void run_in_order(const void* xa, int64_t xs, const uint16_t* w, int64_t kp, float* acc, Sh pf) {
+    if constexpr (kF32) {
+      Self::template pass<R, B, kStream, 3>(xa, xs, w, kp, acc, pf);
+    } else if constexpr (kBoth) {
+      Self::template pass<R, B, kStream, 2>(xa, xs, w, kp, acc, pf);
+    } else {
+      Self::template pass<R, B, kStream, 0>(xa, xs, w, kp, acc, pf);
+      Self::template pass<R, B, false, 1>(xa, xs, w, kp, acc, Sh{nullptr, 0, 0});
+    }
+  }
   // The tile of the primitive's `run<R, B, kStream>(xa, xs, w, kp, acc, share)` over kp k-pairs:
   // a panel of one row tile streams its own weights (kStream: prefetch_stream as it loads them);
   // with more row tiles, the next panel comes in during them (share.step() once per k-pair).

@@ -7,17 +7,7 @@
 #include "qgemm_avx2.h"
 
 namespace {
-using armserve::load4;
-using armserve::chunk;
-using armserve::w4_scales;
-using armserve::w8_scales;
-using armserve::w5_chunk;
-using armserve::w5_plane;
-using armserve::w5_scales;
-using armserve::kW5Group;
-using armserve::kW5GroupBytes;
-using armserve::prefetch_ahead;
-
+// (load4, chunk, the scale and W5 layout helpers, prefetch_ahead: qgemm_avx2.h's usings)
 struct QAvx512 : QAvx2 {
   // W5 takes up to 8 tokens a pass (its own tile_w5 below; 8 x 2 int32 chains + 8 float sums fit
   // the 32 registers).
