@@ -951,14 +951,11 @@ struct Attention {
 
   // ---- micro-kernels ------------------------------------------------------------------------------
 
-  // Two accumulator sets (even and odd steps) for every row count: with a few rows, one chain per
+  // Two accumulator sets (even and odd steps) for every row count (kChains): with a few rows, one chain per
   // row would wait on the FMA latency every step, and a row's sums must come out the same whatever
   // rows share its block (a verify step's rows against decode steps'). Rows per block for these
   // float kernels are capped where 2 x NR vectors would not fit the registers (RB2).
-  template <int NR>
-  static constexpr int chains() {
-    return 2;
-  }
+  static constexpr int kChains = 2;
 
   // s[r][0..16) = q[r] . key tile for NR rows of queries (fp32 rows `q`, and for a bfloat16 cache
   // the same rows in bf16, `qb`; rows hd apart; s rows P apart). kt: [hd][16], or [hd / 2][16][2].
@@ -979,7 +976,7 @@ struct Attention {
       for (int r = 0; r < NR; ++r) vstore(s + r * P, a[0][r] + a[1][r]);
       return;
     }
-    constexpr int U = chains<NR>();
+    constexpr int U = kChains;
     vf16 a[U][NR];
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < NR; ++r) a[u][r] = vf16{};
@@ -1016,7 +1013,7 @@ struct Attention {
       }
       return;
     }
-    constexpr int U = chains<NR>();
+    constexpr int U = kChains;
     for (int c = 0; c < hd; c += 16) {
       vf16 a[U][NR];
       for (int r = 0; r < NR; ++r) a[0][r] = vload(acc + r * hd + c);
