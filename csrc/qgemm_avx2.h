@@ -104,8 +104,8 @@ struct QAvx2 : EmbedRowsAvx2 {
   }
 
   // Tokens one W5 tile pass takes (qgemm_impl.h tile_rows, which balances the passes: 8 rows go as
-  // 4 + 4, 13 as 5 + 4 + 4); W4 and W8 passes take 4.
-  static constexpr int kMaxTokens = 6;
+  // 4 + 4, 13 as 5 + 4 + 4), and one W4 or W8 pass.
+  static constexpr int kMaxTokens = 6, kMaxTokensW48 = 4;
 
   // W5 at 5-6 tokens: 16 registers hold the int16 sums of 4 tokens, so the tokens go in blocks of
   // at most 4 over each pair of chunks, whose weights are unpacked once (W5's unpacking, with its

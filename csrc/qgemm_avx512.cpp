@@ -23,9 +23,9 @@ struct QAvx512 : QAvx2 {
     __m512 facc[NT];
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < k / group; ++g) {
+      prefetch_ahead(chunk(wt, g * group / 8, g), (group / 8 + 1) * 64);
       // Low and high nibbles accumulate separately: two dependency chains of vpdpbusd instead of
       // one, which otherwise caps a single token's tile at its latency, well below memory speed.
-      prefetch_ahead(chunk(wt, g * group / 8, g), (group / 8 + 1) * 64);
       __m512i ia[NT], ib[NT];
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
       // Unrolled (group 32: 4 chunks): the rolled loop kept shuffling the accumulators between

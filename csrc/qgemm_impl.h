@@ -175,26 +175,16 @@ struct ScalarQ {
 template <class Isa, class IsaQ>
 struct Moe;  // moe_impl.h
 
-// Tokens one W5 tile pass of a variant takes (its tile_w5 template's largest NT): `kMaxTokens` where
-// the variant declares it (AVX2: 6, a verify step's rows unpacking each weight once), else 4. W4
-// and W8 passes take 4 tokens everywhere.
+// Tokens one tile pass of a variant takes (its tile templates' largest NT): W5 `kMaxTokens` and W4 /
+// W8 `kMaxTokensW48` where the variant declares them (AVX2: 6 and 4, a verify step's W5 rows
+// unpacking each weight once; AVX512-VNNI: 8 and 8), else 4 and 4.
 template <class Q, class = void>
-struct MaxTokens {
-  static constexpr int value = 4;
+struct PassTokens {
+  static constexpr int w5 = 4, w48 = 4;
 };
 template <class Q>
-struct MaxTokens<Q, std::void_t<decltype(Q::kMaxTokens)>> {
-  static constexpr int value = Q::kMaxTokens;
-};
-// The same for W4 and W8 passes: `kMaxTokensW48` where the variant declares it (AVX512-VNNI: 8,
-// a verify step's rows in one pass over the tile), else 4.
-template <class Q, class = void>
-struct MaxTokensW48 {
-  static constexpr int value = 4;
-};
-template <class Q>
-struct MaxTokensW48<Q, std::void_t<decltype(Q::kMaxTokensW48)>> {
-  static constexpr int value = Q::kMaxTokensW48;
+struct PassTokens<Q, std::void_t<decltype(Q::kMaxTokens)>> {
+  static constexpr int w5 = Q::kMaxTokens, w48 = Q::kMaxTokensW48;
 };
 
 template <class Isa, class IsaQ>
@@ -256,7 +246,7 @@ struct QKernels {
   static void tile_rows(int32_t dtype, void* out, int64_t ldo, const int8_t* q, const float* ascale,
                         const int32_t* agsum, const int32_t* idx, int64_t m, const uint8_t* wt, int cols, int64_t k,
                         int64_t group) {
-    constexpr int kMax = F == kW5 ? MaxTokens<IsaQ>::value : MaxTokensW48<IsaQ>::value;
+    constexpr int kMax = F == kW5 ? PassTokens<IsaQ>::w5 : PassTokens<IsaQ>::w48;
     const int es = dtype_size(dtype);
     const int64_t ng = k / group;
     // past 4 a pass: as few passes as kMax allows, of even sizes (each unpacks the tile once)

@@ -231,7 +231,7 @@ def test_paged_attention_verify_rows_equal_decode_rows(isa, cache, case):
     contexts = [40, 137, 300] if not SMALL else [37]
     for ctx in contexts:
         nb = (ctx + bs - 1) // bs + 1
-        table = torch.randperm(nb).to(torch.int32).view(1, -1)
+        table = torch.randperm(nb).tolist()
         k_rows, v_rows = torch.randn(nb * bs, hk, hd) * 3, torch.randn(nb * bs, hk, hd)
         if cache == "int8":
             (kq, ks), (vq, vs) = quantize_kv_ref(k_rows), quantize_kv_ref(v_rows)
@@ -240,9 +240,7 @@ def test_paged_attention_verify_rows_equal_decode_rows(isa, cache, case):
             layout = [cache_from_rows(k_rows.to(dtype), bs, key=True), cache_from_rows(v_rows.to(dtype), bs, key=False)]
 
         def attend(q, q_len, context):
-            keep = (torch.tensor([0], dtype=torch.int32), torch.tensor([q_len], dtype=torch.int32),
-                    torch.tensor([context], dtype=torch.int32), table)
-            batch = kernels.make_attn_batch(*keep, bs)
+            batch, keep = _attn_batch([0], [q_len], [context], [table], bs)
             if cache == "int8":
                 return kernels.paged_attention_i8(q, *layout, batch, hq, hk, hd, hd**-0.5)
             return kernels.paged_attention(q, *layout, batch, hq, hk, hd, hd**-0.5)
