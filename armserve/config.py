@@ -142,6 +142,12 @@ SPEC_METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
 # (quantized self-drafting: `model` = the target's own checkpoint).
 SPEC_DRAFT_QUANTIZATIONS = ("w4a8",)
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+# A draft model's LM head over the vocabulary's first this many ids (plus its special tokens), when
+# the head is quantized and the vocabulary is larger: BPE and SentencePiece vocabularies are ordered
+# roughly by frequency, and a draft step reads its head whole (Qwen2.5's int8 head, 151,936 rows, is
+# over 40% of its int4 self-draft's bytes). A token outside is never drafted, so text made mostly of
+# later ids (Qwen's Chinese, say) drafts less: 0 keeps the whole vocabulary (docs/speculative_decoding.md).
+DEFAULT_DRAFT_VOCAB_SIZE = 49152
 # Suffix decoding (engine/suffix_decode.py), vLLM's keys and defaults but one: the trees' depth (a match
 # plus its draft), the finished requests' outputs kept for other requests (0: none), draft length
 # per matched token, and the least estimated probability of a drafted token. As in vLLM,
@@ -191,8 +197,10 @@ class SpeculativeConfig:
     `prompt_lookup_max` (n-gram lengths searched), the `suffix_decoding_*` keys (method "suffix"),
     `model` (method "draft_model": a draft checkpoint with the target's tokenizer; "eagle3": the
     EAGLE-3 head's folder; "mtp": the checkpoint holding the MTP layers, by default the target's),
-    `quantization` ("w4a8": the draft quantized to int4 at load), `draft_tensor_parallel_size` (1) and
-    `disable_by_batch_size` (no speculation in a step with more running decodes than this)."""
+    `quantization` ("w4a8": the draft quantized to int4 at load), `draft_vocab_size` (method
+    "draft_model": its quantized LM head over the first this many token ids and the special tokens;
+    0: the whole vocabulary), `draft_tensor_parallel_size` (1) and `disable_by_batch_size` (no
+    speculation in a step with more running decodes than this)."""
 
     method: str = "ngram"
     # (None: DEFAULT_NUM_SPECULATIVE_TOKENS, or for "suffix" the tree depth, as vLLM)
@@ -201,6 +209,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     model: str | None = None
     quantization: str | None = None
+    draft_vocab_size: int | None = None
     draft_tensor_parallel_size: int | None = None
     disable_by_batch_size: int | None = None
     suffix_decoding_max_tree_depth: int | None = None
@@ -244,6 +253,14 @@ class SpeculativeConfig:
             if self.quantization is not None and self.quantization not in SPEC_DRAFT_QUANTIZATIONS:
                 raise ConfigError(f"speculative_config: unknown draft quantization {self.quantization!r}; expected "
                                   f"{', '.join(SPEC_DRAFT_QUANTIZATIONS)} (or none: the draft as its checkpoint is)")
+            v = self.draft_vocab_size
+            if v is None:
+                self.draft_vocab_size = DEFAULT_DRAFT_VOCAB_SIZE
+            elif isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"speculative_config: draft_vocab_size must be an integer >= 0 (0: the whole "
+                                  f"vocabulary), got {v!r}")
+        elif self.draft_vocab_size is not None:
+            raise ConfigError("speculative_config: draft_vocab_size only applies to method 'draft_model'")
         if self.method == "eagle3" and not self.model:
             raise ConfigError("speculative_config: method 'eagle3' needs the head's checkpoint folder as 'model'")
         if self.method in ("eagle3", "mtp") and self.quantization is not None:

@@ -244,6 +244,32 @@ def test_quantized_linear_with_mixed_shards(isa):
     torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("fmt", ["w8", "w4", "w5"])
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "pytorch"])
+def test_a_layer_keeps_some_row_tiles_bit_for_bit(isa, fmt, kernel, monkeypatch):
+    """keep_row_tiles (a draft model's LM head over part of the vocabulary): the kept rows' outputs
+    are the whole layer's, bit for bit, the partial last tile included, on the kernels' packed
+    bytes and on the PyTorch path; tiles out of order or range are refused."""
+    torch.manual_seed(12)
+    if not kernel:
+        monkeypatch.setattr(kernels, "use_kernel", lambda *a, **kw: False)
+    n, k = 100, 64  # 7 tiles, the last of 4 rows
+    layer = QuantizedLinear(k, n, False, [("all", n)])
+    layer.load_shard("all", random_q(fmt, n, k, 32, symmetric=False))
+    assert (layer.parts[0].packed is not None) == kernel
+    for tiles in ([0, 2, 6], [1], [0, 1, 2, 3, 4, 5, 6]):
+        sub, rows = layer.keep_row_tiles(tiles)
+        assert rows.tolist() == [r for t in tiles for r in range(16 * t, min(16 * t + 16, n))]
+        assert sub.out_features == len(rows)
+        for dtype in (torch.float32, torch.bfloat16):
+            for m in (1, 4):
+                x = torch.randn(m, k).to(dtype)
+                assert torch.equal(sub(x), layer(x)[:, rows]), (tiles, dtype, m)
+    for bad in ([], [2, 1], [1, 1], [7], [-1]):
+        with pytest.raises(ValueError, match="row tiles"):
+            layer.keep_row_tiles(bad)
+
+
 def test_quantize_weight_round_trip():
     torch.manual_seed(2)
     w = torch.randn(64, 128)

@@ -29,6 +29,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
     ({"method": "medusa"}, "unknown method 'medusa'"),
     ({"method": "draft_model"}, "needs a draft 'model'"),
     ({"method": "draft_model", "model": "x", "quantization": "fp8"}, "unknown draft quantization"),
+    ({"method": "draft_model", "model": "x", "draft_vocab_size": -1}, "draft_vocab_size must be an integer >= 0"),
+    ({"method": "draft_model", "model": "x", "draft_vocab_size": "all"}, "draft_vocab_size must be an integer"),
+    ({"method": "ngram", "draft_vocab_size": 1000}, "draft_vocab_size only applies to method 'draft_model'"),
     ({"method": "eagle3"}, "'eagle3' needs the head's checkpoint folder"),
     ({"num_speculative_tokens": 3}, "needs a 'method'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -339,6 +342,37 @@ def test_quantized_self_drafting(tiny_llama, tmp_path, monkeypatch):
     assert [c.token_ids for c in _run(spec, prompts, params)] == [c.token_ids for c in _run(plain, prompts, params)]
     st = spec.llm_engine.backend.scheduler.spec_stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # an int4 copy agrees often, not always
+
+
+def test_quantized_self_drafting_over_part_of_the_vocabulary(tiny_llama, tmp_path, monkeypatch):
+    """draft_vocab_size: the int4 draft's head keeps the rows of the first ids (whole 16-row tiles)
+    and of the special tokens; every draft is a target id from that set, some are accepted, and
+    greedy output is what decoding without speculation gives."""
+    from armserve.engine.draft_proposer import DraftModelProposer
+
+    monkeypatch.setenv("ARMSERVE_SELF_DRAFT_CACHE", str(tmp_path))
+    kw = dict(kv_cache_space=0.02, max_model_len=256, block_size=16, dtype="float32")
+    plain = LLM(tiny_llama, **kw)
+    spec = LLM(tiny_llama, speculative_config={"method": "draft_model", "model": tiny_llama, "quantization": "w4a8",
+                                               "num_speculative_tokens": 3, "draft_vocab_size": 20000}, **kw)
+    backend = spec.llm_engine.backend
+    tok = backend.tokenizer
+    draft = backend.scheduler.proposer.runner.model
+    special = set(tok.added_tokens_decoder) | set(backend.eos_token_ids)
+    kept = set(range(20000)) | {i for s in special for i in range(s // 16 * 16, s // 16 * 16 + 16)}
+    assert len(tok) > 20000 and draft.lm_head.out_features == len(kept) < len(tok)
+    assert set(draft.draft_to_target.tolist()) == kept
+    drafted = []
+    propose = DraftModelProposer.propose_batch
+    monkeypatch.setattr(DraftModelProposer, "propose_batch",
+                        lambda self, items: drafted.extend(d := propose(self, items)) or d)
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert [c.token_ids for c in _run(spec, prompts, params)] == [c.token_ids for c in _run(plain, prompts, params)]
+    tokens = [t for d in drafted for t in d]
+    assert tokens and set(tokens) <= kept
+    st = backend.scheduler.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
 
 
 def test_server_metrics_and_stats_line(markov_llama, engines, tmp_path):

@@ -2,6 +2,11 @@
 model with the target's tokenizer, or the target itself quantized to int4 at load (quantized
 self-drafting), proposes k tokens greedily for every decoding request of a step.
 
+A quantized draft head computes logits over part of the vocabulary only (`draft_vocab_size`: the
+first ids, which BPE and SentencePiece vocabularies order roughly by frequency, and the special
+tokens), mapped back to the target's ids (`draft_to_target`, as an EAGLE-3 head's d2t): a draft step
+reads its whole head, 151,936 rows for Qwen2.5. A token outside it is never drafted, only verified.
+
 The draft has a KV cache of its own, in the same block layout and under the same block ids as the
 target's: a request's block table serves both, so the draft needs no block manager. Each request
 remembers how many of its leading tokens have draft KV (`SpecState.draft_computed`); a step
@@ -55,6 +60,12 @@ class DraftModelProposer:
     def state(self, req: Request) -> SpecState | None:
         return request_state(req, 1, 0, self.k)  # (no n-gram tables)
 
+    def _argmax(self, logits: torch.Tensor) -> list[int]:
+        """Greedy draft tokens, as the target's ids, from float32 logits [rows, draft vocabulary]."""
+        ids = kernels.argmax(logits)
+        to_target = getattr(self.runner.model, "draft_to_target", None)
+        return (ids if to_target is None else to_target.index_select(0, ids)).tolist()
+
     def draft_length(self, req: Request, limit: int) -> int:
         """How many tokens to draft for `req` this step (its adaptive k, capped by `limit`)."""
         return draft_limit(self.state(req), self.step, limit)
@@ -88,7 +99,7 @@ class DraftModelProposer:
                 if out is not None:
                     logits, q = out
                     last = torch.tensor([i * q + n - 1 for i, n in enumerate(news)], dtype=torch.long)
-                    tokens = kernels.argmax(logits.index_select(0, last).float().contiguous()).tolist()
+                    tokens = self._argmax(logits.index_select(0, last).float().contiguous())
                 else:  # single-token steps, the first only for the KV of the rows two behind
                     two = [r for r, n in zip(rows, news) if n == 2]
                     self._decode([req.all_token_ids[-2] for _, req, _, _ in two],
@@ -117,7 +128,7 @@ class DraftModelProposer:
             sched = [ScheduledRequest(_View(p, []), 1, b, [t])  # type: ignore[arg-type]
                      for t, p, b in zip(ids, positions, blocks)]
             return self._eager(sched)
-        return kernels.argmax(logits.float().contiguous()).tolist()
+        return self._argmax(logits.float().contiguous())
 
     def _eager(self, sched: list[ScheduledRequest]) -> list[int]:
         runner = self.runner
@@ -128,14 +139,15 @@ class DraftModelProposer:
         finally:
             set_attention_metadata(None)
         logits = runner.model.compute_logits(hidden.index_select(0, torch.tensor(row_end, dtype=torch.long)))
-        return kernels.argmax(logits.float().contiguous()).tolist()
+        return self._argmax(logits.float().contiguous())
 
 
-def load_draft_model(spec: SpeculativeConfig, target_config, dtype: torch.dtype):
+def load_draft_model(spec: SpeculativeConfig, target_config, dtype: torch.dtype, special_ids: set[int]):
     """(the draft model, its config): `spec.model` as its checkpoint is, or with quantization
     "w4a8" an int4 copy made once by `armserve quantize`'s code and kept in
-    $ARMSERVE_SELF_DRAFT_CACHE (default ~/.cache/armserve/self-draft). A ConfigError when its
-    vocabulary is not the target's."""
+    $ARMSERVE_SELF_DRAFT_CACHE (default ~/.cache/armserve/self-draft); a quantized head limited to
+    `spec.draft_vocab_size` ids and `special_ids`. A ConfigError when its vocabulary is not the
+    target's."""
     from armserve import model_loader
 
     src = model_loader.resolve_model_path(spec.model)  # type: ignore[arg-type]
@@ -146,7 +158,28 @@ def load_draft_model(spec: SpeculativeConfig, target_config, dtype: torch.dtype)
         raise ConfigError(f"speculative_config: the draft model {spec.model!r} has a vocabulary of "
                           f"{config.vocab_size} tokens, the target {target_config.vocab_size}; a draft must "
                           "share the target's tokenizer")
-    return model_loader.load_model(src, config, dtype), config
+    model = model_loader.load_model(src, config, dtype)
+    limit_draft_vocabulary(model, spec.draft_vocab_size, special_ids)  # type: ignore[arg-type]
+    return model, config
+
+
+def limit_draft_vocabulary(model, size: int, special_ids: set[int]) -> None:
+    """Keep of `model`'s head the rows of ids < `size` and of `special_ids` (in whole 16-row tiles:
+    their packed bytes are copied as they are, so every kept logit is the full head's, bit for bit)
+    and set `model.draft_to_target`; nothing when `size` is 0 or covers the vocabulary, or the head
+    is not one quantized layer (a tied or float head: its layout is the embedding's or the dense
+    GEMM's)."""
+    import logging
+
+    from armserve.quantization.linear import QuantizedLinear
+
+    head = getattr(model, "lm_head", None)
+    if not size or not isinstance(head, QuantizedLinear) or len(head.parts) != 1 or size >= head.out_features:
+        return
+    tiles = sorted(set(range(-(-size // 16))) | {i // 16 for i in special_ids if 0 <= i < head.out_features})
+    model.lm_head, model.draft_to_target = head.keep_row_tiles(tiles)
+    logging.getLogger("armserve").info("draft LM head: %d of %d token ids (draft_vocab_size %d and the special "
+                                       "tokens)", model.draft_to_target.numel(), head.out_features, size)
 
 
 def _int4_copy(path: str, dtype: torch.dtype) -> str:

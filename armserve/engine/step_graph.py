@@ -131,7 +131,10 @@ class StepGraph:
         finally:
             set_attention_metadata(None)
             set_lora_indices(None)
-        if logits.dtype != torch.float32 or tuple(logits.shape) != (self.batch * self.q, model.config.vocab_size):
+        # (a draft model's head may cover part of the vocabulary: engine/draft_proposer.py)
+        to_target = getattr(model, "draft_to_target", None)
+        width = model.config.vocab_size if to_target is None else to_target.numel()
+        if logits.dtype != torch.float32 or tuple(logits.shape) != (self.batch * self.q, width):
             rec.errors.append(f"logits are {logits.dtype} {tuple(logits.shape)}")
         self.recording, self.logits = rec, logits
         return logits

@@ -85,7 +85,9 @@ class TorchBackend:
         spec = config.speculative_config
         draft = draft_config = None
         if spec is not None and spec.method == "draft_model":  # type: ignore[union-attr]
-            draft, draft_config = load_draft_model(spec, hf, self.dtype)  # type: ignore[arg-type]
+            # (a draft head over part of the vocabulary keeps every special token: end of turn above all)
+            special = set(self.tokenizer.added_tokens_decoder) | set(model_loader.eos_token_ids(src, self.tokenizer))
+            draft, draft_config = load_draft_model(spec, hf, self.dtype, special)  # type: ignore[arg-type]
         elif spec is not None and spec.method == "eagle3":  # type: ignore[union-attr]
             from armserve.models.eagle3 import load_eagle3_head
 

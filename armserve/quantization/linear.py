@@ -136,6 +136,32 @@ class QuantizedLinear(nn.Module):
             addrs += [p.packed.data_ptr() + i * rows // 16 * tile for i in range(p.n // rows)]
         return fmt, group, addrs
 
+    def keep_row_tiles(self, tiles: list[int]) -> tuple[QuantizedLinear, torch.Tensor]:
+        """(a layer computing only the output rows of these 16-row tiles, in ascending order; those
+        rows' indices here): the tiles' packed bytes copied, nothing repacked or requantized, so each
+        kept row's output is bit for bit this layer's. For a draft model's LM head over part of the
+        vocabulary (engine/draft_proposer.py)."""
+        if len(self.parts) != 1 or self.bias is not None or self.lora is not None or self.split.reduce is not None:
+            raise ValueError("only a single-format layer without bias, adapters or a tensor-parallel split "
+                             "keeps a subset of its rows")
+        p = self.parts[0]
+        last = -(-p.n // 16) - 1
+        if not tiles or tiles != sorted(set(tiles)) or tiles[0] < 0 or tiles[-1] > last:
+            raise ValueError(f"row tiles must be ascending, distinct and within 0..{last}")
+        # (the last tile may be partial: the kernels then write its real rows only, as here)
+        rows = torch.cat([torch.arange(16 * t, min(16 * t + 16, p.n)) for t in tiles])
+        n = rows.numel()
+        out = QuantizedLinear(self.in_features, n, False, [("all", n)])
+        if p.packed is not None:
+            tile = tile_bytes(p.fmt, self.in_features, p.group)
+            packed = p.packed.view(-1, tile).index_select(0, torch.tensor(tiles)).view(-1)
+            out.parts = [_Part(p.fmt, p.group, 0, n, packed, None)]
+        else:
+            q = p.ref
+            out.parts = [_Part(p.fmt, p.group, 0, n, None, QuantizedTensor(
+                q.fmt, q.codes[rows], q.scales[rows], None if q.szp is None else q.szp[rows], q.group))]
+        return out, rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
