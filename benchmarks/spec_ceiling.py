@@ -36,8 +36,8 @@ MAX_DRAFT = 16  # (num_speculative_tokens allows 16; suffix decoding drafts up t
 def oracle_steps(context: list[int], answer: list[int]) -> list[int]:
     """Rows of each verification step (1 + accepted drafts) of the oracle lookup drafter."""
     steps, i = [], 0
+    full = context + answer  # (at each step only its first len(context) + i tokens are known)
     while i < len(answer):
-        full = context + answer  # (only its first len(context) + i tokens are known at this step)
         known = len(context) + i
         best = 0
         for n in range(5, 1, -1):

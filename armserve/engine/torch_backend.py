@@ -72,6 +72,7 @@ class TorchBackend:
             self.tokenizer = model_loader.load_tokenizer(src, config.tokenizer)
             if config.chat_template:
                 self.tokenizer.chat_template = config.chat_template
+            self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
             self.dtype, self.kv_cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf), src.is_gguf)
             # (before any weight is read: a plan that does not fit fails in seconds, not after loading)
             self.memory_plan = plan_memory(config, src, hf, self.dtype, self.kv_cache_dtype)
@@ -86,7 +87,7 @@ class TorchBackend:
         draft = draft_config = None
         if spec is not None and spec.method == "draft_model":  # type: ignore[union-attr]
             # (a draft head over part of the vocabulary keeps every special token: end of turn above all)
-            special = set(self.tokenizer.added_tokens_decoder) | set(model_loader.eos_token_ids(src, self.tokenizer))
+            special = set(self.tokenizer.added_tokens_decoder) | self.eos_token_ids
             draft, draft_config = load_draft_model(spec, hf, self.dtype, special)  # type: ignore[arg-type]
         elif spec is not None and spec.method == "eagle3":  # type: ignore[union-attr]
             from armserve.models.eagle3 import load_eagle3_head
@@ -145,7 +146,6 @@ class TorchBackend:
             weakref.finalize(self, self.tp_workers.close)  # LLM objects come and go (tests, notebooks)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.dtype, self.kv_cache_dtype,
                                   self.max_model_len, config.enforce_eager, tp_workers=self.tp_workers, lora=self.lora)
-        self.eos_token_ids = model_loader.eos_token_ids(src, self.tokenizer)
         self.vocab_size = hf.vocab_size
         self.num_kv_blocks, self.kv_block_size = num_blocks, config.block_size
         # xgrammar's tokenizer info and compiler are built on the first structured request.
