@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -86,6 +87,106 @@ def test_async_engine_equals_offline_engine(tiny_llama, reference, engine_proces
     with pytest.raises(EngineDeadError):
         asyncio.run(llm.add_request(None, "Hi", GREEDY))
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("armserve-engine-core")]
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "core-thread"])
+def test_stop_strings_found_by_the_front_end_stop_their_sequences(tiny_llama, reference, engine_process):
+    """The front end's output processor finds the stop strings (the core sees token ids only) and has
+    the core stop those sequences: the same outputs as the offline engine, n=2 completions included,
+    and afterwards no sequence runs and no KV block is held."""
+    # a stop string from the middle of some prompts' greedy text (with temperature 0 both of a
+    # request's 2 completions are the same): those requests end early, the others run to 24 tokens
+    stops = [reference[0][1][8:11], reference[2][1][12:14]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, stop=stops)
+    want = [[(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+            for o in LLM(tiny_llama, kv_cache_space=0.02, max_model_len=512).generate(PROMPTS, params, use_tqdm=False)]
+    assert any(c[2] == "stop" for o in want for c in o) and any(c[2] == "length" for o in want for c in o)
+    steps: list[bool] = []  # per record of the stat loggers: was it an engine step?
+
+    class Steps:
+        def record(self, scheduler, iteration, engine: int = 0) -> None:
+            steps.append(iteration.step)
+
+    llm = AsyncLLM(_config(tiny_llama), log_stats=False, engine_process=engine_process, stat_loggers=[Steps()])
+    try:
+        async def one(prompt, params=params):
+            comps: dict[int, list] = {}
+            async for out in llm.generate(prompt, params):
+                for c in out.outputs:
+                    got = comps.setdefault(c.index, [[], "", None, None])
+                    got[0] += c.token_ids
+                    got[1] += c.text
+                    got[2:] = [c.finish_reason, c.stop_reason]
+            return [tuple(comps[i]) for i in sorted(comps)]
+
+        async def settled():
+            for _ in range(200):  # (the core stops the last sequences after the front end saw them end)
+                if llm.scheduler_stats.num_running == 0 and llm.scheduler_stats.kv_blocks_used == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return llm.scheduler_stats
+
+        async def main():
+            got = await asyncio.gather(*(one(p) for p in PROMPTS))
+            stats = await settled()
+            # A request the stop string ends 450 tokens before max_tokens: its sequences are stopped
+            # in the core then, not stepped on to the end with their tokens dropped.
+            long = await one(PROMPTS[0], replace(params, max_tokens=480))
+            before = len(steps)
+            await settled()
+            return got, stats, long, steps[before:]
+
+        got, stats, long, after = asyncio.run(main())
+        assert got == want
+        assert stats.num_running == 0 and stats.kv_blocks_used == 0
+        assert [c[2] for c in long] == ["stop", "stop"]
+        assert sum(after) < 50, f"{sum(after)} steps after the stop string ended the request"
+    finally:
+        llm.shutdown()
+
+
+def test_a_core_in_its_own_process_keeps_only_its_tokenizers_pickle(tiny_llama):
+    """An engine core whose front end detokenizes lets go of its tokenizer once it has pickled it
+    for the front end (nothing refers to the object any more), and still compiles a structured
+    request's grammar, from the pickle."""
+    import gc
+    import pickle
+    import queue
+    import threading
+    import weakref
+
+    from armserve.engine.commands import AddCommand, StopCommand
+    from armserve.engine.core import EngineCore
+    from armserve.sampling_params import StructuredOutputsParams
+
+    messages: queue.SimpleQueue = queue.SimpleQueue()
+    core = EngineCore(_config(tiny_llama), messages.put)
+    held = weakref.ref(core.tokenizer)
+    loop = threading.Thread(target=core.run, args=(False, True, True))
+    loop.start()
+    try:
+        kind, ready = messages.get(timeout=120)
+        assert kind == "ready"
+        gc.collect()
+        assert held() is None and core.tokenizer is None
+        tokenizer = pickle.loads(ready["tokenizer"])
+        choices = ["alpha", "beta"]
+        params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=choices))
+        core.put(AddCommand(replace(ready["input"], tokenizer=tokenizer).process("r", "Pick one:", params)))
+        ids: list[int] = []
+        while True:
+            msg = messages.get(timeout=120)
+            if msg[0] == "accepted":
+                assert msg[2] is None, msg[2]
+            elif msg[0] == "outputs":
+                seqs = [q for q in msg[1].sequences if q.request_id == "r"]
+                ids += [t for q in seqs for t in q.token_ids]
+                if any(q.finish_reason for q in seqs):
+                    break
+        assert tokenizer.decode(ids, skip_special_tokens=True) in choices
+    finally:
+        core.put(StopCommand())
+        loop.join(60)
 
 
 def test_abort_frees_the_request_in_the_core_process(tiny_llama):

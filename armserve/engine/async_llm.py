@@ -3,12 +3,14 @@ each request an async stream of deltas.
 
     event loop(s) (HTTP)                           engine core (armserve.engine.core)
     --------------------                           ----------------------------------
-    await add_request()  ── input processor ──► AddCommand ──► engine.add_processed_request, step, ...
-    async for out in stream ◄── call_soon_threadsafe ◄── ("outputs", deltas, stats) per step
+    await add_request()  ── input processor ──► AddCommand ──► backend.add_request, step, ...
+    async for out in stream ◄── output processor ◄── ("outputs", BackendOutput, ...) per step
+                                (stop strings ──► AbortCommand(sequences=...))
 
 The core runs in a child process (`engine_process=True`, the default, as vLLM v1): this process
-keeps the HTTP server, tokenizing and streaming, the core schedules, steps and detokenizes, and
-the two never wait for each other's GIL. With `engine_process=False` (or the environment variable
+keeps the HTTP server, tokenizing, detokenizing (the output processor, on the core's reader thread)
+and streaming, the core schedules and steps on token ids, and the two never wait for each other's
+GIL. With `engine_process=False` (or the environment variable
 ARMSERVE_ENGINE_PROCESS=0, or vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0) the core runs in a thread of
 this process instead: less start-up, the same behaviour (engine/core_client.py has both).
 
@@ -22,6 +24,7 @@ import asyncio
 import logging
 import math
 import os
+import pickle
 import threading
 import time
 import uuid
@@ -34,6 +37,7 @@ from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand
 from armserve.engine.core_client import ProcessCore, ThreadCore, engine_process_default
 from armserve.engine.exceptions import EngineDeadError, EngineOverloadedError, RequestFailedError, RequestTimeoutError
 from armserve.engine.input_processor import EngineCoreRequest, InputProcessor, PromptType
+from armserve.engine.output_processor import OutputProcessor
 from armserve.engine.request_stream import RequestStream, deliver
 from armserve.pooling_params import PoolingParams
 from armserve.engine.stat_loggers import LoggingStatLogger, StatLogger, combine_stats
@@ -122,6 +126,10 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._ready_info: dict[str, Any] = {}
         self._tokenizer: Any = None  # the first core's (its "ready" message)
+        # One output processor per engine (its requests), given the tokenizer once the first is
+        # ready; the cores' reader threads, the event loop and abort() share them under the lock.
+        self._outputs = [OutputProcessor(None, log_stats=True) for _ in range(dp)]
+        self._output_lock = threading.RLock()
         self._cores: list[ThreadCore | ProcessCore] = []
         # CPUs on no engine's cores, for the front end to pin itself to (cpu.serving_layout); None:
         # none to spare, or the engine runs in this process.
@@ -141,7 +149,7 @@ class AsyncLLM:
             else:
                 core = ThreadCore(config, self._handler(0), stats_interval, warm_up)
                 self._cores.append(core)
-                self.tokenizer = core.core.engine.tokenizer
+                self.tokenizer = core.core.tokenizer
                 self._snapshots[0] = core.core.snapshot()
             for c in self._cores:
                 c.start()
@@ -155,6 +163,8 @@ class AsyncLLM:
         except BaseException:
             self.shutdown()
             raise
+        for op in self._outputs:
+            op.tokenizer = self.tokenizer
         # Prompts are processed here, for the limits of the engines' model and KV cache.
         self.input_processor: InputProcessor = replace(self._ready_info["input"], tokenizer=self.tokenizer)
         self.max_model_len: int = self.input_processor.max_model_len
@@ -220,7 +230,8 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine is not running ({self._dead or 'stopped'})")
         loop = asyncio.get_running_loop()
         request_id, ids = request.request_id, request.prompt_token_ids
-        if request_id in self._live:
+        # (an aborted request's id is in use until its core has let it go)
+        if request_id in self._live or any(request_id in op.requests for op in self._outputs):
             raise ValueError(f"request id {request_id!r} is already in use")
         # (a data-parallel engine being restarted takes nothing new meanwhile)
         serving = [i for i in range(len(self._cores)) if i not in self._restarting]
@@ -235,6 +246,8 @@ class AsyncLLM:
         accepted = loop.create_future()
         self._live[request_id] = _Live(stream, request.prompt, ids, engine, accepted)
         self._load[engine] += 1
+        with self._output_lock:
+            self._outputs[engine].add_request(request, "delta")
         if deadline is not None:
             loop.call_later(deadline, self._expire, request_id, stream, deadline)
         self._cores[engine].send(AddCommand(request))
@@ -373,7 +386,9 @@ class AsyncLLM:
         deliver(deliveries)
 
     def abort(self, request_ids: str | Sequence[str]) -> None:
-        """Abort requests (thread-safe); their KV blocks are freed before the next step."""
+        """Abort requests (thread-safe); their KV blocks are freed before the next step. A reader
+        still waiting gets the request's last output (its unfinished completions ended "abort")
+        once the core has let it go (its "aborted" message)."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         by_engine: dict[int, list[str]] = {}
         for rid in ids:
@@ -399,19 +414,39 @@ class AsyncLLM:
     def _on_message(self, engine: int, msg: tuple) -> None:
         kind = msg[0]
         if kind == "outputs":
-            _, outputs, snap, it = msg
+            _, backend_out, scheduled, snap = msg
             deliveries: list[tuple[RequestStream, Any]] = []
-            for out in outputs:
-                live = self._live.get(out.request_id)
-                if live is None:
-                    continue
-                if live.waiting:
-                    self._unwait(live)
-                out.prompt, out.prompt_token_ids = live.prompt, live.prompt_token_ids
-                if out.finished:
-                    self._forget(out.request_id)
-                deliveries.append((live.stream, out))
+            with self._output_lock:
+                outputs, stopped = self._outputs[engine].process(backend_out, scheduled, time.time())
+                it = self._outputs[engine].take_stats()
+                it.step = True
+                if stopped:  # (sent before their ids are forgotten, as abort() does)
+                    self._cores[engine].send(AbortCommand([], stopped))
+                for out in outputs:
+                    live = self._live.get(out.request_id)
+                    if live is None:
+                        continue
+                    if live.waiting:
+                        self._unwait(live)
+                    if out.finished:
+                        self._forget(out.request_id)
+                    deliveries.append((live.stream, out))
             # Recorded first: a client that sees its request finish finds it in the metrics.
+            self._record(engine, snap, it)
+            deliver(deliveries)
+        elif kind == "aborted":  # the core let these requests go: their readers get their last output
+            _, rids, snap = msg
+            deliveries = []
+            with self._output_lock:
+                for rid in rids:
+                    out = self._outputs[engine].abort_request(rid)
+                    live = self._live.get(rid)
+                    if out is None or live is None:
+                        continue  # (ended meanwhile, or its reader was told otherwise: a deadline, a failure)
+                    out.prompt, out.prompt_token_ids = live.prompt, live.prompt_token_ids
+                    self._forget(rid)
+                    deliveries.append((live.stream, out))
+                it = self._outputs[engine].take_stats()
             self._record(engine, snap, it)
             deliver(deliveries)
         elif kind == "accepted":
@@ -421,6 +456,8 @@ class AsyncLLM:
                 _answer(live, error)
             if error is not None:
                 self._forget(rid)
+                with self._output_lock:
+                    self._outputs[engine].forget(rid)
         elif kind == "lora":
             _, token, error = msg
             fut = self._lora_calls.pop(token, None)
@@ -430,13 +467,17 @@ class AsyncLLM:
                 except RuntimeError:
                     pass  # that event loop is closed
         elif kind == "stats":
-            self._record(engine, msg[1], msg[2])
+            with self._output_lock:
+                it = self._outputs[engine].take_stats()  # (requests aborted meanwhile)
+            self._record(engine, msg[1], it)
         elif kind == "ready":
             self._ready_info = msg[1]
-            if msg[1].get("tokenizer") is not None:
-                self._tokenizer = msg[1]["tokenizer"]
+            if msg[1].get("tokenizer") is not None:  # (pickled: a core process's)
+                self._tokenizer = pickle.loads(msg[1]["tokenizer"])
             self._kv_tokens[engine] = msg[1].get("kv_cache_tokens", 0)
         elif kind == "dead":
+            with self._output_lock:
+                self._outputs[engine].requests.clear()  # (its requests fail below; a restarted core starts empty)
             why = msg[1] if len(self._cores) == 1 else f"engine {engine}: {msg[1]}"
             if self._stopping:
                 if self._dead is None:

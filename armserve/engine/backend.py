@@ -3,7 +3,8 @@
 Two backends implement it: `torch` (armserve's own model, KV cache and scheduler,
 engine/torch_backend.py) and `openvino` (OpenVINO GenAI's continuous-batching pipeline,
 engine/openvino_backend.py). Prompts, detokenization, stop strings, logprobs and output objects
-are the engine's (engine/llm_engine.py: input processor -> backend -> output processor), so a
+are not (the input and output processors: engine/llm_engine.py offline, the server's front end,
+engine/async_llm.py, around an engine core, engine/core.py), so a
 third backend is one new file with a class of this shape, its name in config.BACKENDS and a line
 in `llm_engine.create_backend`.
 

@@ -3,7 +3,7 @@ importable without the engine: the server's front end never loads torch or the m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from armserve.engine.input_processor import EngineCoreRequest
@@ -18,6 +18,9 @@ class AddCommand:
 @dataclass(slots=True)
 class AbortCommand:
     request_ids: list[str]
+    # (request id, completion index) of sequences to stop, the rest of their request going on:
+    # the completions a stop string ended (the front end's output processor finds them)
+    sequences: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

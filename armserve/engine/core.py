@@ -1,34 +1,40 @@
-"""The engine core: one loop that owns an engine (engine/llm_engine.py), applies add/abort commands, steps,
-and reports each step's outputs and statistics as one message (vLLM v1's EngineCore).
+"""The engine core: one loop that owns a backend (engine/backend.py) and applies add/abort commands,
+steps, and reports each step's new token ids and statistics as one message (vLLM v1's EngineCore).
+It sees token ids only: the front end (engine/async_llm.py) holds the input processor and the output
+processor (detokenizing, stop strings, output objects).
 
     frontend (AsyncLLM)                               core (EngineCore.run)
     -------------------                               ---------------------
-    add / abort / stop  ──► commands ──► inbox ──► engine.add_processed_request / abort_request / step
-    streams, stat loggers ◄── messages ◄── emit(("outputs", deltas, SchedulerStats, IterationStats))
+    add / abort / stop  ──► commands ──► inbox ──► backend.add_request / abort_request / step
+    output processor, streams, stat loggers ◄── messages ◄── emit(("outputs", BackendOutput, ...))
 
 It runs in its own process (`core_process_main`, the server's default) or in a thread of the
 caller's process (`AsyncLLM(..., engine_process=False)`). In its own process the core's Python
-(scheduling, sampling bookkeeping, detokenizing) never waits for the HTTP server's GIL: with
-the GIL shared, every time a kernel returns, the engine thread queues behind the asyncio thread
-for up to the interpreter's switch interval (5 ms), and at 8-64 streams the server's Python is
-busy most of the time.
+(scheduling, sampling bookkeeping) never waits for the HTTP server's GIL: with the GIL shared,
+every time a kernel returns, the engine thread queues behind the asyncio thread for up to the
+interpreter's switch interval (5 ms), and at 8-64 streams the server's Python is busy most of the
+time. In its own process it also lets go of the tokenizer once it has handed it over (tens of MB
+for a 150k-token vocabulary), keeping only its pickle for xgrammar's token table.
 
 Messages, core -> frontend (tuples; the first item names the kind):
     ("ready", {"kv_cache_tokens": int, "kv_cache_space": GiB, "input": InputProcessor, "tokenizer": ...})   model
                                                 loaded and warmed up; "input": the engine's input processor
-                                                without its tokenizer; "tokenizer": the engine's, when asked
-                                                (`send_tokenizer`: the server's front end tokenizes with it)
+                                                without its tokenizer; "tokenizer": the engine's, pickled, when
+                                                asked (`send_tokenizer`: the server's front end tokenizes and
+                                                detokenizes with it)
     ("failed", exception)                       loading failed (process mode; the process exits)
     ("accepted", request_id, exception | None)  an add was queued, or refused (ValueError naming why)
     ("lora", token, exception | None)           a LoRACommand was applied, or refused (LoRAError)
-    ("outputs", [RequestOutput], SchedulerStats, IterationStats)   one step's deltas; `prompt` and
-                                                `prompt_token_ids` are left out (the frontend has them)
-    ("stats", SchedulerStats, IterationStats)   an idle tick, once per stats interval
+    ("aborted", [request_id], SchedulerStats)   an AbortCommand's requests were let go
+    ("outputs", BackendOutput, scheduled time, SchedulerStats)   one step: each sequence's new tokens
+                                                (a pooled vector as a numpy array)
+    ("stats", SchedulerStats)                   an idle tick, once per stats interval
     ("dead", message)                           the loop stopped (shutdown or a crash)
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -36,14 +42,16 @@ import queue
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from armserve import kernels
 from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
 from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand, StopCommand
-from armserve.engine.llm_engine import LLMEngine
-from armserve.engine.stats import IterationStats, SchedulerStats
+from armserve.engine.llm_engine import check_request, create_backend, input_processor_for, lora_manager
+from armserve.engine.stats import SchedulerStats
+from armserve.memory import release_free_heap
 
 logger = logging.getLogger("armserve")
 
@@ -74,12 +82,16 @@ def portable_error(e: BaseException, frontend: bool = False) -> BaseException:
 
 
 class EngineCore:
-    """Owns the engine (`LLMEngine`); `run()` is the loop. `emit` receives every message (see the module
-    docstring); commands arrive through `put`. Only the loop's thread touches the engine."""
+    """Owns the backend; `run()` is the loop. `emit` receives every message (see the module
+    docstring); commands arrive through `put`. Only the loop's thread touches the backend."""
 
     def __init__(self, config: EngineConfig, emit: Callable[[tuple], None],
                  stats_interval: float = DEFAULT_STATS_INTERVAL) -> None:
-        self.engine = LLMEngine(config, log_stats=True)
+        self.backend = create_backend(config)
+        self.config = self.backend.config
+        self.tokenizer: Any = self.backend.tokenizer
+        # (for the "ready" message, without its tokenizer: the front end's input processor)
+        self._input = replace(input_processor_for(self.backend), tokenizer=None)
         self.emit = emit
         self.stats_interval = stats_interval
         self.inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -92,40 +104,55 @@ class EngineCore:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def run(self, warm_up: bool = True, send_tokenizer: bool = False) -> None:
+    def run(self, warm_up: bool = True, send_tokenizer: bool = False, release_tokenizer: bool = False) -> None:
         """Warm up, report ready (with the tokenizer if `send_tokenizer`), then step while there is
         work and apply commands between steps, until a `StopCommand`. Ends with a ("dead", why)
-        message either way."""
-        engine = self.engine
+        message either way. `release_tokenizer`: the core has a process of its own, whose front
+        end detokenizes: it keeps the tokenizer pickled only, and sends that."""
+        backend = self.backend
         why = "the engine was shut down"
         try:
+            tokenizer = self._release_tokenizer() if release_tokenizer else self.tokenizer
             # On the loop's own thread: the kernels' per-thread scratch buffers and the memory a
             # large step touches are then in place before the first request.
             if warm_up:
-                engine.warm_up()
+                backend.warm_up()
             snap = self.snapshot()
-            # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB): the very one
-            # the core detokenizes with, parsed once (a GGUF header takes seconds), and loaded there
-            # without transformers' Auto classes, which import torch.
-            self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * engine.config.block_size,
-                                 "input": replace(engine.input_processor, tokenizer=None),
-                                 "kv_cache_space": engine.config.kv_cache_space,
-                                 "tokenizer": engine.tokenizer if send_tokenizer else None,
+            # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB), parsed once
+            # (a GGUF header takes seconds) and loaded there without transformers' Auto classes,
+            # which import torch.
+            self.emit(("ready", {"kv_cache_tokens": snap.kv_blocks_total * self.config.block_size,
+                                 "input": self._input,
+                                 "kv_cache_space": self.config.kv_cache_space,
+                                 "tokenizer": tokenizer if send_tokenizer else None,
                                  "kernels": kernels.status()}))
             while True:
-                if not self._drain(block=not engine.has_unfinished_requests()):
+                if not self._drain(block=not backend.has_unfinished_requests()):
                     break
-                if engine.has_unfinished_requests():
+                if backend.has_unfinished_requests():
                     self._step()
         except BaseException as e:  # a bug in the engine: fail every request, report unhealthy
             logger.exception("engine loop crashed; failing all requests")
             why = f"the engine crashed: {type(e).__name__}: {e}"
         finally:
-            structured = getattr(self.engine, "structured", None)
+            structured = getattr(self.backend, "structured", None)
             if structured is not None:
                 structured.close()  # kills the compile workers; waiting compiles are not answered
             self._compiling.clear()
             self.emit(("dead", why))
+
+    def _release_tokenizer(self) -> bytes:
+        """Let go of the tokenizer, keeping its pickle (a few MB, against tens for the live Rust
+        object of a 150k-token vocabulary): the front end detokenizes, and xgrammar's token table
+        is built from the pickle on the first structured request. Before the warm-up, so that the
+        heap handed back is the tokenizer's, not the warm-up's working set."""
+        blob = pickle.dumps(self.tokenizer)
+        if self.backend.structured is not None:
+            self.backend.structured.tokenizer = blob
+        self.tokenizer = self.backend.tokenizer = None
+        gc.collect()
+        release_free_heap()
+        return blob
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; waits for one if `block`. Returns False on stop."""
@@ -139,7 +166,7 @@ class EngineCore:
                     cmd = self.inbox.get_nowait()
             except queue.Empty:
                 if block and first:
-                    self.emit(("stats", self.snapshot(), IterationStats()))
+                    self.emit(("stats", self.snapshot()))
                 return True
             first = False
             if isinstance(cmd, StopCommand):
@@ -149,9 +176,9 @@ class EngineCore:
             elif isinstance(cmd, LoRACommand):
                 try:
                     if cmd.remove is not None:
-                        self.engine.remove_lora(cmd.remove)
+                        lora_manager(self.backend).remove(cmd.remove)
                     else:
-                        self.engine.add_lora(cmd.lora_request)
+                        lora_manager(self.backend).add(cmd.lora_request)
                 except Exception as e:  # a bad adapter folder: named, the engine untouched
                     self.emit(("lora", cmd.token, portable_error(e)))
                 else:
@@ -164,22 +191,22 @@ class EngineCore:
                 else:
                     self._add(cmd.command)
             else:
-                self._abort(cmd.request_ids)
+                self._abort(cmd)
 
     def _add(self, cmd: AddCommand) -> None:
         request = cmd.request
         rid = request.request_id
         so = request.params.structured_outputs
+        structured = self.backend.structured
         # (a backend without structured outputs refuses the request in add_request)
-        if so is not None and not cmd.compiled and self.engine.structured is not None:
+        if so is not None and not cmd.compiled and structured is not None:
             # NOTE: compiled off the loop (in the manager's worker processes, within a time and
             # memory budget), so a large schema never stalls the steps nor, past its budget, the
             # other requests' grammars; the engine then finds the grammar in its cache. A cache
             # hit (or a bounded inline compile) returns None and the request is added now.
             cmd.compiled = True
             try:
-                handle = self.engine.structured.compile_async(so, lambda _, err, cmd=cmd: self.inbox.put(
-                    _CompileDone(cmd, err)))
+                handle = structured.compile_async(so, lambda _, err, cmd=cmd: self.inbox.put(_CompileDone(cmd, err)))
             except Exception as e:  # an invalid inline grammar, xgrammar missing
                 self.emit(("accepted", rid, portable_error(e, frontend=True)))
                 return
@@ -187,39 +214,37 @@ class EngineCore:
                 self._compiling[rid] = handle
                 return
         try:
-            self.engine.add_processed_request(request, output_kind="delta")
+            check_request(self.config, request)
+            self.backend.add_request(request)
         except Exception as e:  # errors name the problem (what the backend cannot carry); the engine is untouched
             self.emit(("accepted", rid, portable_error(e, frontend=True)))
             return
         self.emit(("accepted", rid, None))
 
-    def _abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
+    def _abort(self, cmd: AbortCommand) -> None:
+        for rid in cmd.request_ids:
             handle = self._compiling.pop(rid, None)
             if handle is not None:
                 # Its worker is killed unless another request waits on the same grammar.
-                self.engine.structured.cancel(handle)
+                self.backend.structured.cancel(handle)
                 self.emit(("accepted", rid, ValueError("the request was aborted while its grammar compiled")))
-        # Tell a reader that may still be waiting that the request is over.
-        outputs = self.engine.abort_request(request_ids)
-        if outputs:
-            self.emit(("outputs", outputs, self.snapshot(), self.engine.output_processor.take_stats()))
+            self.backend.abort_request(rid)
+        for rid, index in cmd.sequences:  # completions a stop string ended (the front end's output processor)
+            self.backend.abort_request(rid, [index])
+        if cmd.request_ids:
+            self.emit(("aborted", cmd.request_ids, self.snapshot()))
 
     def _step(self) -> None:
-        outputs = self.engine.step()
-        for out in outputs:
-            # The frontend holds the prompt: a 4k-token prompt is not re-sent with every token.
-            out.prompt = None
-            out.prompt_token_ids = None  # type: ignore[assignment]
-            if out.pooled is not None:  # a numpy vector: unpickling it needs no torch in the front end
-                out.pooled = out.pooled.float().numpy()
-        stats = self.engine.output_processor.take_stats()
-        stats.step = True
-        self.emit(("outputs", outputs, self.snapshot(), stats))
+        scheduled = time.time()
+        out = self.backend.step()
+        for seq in out.sequences:
+            if seq.pooled is not None:  # a numpy vector: unpickling it needs no torch in the front end
+                seq.pooled = seq.pooled.float().numpy()
+        self.emit(("outputs", out, scheduled, self.snapshot()))
 
     def snapshot(self) -> SchedulerStats:
         """The engine's state now (call from the loop's thread, or before `run`)."""
-        return self.engine.scheduler_stats()
+        return self.backend.scheduler_stats()
 
 
 # ---- the core in its own process -------------------------------------------------------------
@@ -261,7 +286,7 @@ def core_process_main(config: EngineConfig, commands, messages, log_level: int, 
                 return
 
     threading.Thread(target=read_commands, name="armserve-core-commands", daemon=True).start()
-    core.run(warm_up, send_tokenizer)
+    core.run(warm_up, send_tokenizer, release_tokenizer=True)
     # NOTE: no interpreter teardown: with the kernels' worker threads and the OpenMP runtime
     # still up it can hang at exit, and there is nothing left to clean up.
     for stream in (sys.stdout, sys.stderr):

@@ -1,5 +1,7 @@
-"""The engine: input processor -> backend -> output processor, the one thing `LLM` and the engine
-core (engine/core.py) drive.
+"""The engine: input processor -> backend -> output processor, the one thing `LLM` drives. The
+engine core (engine/core.py) drives the backend alone, with this file's `input_processor_for`,
+`check_request` and `lora_manager`: the server's front end (engine/async_llm.py) holds the input
+and output processors.
 
     add_request(prompt, params) ── InputProcessor.process ──► EngineCoreRequest
     add_processed_request(req)  ── backend.add_request (token ids + params); OutputProcessor.add_request
@@ -43,6 +45,29 @@ def create_backend(config: EngineConfig) -> EngineBackend:
     return TorchBackend(config)
 
 
+def input_processor_for(backend: EngineBackend) -> InputProcessor:
+    """The input processor of `backend`'s model: its tokenizer and the limits of its model and KV cache."""
+    tok = backend.tokenizer
+    return InputProcessor(tok, backend.max_model_len, min(backend.vocab_size, len(tok)), backend.eos_token_ids,
+                          backend.num_kv_blocks, backend.kv_block_size, backend.config.max_logprobs,
+                          getattr(backend, "pooler", None))
+
+
+def check_request(config: EngineConfig, request: EngineCoreRequest) -> None:
+    """RequestError if the engine was not started for what `request` asks (a LoRA adapter)."""
+    if request.lora_request is not None and not config.enable_lora:
+        raise RequestError(f"the request asks for LoRA adapter {request.lora_request.lora_name!r}, but LoRA is "
+                           "not enabled: start the engine with enable_lora=True (--enable-lora)")
+
+
+def lora_manager(backend: EngineBackend) -> Any:
+    """The backend's LoRA manager (RequestError when LoRA is not enabled)."""
+    manager = getattr(backend, "lora", None)
+    if manager is None:
+        raise RequestError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
+    return manager
+
+
 class LLMEngine:
     """One model's engine. Not thread-safe: one thread calls `add_request`, `abort_request` and `step`.
 
@@ -57,10 +82,7 @@ class LLMEngine:
         self.tokenizer = backend.tokenizer
         self.max_model_len = backend.max_model_len
         self.structured = backend.structured
-        self.input_processor = InputProcessor(
-            self.tokenizer, self.max_model_len, min(backend.vocab_size, len(self.tokenizer)), backend.eos_token_ids,
-            backend.num_kv_blocks, backend.kv_block_size, config.max_logprobs, getattr(backend, "pooler", None))
-        # (log_stats: the engine core takes each step's IterationStats from it)
+        self.input_processor = input_processor_for(backend)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats)
         self._ids = itertools.count()
 
@@ -94,26 +116,18 @@ class LLMEngine:
         """Queue a request the input processor made (the engine core's requests come so)."""
         if request.request_id in self.output_processor.requests:
             raise RequestError(f"request id {request.request_id!r} is already in use")
-        if request.lora_request is not None and not self.config.enable_lora:
-            raise RequestError(f"the request asks for LoRA adapter {request.lora_request.lora_name!r}, but LoRA is "
-                               "not enabled: start the engine with enable_lora=True (--enable-lora)")
+        check_request(self.config, request)
         self.backend.add_request(request)  # ValueError naming what the backend cannot carry
         self.output_processor.add_request(request, output_kind)
 
     def add_lora(self, lora_request: Any) -> None:
         """Read an adapter (lora.LoRARequest) into the LoRA cache now, checking it against the
         model; a LoRAError (ValueError) names what is wrong with its folder."""
-        self._lora_manager().add(lora_request)
+        lora_manager(self.backend).add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (cache and slot); False if it was not loaded."""
-        return self._lora_manager().remove(lora_int_id)
-
-    def _lora_manager(self) -> Any:
-        manager = getattr(self.backend, "lora", None)
-        if manager is None:
-            raise RequestError("LoRA is not enabled: start the engine with enable_lora=True (--enable-lora)")
-        return manager
+        return lora_manager(self.backend).remove(lora_int_id)
 
     def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
         """Stop requests now and free their cache; returns each one's last output (its unfinished

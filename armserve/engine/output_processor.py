@@ -1,6 +1,7 @@
 """The output processor: a backend's new tokens -> text, stop strings, logprobs and `RequestOutput`s,
-the same for every backend (vLLM v1's OutputProcessor). It runs beside the backend, in the
-engine-core process when there is one, so outputs cross to the front end already detokenized.
+the same for every backend (vLLM v1's OutputProcessor). It runs where the tokenizer is: beside the
+backend in `LLMEngine` (the offline `LLM`), and in the front end of `AsyncLLM` (the server), whose
+engine cores report token ids only and stop the sequences a stop string ended when told to.
 
     BackendOutput ──► per sequence: tokens -> IncrementalDetokenizer (engine/detokenizer.py), which
                       finds stop strings; logprobs decoded; finish reasons
@@ -83,6 +84,10 @@ class OutputProcessor:
             request.request_id, request.prompt, ids, output_kind, RequestMetrics(arrival_time=request.arrival_time),
             comps, prompt_logprobs=[None] if request.params.prompt_logprobs is not None else None)
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request without an output or stats (the engine refused it, or it failed)."""
+        self.requests.pop(request_id, None)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its last output (its unfinished completions ended "abort"), None if it
         was not live."""
@@ -97,23 +102,32 @@ class OutputProcessor:
     def process(self, out: BackendOutput, scheduled_time: float,
                 now: float) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
         """One backend step -> (the outputs of the requests that progressed, the sequences a stop
-        string ended that the backend must stop)."""
+        string ended that the backend must stop).
+
+        Requests it does not know are skipped: an engine core in another process may report a
+        step it ran before the abort (or the stop) this side sent it arrived."""
         requests = self.requests
         for rid, num_cached in out.scheduled.items():
-            r = requests[rid]
+            r = requests.get(rid)
+            if r is None:
+                continue
             r.num_cached_tokens = num_cached
             if r.metrics.first_scheduled_time is None:
                 r.metrics.first_scheduled_time = scheduled_time
         for rid in out.preempted:
-            requests[rid].metrics.num_preemptions += 1
+            if rid in requests:
+                requests[rid].metrics.num_preemptions += 1
         for rid, rows in out.prompt_logprobs.items():
-            self._add_prompt_logprobs(requests[rid], rows)
+            if rid in requests:
+                self._add_prompt_logprobs(requests[rid], rows)
         touched: dict[str, _Request] = {}
         stopped: list[tuple[str, int]] = []
         num_tokens = 0
         # This loop runs once per step for every sequence that progressed: keep it lean.
         for seq in out.sequences:
-            r = requests[seq.request_id]
+            r = requests.get(seq.request_id)
+            if r is None:
+                continue
             c = r.completions[seq.index]
             if c.finish_reason is not None:
                 continue

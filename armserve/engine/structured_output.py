@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -314,6 +315,8 @@ class StructuredOutputManager:
     """One engine's xgrammar state: tokenizer info (built on first use), the compile pool, the
     grammar cache (bounded in entries and in bytes).
 
+    `tokenizer`: the model's (transformers), or its pickle (bytes), unpickled on first use: an engine
+    core in its own process keeps only that (engine/core.py).
     `vocab_size` is the width of the model's logits, which may exceed the tokenizer's (padded
     embeddings): the ids past the tokenizer are never allowed. The compile budget, memory limit,
     worker count and cache size default to armserve.config's GRAMMAR_* (or their environment
@@ -353,8 +356,11 @@ class StructuredOutputManager:
         """The in-engine compiler (also builds the tokenizer info); call under the lock."""
         if self._compiler is None:
             xgr = self._xgr()
-            self._info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+            tokenizer = pickle.loads(self.tokenizer) if isinstance(self.tokenizer, bytes) else self.tokenizer
+            self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                             stop_token_ids=self.stop_token_ids or None)
+            if isinstance(self.tokenizer, bytes):
+                self.tokenizer = None  # (the token table holds what xgrammar needs from here on)
             # It compiles only bounded grammars, which our LRU keeps: no cache of its own.
             self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
         return self._compiler
