@@ -62,10 +62,27 @@ class _PerEngine:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama):
-    llm = LLM(tiny_llama, kv_cache_space=0.02, max_model_len=512)
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+def offline(tiny_llama):
+    return LLM(tiny_llama, kv_cache_space=0.02, max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def reference(offline):
+    outs = offline.generate(PROMPTS, GREEDY, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), o.outputs[0].text, list(o.prompt_token_ids)) for o in outs]
+
+
+def _stop_params(reference) -> SamplingParams:
+    # a stop string from the middle of some prompts' greedy text (with temperature 0 both of a
+    # request's 2 completions are the same): those requests end early, the others run to 24 tokens
+    stops = [reference[0][1][8:11], reference[2][1][12:14]]
+    return SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, stop=stops)
+
+
+@pytest.fixture(scope="module")
+def stop_reference(offline, reference):
+    outs = offline.generate(PROMPTS, _stop_params(reference), use_tqdm=False)
+    return [[(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
 
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "core-thread"])
@@ -90,16 +107,12 @@ def test_async_engine_equals_offline_engine(tiny_llama, reference, engine_proces
 
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "core-thread"])
-def test_stop_strings_found_by_the_front_end_stop_their_sequences(tiny_llama, reference, engine_process):
+def test_stop_strings_found_by_the_front_end_stop_their_sequences(tiny_llama, reference, stop_reference,
+                                                                  engine_process):
     """The front end's output processor finds the stop strings (the core sees token ids only) and has
     the core stop those sequences: the same outputs as the offline engine, n=2 completions included,
     and afterwards no sequence runs and no KV block is held."""
-    # a stop string from the middle of some prompts' greedy text (with temperature 0 both of a
-    # request's 2 completions are the same): those requests end early, the others run to 24 tokens
-    stops = [reference[0][1][8:11], reference[2][1][12:14]]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, n=2, stop=stops)
-    want = [[(list(c.token_ids), c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
-            for o in LLM(tiny_llama, kv_cache_space=0.02, max_model_len=512).generate(PROMPTS, params, use_tqdm=False)]
+    params, want = _stop_params(reference), stop_reference
     assert any(c[2] == "stop" for o in want for c in o) and any(c[2] == "length" for o in want for c in o)
     steps: list[bool] = []  # per record of the stat loggers: was it an engine step?
 
@@ -107,7 +120,9 @@ def test_stop_strings_found_by_the_front_end_stop_their_sequences(tiny_llama, re
         def record(self, scheduler, iteration, engine: int = 0) -> None:
             steps.append(iteration.step)
 
-    llm = AsyncLLM(_config(tiny_llama), log_stats=False, engine_process=engine_process, stat_loggers=[Steps()])
+    # (an idle core reports its state every stats_interval: short, so that the waits below are too)
+    llm = AsyncLLM(_config(tiny_llama), log_stats=False, engine_process=engine_process, stat_loggers=[Steps()],
+                   stats_interval=0.1)
     try:
         async def one(prompt, params=params):
             comps: dict[int, list] = {}
