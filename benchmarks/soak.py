@@ -92,15 +92,14 @@ def start_server(model: str, out_dir: str, name: str, extra: list[str], env: dic
 
 
 def engine_cores(server: peers.Server) -> list[psutil.Process]:
-    """The engine-core children (spawned multiprocessing processes; not the resource tracker or
-    grammar-compile workers)."""
+    """The engine-core children (named in their command line; not the grammar-compile workers)."""
     out = []
     for p in psutil.Process(server.proc.pid).children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if "spawn_main" in cmd and "resource_tracker" not in cmd and "grammar_worker" not in cmd:
+        if "armserve-engine-core" in cmd:  # (armserve/engine/core_client.py: PROCESS_TAG)
             out.append(p)
     return out
 

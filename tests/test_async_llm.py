@@ -29,6 +29,22 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
+def _core_processes() -> list:
+    """This process's engine-core children still running (core_client.ProcessCore's)."""
+    import psutil
+
+    from armserve.engine.core_client import PROCESS_TAG
+
+    out = []
+    for p in psutil.Process().children():
+        try:
+            if PROCESS_TAG in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass  # gone meanwhile
+    return out
+
+
 def _config(model: str, **kw) -> EngineConfig:
     return EngineConfig(model=model, kv_cache_space=0.02, max_model_len=512, **kw)
 
@@ -103,7 +119,7 @@ def test_async_engine_equals_offline_engine(tiny_llama, reference, engine_proces
     assert not llm.is_running
     with pytest.raises(EngineDeadError):
         asyncio.run(llm.add_request(None, "Hi", GREEDY))
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("armserve-engine-core")]
+    assert not _core_processes()
 
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["core-process", "core-thread"])
@@ -260,7 +276,7 @@ def test_core_process_loading_error_names_the_problem(tiny_llama, tmp_path):
         AsyncLLM(_config(str(bad)), log_stats=False, engine_process=True)
     with pytest.raises(ValueError, match="does not exist"):
         AsyncLLM(_config(str(tmp_path / "missing")), log_stats=False, engine_process=True)
-    assert not [p for p in multiprocessing.active_children() if p.name.startswith("armserve-engine-core")]
+    assert not _core_processes()
 
 
 def test_data_parallel_engines_share_the_load(tiny_llama, reference):
@@ -401,24 +417,24 @@ def test_admission_bounds_refuse_with_retry_after(tiny_llama):
         llm.shutdown()
 
 
-def _ignore_sigterm_and_wait() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    time.sleep(120)
-
-
 def test_a_core_that_ignores_stop_and_sigterm_is_killed():
     """shutdown's last resort: a core process that neither stops on its command nor exits on
     SIGTERM (a loaded machine made one take longer than both waits) is killed, never left running."""
+    import subprocess
+    import sys
+
     from armserve.engine.core_client import ProcessCore
 
     core = ProcessCore.__new__(ProcessCore)  # (its process only: the stand-in below never reads commands)
-    core.proc = multiprocessing.get_context("fork").Process(target=_ignore_sigterm_and_wait, name="armserve-engine-core-x")
-    core.proc.start()
+    core.proc = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
+                                  "signal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\n"
+                                  "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    assert core.proc.stdout.readline().strip() == "ready"  # (its SIGTERM handler is in place)
     core.send = lambda command: None
     core._cmd_send, ours = multiprocessing.Pipe(duplex=False)  # (stop closes the command pipe last)
-    time.sleep(0.5)  # (its SIGTERM handler is in place)
     t0 = time.monotonic()
     core.stop(0.5)
-    assert not core.proc.is_alive() and core.proc.exitcode == -signal.SIGKILL
+    assert core.proc.poll() == -signal.SIGKILL
     assert time.monotonic() - t0 < 30
     ours.close()
+    core.proc.stdout.close()

@@ -93,7 +93,9 @@ def test_readme_install_commands_leave_a_working_virtualenv(tmp_path):
     copy_tree(src)
     run([sys.executable, "-m", "venv", venv], tmp)
     py = os.path.join(venv, "bin", "python")
-    pip = [py, "-m", "pip", "install", "-q"]
+    # (--no-compile: byte-compiling every installed module, torch's thousands among them, is ~10 s of
+    # CPU per torch alone and checks nothing here; what the test imports compiles on import)
+    pip = [py, "-m", "pip", "install", "-q", "--no-compile"]
 
     # The README's order: torch first, then armserve from this folder.
     run([*pip, "torch==2.13.0"], tmp)

@@ -25,15 +25,16 @@ import psutil
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
+from armserve.engine.core_client import PROCESS_TAG
 from test_server import HELLO, MAX_MODEL_LEN, ServerProcess
 
 pytestmark = pytest.mark.needs_model
 
 
 def _engine_cores(server: ServerProcess) -> list[psutil.Process]:
-    """The server's engine-core processes (spawned multiprocessing children)."""
+    """The server's engine-core processes (core_client.ProcessCore's, named by PROCESS_TAG)."""
     kids = psutil.Process(server.proc.pid).children(recursive=True)
-    return [p for p in kids if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())]
+    return [p for p in kids if PROCESS_TAG in " ".join(p.cmdline())]
 
 
 def _sse_lines(url: str, body: dict, out: list[str], timeout: float = 120) -> None:

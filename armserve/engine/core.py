@@ -250,10 +250,10 @@ class EngineCore:
 # ---- the core in its own process -------------------------------------------------------------
 
 
-def core_process_main(config: EngineConfig, commands, messages, log_level: int, stats_interval: float,
+def core_process_main(commands, messages, config: EngineConfig, log_level: int, stats_interval: float,
                       warm_up: bool, env: dict[str, str], send_tokenizer: bool = False) -> None:
-    """Entry point of the engine-core process (spawned): load, then loop until told to stop or
-    until the frontend goes away (its end of the command pipe closes)."""
+    """Entry point of the engine-core process (engine/core_client.py: ProcessCore starts it): load,
+    then loop until told to stop or until the frontend goes away (its end of the command pipe closes)."""
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)

@@ -5,9 +5,11 @@ hand every message of the core (engine/core.py) to `on_message`."""
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
+import subprocess
+import sys
 import threading
+from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from armserve.config import EngineConfig
@@ -17,12 +19,14 @@ from armserve.engine.exceptions import EngineDeadError
 logger = logging.getLogger("armserve")
 
 
-def _core_process(*args: Any) -> None:
-    """The core process's entry point (engine/core.py: core_process_main). The engine's modules
-    (torch, kernels, models) load here, in the child: the front end that spawns it never imports them."""
-    from armserve.engine.core import core_process_main
-
-    core_process_main(*args)
+# The core process's program: it takes this process's sys.path (the first message on its command
+# pipe: the checkout or virtualenv armserve comes from), then the core's arguments (engine/core.py:
+# core_process_main). The tag after `-c` names the process in `ps` (and for the tests).
+PROCESS_TAG = "armserve-engine-core"
+_BOOT = ("import sys; from multiprocessing.connection import Connection; "
+         "commands = Connection(int(sys.argv[2]), writable=False); sys.path[:] = commands.recv(); "
+         "from armserve.engine.core import core_process_main; "
+         "core_process_main(commands, Connection(int(sys.argv[3]), readable=False), *commands.recv())")
 
 
 def engine_process_default() -> bool:
@@ -71,46 +75,63 @@ class ThreadCore:
 
 
 class ProcessCore:
-    """An engine core in a child process (spawned: no fork of a threaded, OpenMP-initialised
-    parent). Commands go down one pipe, messages come back up another, read by a thread here."""
+    """An engine core in a child process: a fresh interpreter (no fork of a threaded, OpenMP-
+    initialised parent), started as a plain subprocess, not by multiprocessing's spawn, so that no
+    __main__ module is imported again (no `if __name__ == "__main__":` needed) and no resource-tracker
+    process runs beside it. Commands go down one pipe, messages come back up another, read by a
+    thread here (multiprocessing.connection's framing, pickled)."""
 
     def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
                  warm_up: bool, env: dict[str, str], index: int = 0, send_tokenizer: bool = False) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
-        self._msg_recv, msg_send = ctx.Pipe(duplex=False)
+        cmd_r, cmd_w = os.pipe()
+        msg_r, msg_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, f"{PROCESS_TAG}-{index}", str(cmd_r), str(msg_w)],
+                                         pass_fds=(cmd_r, msg_w), stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            os.close(cmd_w)
+            os.close(msg_r)
+            raise
+        finally:
+            # Only the child holds these ends now: when it exits, this side sees EOF at once.
+            os.close(cmd_r)
+            os.close(msg_w)
+        self._cmd_send = Connection(cmd_w, readable=False)
+        self._msg_recv = Connection(msg_r, writable=False)
         self._on_message = on_message
         self._send_lock = threading.Lock()
         self._dead_sent = False
         level = logging.getLogger("armserve").getEffectiveLevel()
-        self.proc = ctx.Process(
-            target=_core_process, name=f"armserve-engine-core-{index}",
-            args=(config, cmd_recv, msg_send, level, stats_interval, warm_up, env, send_tokenizer),
-        )
-        self.proc.start()
-        # Only the child holds these ends now: when it exits, this side sees EOF at once.
-        cmd_recv.close()
-        msg_send.close()
+        self.send(list(sys.path))
+        self.send((config, level, stats_interval, warm_up, env, send_tokenizer))
+
+    def _join(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _alive(self) -> bool:
+        return self.proc.poll() is None
 
     def start(self) -> None:
         """Wait until the core has loaded and warmed up (raises its loading error), then read its
         messages on a thread."""
         def died() -> EngineDeadError:
-            self.proc.join(5)
+            self._join(5)
             return EngineDeadError(
-                f"the engine core process exited with code {self.proc.exitcode} while loading the model (see its "
-                "log above; a script that starts one must do so under `if __name__ == \"__main__\":`, as with "
-                "any spawned process)")
+                f"the engine core process exited with code {self.proc.returncode} while loading the model (see its "
+                "log above)")
 
         while not self._msg_recv.poll(0.5):
-            if not self.proc.is_alive():
+            if not self._alive():
                 raise died()
         try:
             msg = self._msg_recv.recv()
         except (EOFError, OSError):
             raise died() from None
         if msg[0] == "failed":
-            self.proc.join(10)
+            self._join(10)
             raise msg[1]
         self._on_message(msg)
         threading.Thread(target=self._read, name="armserve-core-reader", daemon=True).start()
@@ -120,10 +141,10 @@ class ProcessCore:
             try:
                 msg = self._msg_recv.recv()
             except (EOFError, OSError):
-                self.proc.join(5)
+                self._join(5)
                 if not self._dead_sent:
                     self._on_message(("dead", f"the engine core process exited unexpectedly "
-                                              f"(exit code {self.proc.exitcode})"))
+                                              f"(exit code {self.proc.returncode})"))
                 return
             if msg[0] == "dead":
                 self._dead_sent = True
@@ -137,18 +158,18 @@ class ProcessCore:
                 pass  # the core is gone; the reader reports it
 
     def alive(self) -> bool:
-        return self.proc.is_alive() and not self._dead_sent
+        return self._alive() and not self._dead_sent
 
     def stop(self, timeout: float) -> None:
-        if self.proc.is_alive():
+        if self._alive():
             self.send(StopCommand())
-            self.proc.join(timeout)
-            if self.proc.is_alive():
+            self._join(timeout)
+            if self._alive():
                 logger.warning("the engine core process did not stop in %.0f s; terminating it", timeout)
                 self.proc.terminate()
-                self.proc.join(5)
-            if self.proc.is_alive():  # (seen on a 2-core machine loaded 8 deep: a core never outlives shutdown)
+                self._join(5)
+            if self._alive():  # (seen on a 2-core machine loaded 8 deep: a core never outlives shutdown)
                 logger.warning("the engine core process did not exit on SIGTERM in 5 s; killing it")
                 self.proc.kill()
-                self.proc.join(5)
+                self._join(5)
         self._cmd_send.close()
