@@ -9,10 +9,10 @@ import os
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from armserve.config import EngineConfig
+from armserve.engine.child import start_child
 from armserve.engine.commands import StopCommand
 from armserve.engine.exceptions import EngineDeadError
 
@@ -83,21 +83,8 @@ class ProcessCore:
 
     def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None], stats_interval: float,
                  warm_up: bool, env: dict[str, str], index: int = 0, send_tokenizer: bool = False) -> None:
-        cmd_r, cmd_w = os.pipe()
-        msg_r, msg_w = os.pipe()
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, f"{PROCESS_TAG}-{index}", str(cmd_r), str(msg_w)],
-                                         pass_fds=(cmd_r, msg_w), stdin=subprocess.DEVNULL, close_fds=True)
-        except BaseException:
-            os.close(cmd_w)
-            os.close(msg_r)
-            raise
-        finally:
-            # Only the child holds these ends now: when it exits, this side sees EOF at once.
-            os.close(cmd_r)
-            os.close(msg_w)
-        self._cmd_send = Connection(cmd_w, readable=False)
-        self._msg_recv = Connection(msg_r, writable=False)
+        self.proc, self._cmd_send, self._msg_recv = start_child(
+            lambda r, w: ["-c", _BOOT, f"{PROCESS_TAG}-{index}", str(r), str(w)])
         self._on_message = on_message
         self._send_lock = threading.Lock()
         self._dead_sent = False

@@ -29,7 +29,6 @@ import os
 import pickle
 import re
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -41,6 +40,7 @@ from typing import Any, Callable
 import torch
 
 from armserve import config as _config
+from armserve.engine.child import start_child
 from armserve.engine.exceptions import CompileAborted, GrammarTooComplex
 from armserve.sampling_params import StructuredOutputsParams
 
@@ -118,25 +118,10 @@ class _Worker:
         self.thread = threading.Thread(target=self._run, name=f"armserve-grammar-{index}", daemon=True)
 
     def _start(self) -> None:
-        from multiprocessing.connection import Connection
-
         pool = self.pool
-        to_r, to_w = os.pipe()
-        from_r, from_w = os.pipe()
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grammar_worker.py")
         env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
-        try:
-            proc = subprocess.Popen([sys.executable, script, str(to_r), str(from_w)], pass_fds=(to_r, from_w),
-                                    stdin=subprocess.DEVNULL, env=env, close_fds=True)
-        except BaseException:
-            os.close(to_w)
-            os.close(from_r)
-            raise
-        finally:
-            os.close(to_r)
-            os.close(from_w)
-        self.proc = proc
-        self._send, self._recv = Connection(to_w, readable=False), Connection(from_r, writable=False)
+        self.proc, self._send, self._recv = start_child(lambda r, w: [script, str(r), str(w)], env)
         self._send.send(("init", pool.tokenizer_info_json, int(pool.memory_mb * 2**20), WORKER_CACHE_BYTES))
         if not self._recv.poll(WORKER_START_TIMEOUT):
             raise RuntimeError(f"the grammar worker did not start within {WORKER_START_TIMEOUT:g} s")
