@@ -131,6 +131,56 @@ def test_bomb_fails_within_its_budget_while_other_grammars_compile(tokenizer_dir
     assert _wait_gone(workers | set(mgr.worker_pids()), 5.0)
 
 
+def test_the_token_table_is_built_off_the_callers_thread(tokenizer_dir, monkeypatch):
+    """xgrammar's token table (seconds for a large vocabulary) is built on a thread of its own, from
+    the tokenizer's pickle when only that is kept: the first constraints return a handle at once and
+    are answered when it is ready, one build for all of them; one aborted meanwhile is never compiled."""
+    import pickle
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    manager = structured_output.StructuredOutputManager(pickle.dumps(tok), len(tok), {tok.eos_token_id})
+    built_on: list[threading.Thread] = []
+    gate = threading.Event()
+    real = xgr.TokenizerInfo.from_huggingface
+
+    def slow(*args, **kw):
+        built_on.append(threading.current_thread())
+        gate.wait(60)  # (held until the caller has checked it got its handles at once)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", slow)
+    answers: dict[str, tuple] = {}
+    done = threading.Event()
+
+    def on_done(name):
+        def f(compiled, error):
+            answers[name] = (compiled, error)
+            if len(answers) == 3:
+                done.set()
+        return f
+
+    try:
+        handles = {name: manager.compile_async(so, on_done(name)) for name, so in
+                   (("choice", SO(choice=["yes", "no"])), ("regex", SO(regex=r"\d{3}")),
+                    ("aborted", SO(regex=r"[a-z]{5}")))}
+        assert all(h is not None for h in handles.values()) and not answers
+        manager.cancel(handles["aborted"])
+        gate.set()
+        assert done.wait(120), answers
+        assert built_on and threading.current_thread() not in built_on and len(built_on) == 1
+        assert answers["choice"][1] is None and answers["regex"][1] is None
+        assert isinstance(answers["aborted"][1], structured_output.CompileAborted)
+        assert manager.tokenizer is None  # (the pickle is dropped once the table is built)
+        # Built: an inline kind compiles at once, a cache hit too.
+        assert manager.compile_async(SO(choice=["left", "right"]), on_done("late")) is None
+        assert manager.compile_async(SO(regex=r"\d{3}"), on_done("late")) is None
+    finally:
+        gate.set()
+        manager.close()
+
+
 def test_compile_cache_is_bounded_in_bytes_and_entries(tokenizer_dir, monkeypatch):
     monkeypatch.setenv("ARMSERVE_GRAMMAR_CACHE_MB", "3")
     monkeypatch.setenv("ARMSERVE_GRAMMAR_COMPILE_WORKERS", "1")

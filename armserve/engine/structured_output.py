@@ -320,6 +320,8 @@ class StructuredOutputManager:
         self.cache_limit_bytes = int(_setting(cache_mb, "GRAMMAR_CACHE_MB") * 2**20)
         self._info = None
         self._compiler = None  # in-engine compiler for the bounded kinds
+        self._preparing = False  # the compiler is being built (`_prepare`)
+        self._pending: list[tuple[_Job, StructuredOutputsParams]] = []  # what waits for it
         self._pool: GrammarCompilePool | None = None
         self._cache: OrderedDict[tuple[str, str, bool], tuple[Any, int]] = OrderedDict()
         self.cache_bytes = 0
@@ -337,25 +339,52 @@ class StructuredOutputManager:
                              "'apache-tvm-ffi>=0.1.11' (no-deps: its wheel declares triton, for GPUs)") from None
         return xgr
 
-    def _get_compiler(self):
-        """The in-engine compiler (also builds the tokenizer info); call under the lock."""
-        if self._compiler is None:
-            xgr = self._xgr()
-            tokenizer = pickle.loads(self.tokenizer) if isinstance(self.tokenizer, bytes) else self.tokenizer
-            self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                            stop_token_ids=self.stop_token_ids or None)
+    def _build_compiler(self) -> None:
+        """Build xgrammar's token table and the in-engine compiler: seconds for a 150k-token
+        vocabulary (and unpickling the tokenizer first when only its pickle is kept), so on a
+        thread of its own (`_prepare`), never the engine loop's."""
+        xgr = self._xgr()
+        tokenizer = pickle.loads(self.tokenizer) if isinstance(self.tokenizer, bytes) else self.tokenizer
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self.stop_token_ids or None)
+        # It compiles only bounded grammars, which our LRU keeps: no cache of its own.
+        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        with self._lock:
+            self._info, self._compiler = info, compiler
             if isinstance(self.tokenizer, bytes):
                 self.tokenizer = None  # (the token table holds what xgrammar needs from here on)
-            # It compiles only bounded grammars, which our LRU keeps: no cache of its own.
-            self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
-        return self._compiler
+
+    def _prepare(self) -> None:
+        """The first constraints' thread: build the compiler, then compile what waited for it
+        (inline kinds here, the others on the pool)."""
+        error: BaseException | None = None
+        try:
+            self._build_compiler()
+        except Exception as e:  # (xgrammar refusing this tokenizer)
+            error = ValueError(f"structured outputs: cannot build xgrammar's token table: {_clean(e)}")
+        with self._lock:
+            pending, self._pending, self._preparing = self._pending, [], False
+        for job, so in pending:
+            compiled = None
+            err = error
+            with self._lock:
+                if self._jobs.get(job.key) is not job or not job.waiters:
+                    continue  # every request waiting on it was aborted
+                if err is None and not self._inline(so, job.key):
+                    self._get_pool().submit(job)
+                    continue
+                if err is None:
+                    try:
+                        compiled = self._compile_inline(self._compiler, so, job.key)
+                    except ValueError as e:
+                        err = e
+            self._job_done(job, compiled, err)
 
     def _get_pool(self) -> GrammarCompilePool:
         """The compile pool, started on first use; call under the lock."""
         if self._pool is None or self._pool.closed:
             xgr = self._xgr()
-            self._get_compiler()
-            info = self._info
+            info = self._info  # (built: the pool starts after the compiler)
             self._pool = GrammarCompilePool(info.serialize_json(),
                                             lambda js: xgr.CompiledGrammar.deserialize_json(js, info),
                                             self.compile_workers, self.compile_timeout, self.compile_memory_mb)
@@ -400,12 +429,13 @@ class StructuredOutputManager:
     def _start(self, so: StructuredOutputsParams, on_done: OnCompiled) -> tuple[Any, "_Waiter | None"]:
         """(compiled grammar, None) when cached or compiled inline, else (None, handle)."""
         key = so.cache_key()
+        self._xgr()  # (xgrammar missing: a ValueError now)
         with self._lock:
             compiled = self._cache_get(key)
             if compiled is not None:
                 return compiled, None
-            if self._inline(so, key):
-                compiled = self._compile_inline(self._get_compiler(), so, key)
+            if self._compiler is not None and self._inline(so, key):
+                compiled = self._compile_inline(self._compiler, so, key)
                 self._cache_put(key, compiled)
                 return compiled, None
             job = self._jobs.get(key)
@@ -413,8 +443,16 @@ class StructuredOutputManager:
                 spec = choice_grammar(so.choice) if key[0] == "choice" else (  # type: ignore[arg-type]
                     so.regex if key[0] == "regex" else so.grammar if key[0] == "grammar" else key[1])
                 job = _Job(key, spec, [on_done])
-                self._get_pool().submit(job)
                 self._jobs[key] = job
+                if self._compiler is None:
+                    # NOTE: the first constraint waits for xgrammar's token table, built on a thread
+                    # of its own: on the engine loop it stalled every request for seconds.
+                    self._pending.append((job, so))
+                    if not self._preparing:
+                        self._preparing = True
+                        threading.Thread(target=self._prepare, name="armserve-grammar-prepare", daemon=True).start()
+                else:
+                    self._get_pool().submit(job)
             else:
                 job.waiters.append(on_done)
             return None, _Waiter(job, on_done)
