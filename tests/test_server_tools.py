@@ -195,6 +195,9 @@ BAD = [
      "messages[0].content is not valid Unicode"),
     ("/v1/completions", b'{"prompt": "bad \\udfff", "max_tokens": 2}', "prompt is not valid Unicode"),
     ("/tokenize", b'{"prompt": "\\ud800"}', "prompt is not valid Unicode"),
+    # token ids a tokenizer's decode cannot even take (echo decodes the prompt): checked first
+    ("/v1/completions", {"prompt": [-5, 3], "max_tokens": 2}, "prompt token id -5 is out of range"),
+    ("/v1/completions", {"prompt": [1, 2, 2**40], "max_tokens": 2, "echo": True}, f"prompt token id {2**40} is out of range"),
 ]
 
 

@@ -71,8 +71,10 @@ class OpenAIServingCompletion:
                 except PromptError as e:  # a 400 naming its field (context_length_exceeded if too long)
                     with self.serving.prompt_errors("suffix" if str(e).startswith("suffix") else "prompt"):
                         raise
-                text = p if isinstance(p, str) else tok.decode(p)  # (for echo)
-                requests.append(self.serving.process(sub_id, ids, params, "prompt", text=text))
+                request = self.serving.process(sub_id, ids, params, "prompt", text=p if isinstance(p, str) else None)
+                if not isinstance(p, str):  # (for echo; decoded once the ids are checked: -5 or 2**40 is a 400)
+                    request.prompt = tok.decode(p)
+                requests.append(request)
             return requests
 
         requests = await self.serving.prepare(raw, process)
