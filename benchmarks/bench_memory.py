@@ -84,7 +84,48 @@ def measure_tree(root: int) -> dict:
             pass
     engine = max(procs, key=lambda x: x["rss"])
     return {"pss_total": sum(x["pss"] for x in procs), "processes": procs, "engine_hwm": engine["hwm"],
-            "engine_rss": engine["rss"], "engine_pid": engine["pid"]}
+            "engine_rss": engine["rss"], "engine_pid": engine["pid"],
+            "outside_sharers": outside_sharers([x["pid"] for x in procs])}
+
+
+def _mapped_files(pid: int, min_rss: int = 0) -> set[str]:
+    """Files mapped by `pid` (with at least `min_rss` bytes resident when min_rss > 0)."""
+    files, name = set(), None
+    with open(f"/proc/{pid}/smaps" if min_rss else f"/proc/{pid}/maps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's header line
+                name = head[5] if len(head) > 5 and head[5].startswith("/") else None
+                if name and not min_rss:
+                    files.add(name)
+            elif min_rss and name and line.startswith("Rss:") and int(head[1]) * 1024 >= min_rss:
+                files.add(name)
+    return files
+
+
+def outside_sharers(tree: list[int]) -> list[str]:
+    """Processes outside `tree` that map a file the tree holds >= 4 MiB of (libtorch, libpython, the
+    model file). PSS divides a shared page among every process mapping it, so while, say, a test run
+    imports torch beside the server, the server's PSS is lower than it would be alone (by ~95 MiB
+    once, for armserve: its figure of 977 MiB was 1072 MiB alone). The figure is only the server's
+    own when this list is empty."""
+    files: set[str] = set()
+    for p in tree:
+        try:
+            files |= _mapped_files(p, 4 * MiB)
+        except OSError:
+            pass
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in tree or int(d) == os.getpid():
+            continue
+        try:
+            if _mapped_files(int(d)) & files:
+                with open(f"/proc/{d}/cmdline") as f:
+                    out.append(f"{d}: {f.read().replace(chr(0), ' ').strip()[:60]}")
+        except OSError:
+            pass  # gone, or not ours to read
+    return out
 
 
 def one_request(url: str) -> None:
@@ -137,6 +178,9 @@ def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
     m["label"], m["settings"], m["version"] = spec.label, spec.settings, spec.version
     print(f"  {spec.label}: PSS {m['pss_total'] / MiB:.0f} MiB; engine peak {m['engine_hwm'] / MiB:.0f} MiB, "
           f"steady {m['engine_rss'] / MiB:.0f} MiB", flush=True)
+    if m["outside_sharers"]:
+        print(f"  WARNING: {len(m['outside_sharers'])} other processes map the same files, so this PSS is "
+              f"too low; measure on a quiet machine: {m['outside_sharers'][:5]}", flush=True)
     return m
 
 
@@ -192,6 +236,10 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float], r
         lines.append(f"| {r['label']} | {r['settings']} | {r['pss_total'] / MiB:.0f} | {per} | "
                      f"{r['engine_hwm'] / MiB:.0f} / {r['engine_rss'] / MiB:.0f} | "
                      f"{r['engine_hwm'] / max(r['engine_rss'], 1):.2f} | {ratio} |")
+    shared = [f"{r['label']}: {len(r['outside_sharers'])}" for r in rows if r.get("outside_sharers")]
+    lines += ["", ("**Not alone:** other processes mapped the same files during the measurement (" + ", ".join(shared)
+                   + "), so the PSS above is too low." if shared else
+                   "No process outside the measured trees mapped their files (PSS is each system's own).")]
     lines += ["", "Versions: " + "; ".join(r["version"] for r in rows) + ".",
               f"Command: `python benchmarks/bench_memory.py --case {case}`."]
     return "\n".join(lines)

@@ -4,7 +4,10 @@ of metadata and on the bundled SmolLM2 GGUF."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import torch
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
@@ -108,3 +111,63 @@ def test_a_config_read_without_the_vocabulary_is_the_same_config(model, request,
     gguf_loader.release_reader()
     assert lean == full
     assert 0 < len(parsed) < 1000, len(parsed)
+
+
+def _resident_pages(path: str) -> int:
+    """Pages of this process's mappings of `path` that are present (bit 63 of /proc/self/pagemap;
+    readable without privileges, which only zero the frame numbers)."""
+    import struct
+
+    ranges = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if line.rstrip().endswith(path):
+                a, b = (int(x, 16) for x in line.split()[0].split("-"))
+                ranges.append((a, b))
+    assert ranges, "the file is not mapped"
+    present = 0
+    with open("/proc/self/pagemap", "rb") as f:
+        for a, b in ranges:
+            f.seek(a // 4096 * 8)
+            data = f.read((b - a) // 4096 * 8)
+            present += sum(struct.unpack_from("<Q", data, i)[0] >> 63 for i in range(0, len(data), 8))
+    return present
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux /proc/self/pagemap")
+def test_a_load_leaves_no_page_of_the_file_resident_but_the_rows_looked_up(tmp_path):
+    """An untied token table stays where the file is mapped (MappedEmbedding); once the load is
+    over, none of the file's pages count in the process (not the header read for the config, nor
+    the pages mapped around each converted tensor), and a lookup brings in only its rows' pages."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    from transformers import LlamaConfig
+
+    from armserve.model_loader import gguf as loader
+    from armserve.models.llama import LlamaForCausalLM
+    from armserve.quantization.embedding import MappedEmbedding
+
+    rng = np.random.default_rng(0)
+    vocab, hidden = 4096, 256
+    path = str(tmp_path / "untied.gguf")
+    w = GGUFWriter(path, "llama")
+    w.add_array("tokenizer.ggml.tokens", [f"token{i:05d}" * 8 for i in range(vocab)])  # ~1 MB of header
+    for name, shape in [("token_embd.weight", (vocab, hidden)), ("output.weight", (vocab, hidden)),
+                        ("blk.0.ffn_up.weight", (512, hidden))]:
+        q8 = GGMLQuantizationType.Q8_0
+        w.add_tensor(name, quantize(rng.standard_normal(shape, dtype=np.float32), q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    loader.release_reader()
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=4, num_hidden_layers=1)
+    weights = dict(loader.iter_weights(path, config, LlamaForCausalLM))
+    table = weights["model.embed_tokens.weight"]
+    assert type(table).__name__ == "GGUFRows", type(table)
+    assert _resident_pages(path) == 0
+    rows = MappedEmbedding(table, torch.float32)(torch.tensor([0, 1, vocab - 1]))
+    assert rows.shape == (3, hidden) and rows.abs().sum() > 0
+    # two rows at the start, one at the end: a few pages each, plus fault-around's neighbours
+    assert 0 < _resident_pages(path) <= 3 * 16 + 8, _resident_pages(path)

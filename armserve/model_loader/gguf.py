@@ -383,6 +383,11 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
         finally:
             _drop_pages(mapping, t)  # converted copies are what the model keeps, not the mapped blocks
             release_free_heap()  # the conversion's temporaries, before they pile up in the heap
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        # NOTE: the header's pages (read for the config and tokenizer: ~5 MB for a 150k vocabulary)
+        # and the pages fault-around mapped next to each tensor's (~4 MB) are still resident; a
+        # table left mapped (MappedEmbedding) faults back in the rows that lookups read.
+        mapping.madvise(mmap.MADV_DONTNEED, 0, len(mapping))
 
 
 def _drop_pages(mm: mmap.mmap | None, t) -> None:
