@@ -137,3 +137,56 @@ def test_a_pooling_models_worker_keeps_its_own_tokenizer(tokenizer_dir):
     assert serving._prep_tokenizer is not tok
     assert serving._prep_tokenizer.encode("Hello there") == tok.encode("Hello there")
     serving._prep_pool.shutdown()
+
+
+@pytest.mark.parametrize("shape", ["300k messages", "1M token ids"])
+def test_a_large_body_is_parsed_letting_other_threads_run(shape):
+    """A large body's JSON parse (on the tokenize worker) lets the event loop's thread in while it
+    runs: json.loads alone holds the interpreter lock for the whole parse (~100 ms for 10 MB of
+    300k messages), so /health waited on it. Counted, not timed: how often the main thread got to
+    run while the worker parsed (without the hooks: at most the handover at each end)."""
+    import json
+    import threading
+
+    from armserve.entrypoints.serving import decode_json
+
+    body = {"messages": [{"role": "user", "content": "hi"}] * 300_000} if shape == "300k messages" else \
+        {"model": "m", "prompt": list(range(1_000_000))}
+    data = json.dumps(body).encode()
+    started, done, out = threading.Event(), threading.Event(), []
+
+    def parse() -> None:
+        started.set()
+        out.append(decode_json(data))
+        done.set()
+
+    worker = threading.Thread(target=parse)
+    worker.start()
+    started.wait()
+    turns = 0
+    while not done.is_set():
+        turns += 1
+        threading.Event().wait(0.001)  # (hands the lock over, as the event loop's select does)
+    worker.join()
+    assert out[0] == body  # the same value as json.loads makes
+    assert type(out[0]) is dict and out[0] == json.loads(data)
+    assert turns >= 5, f"the main thread ran {turns} times during the parse"
+
+
+def test_a_large_bodys_json_is_read_as_json_loads_reads_it():
+    """Duplicate keys (the last wins), big and negative integers, floats, nesting, unicode; and the
+    same errors (malformed JSON, an integer past Python's 4300-digit limit)."""
+    import json
+
+    from armserve.entrypoints.serving import OFF_LOOP_BODY_BYTES, decode_json
+
+    pad = "x" * OFF_LOOP_BODY_BYTES
+    text = ('{"a": 1, "a": 2, "n": [-5, 0, 12345678901234567890, 1.5, -2e-3, true, null], '
+            '"s": "caf\\u00e9 \\ud83d\\ude00", "o": {"p": {"q": []}}, "pad": "%s"}' % pad)
+    assert decode_json(text.encode()) == json.loads(text)
+    assert decode_json(text.encode())["a"] == 2
+    for bad in ('{"a": ' + "9" * 5000 + ', "pad": "%s"}' % pad, '{"pad": "%s", ' % pad):
+        with pytest.raises(ValueError):
+            json.loads(bad)
+        with pytest.raises(ValueError):
+            decode_json(bad.encode())
