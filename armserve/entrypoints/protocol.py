@@ -41,7 +41,11 @@ class APIError(Exception):
 
 
 class OpenAIBaseModel(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NOTE: strict, as OpenAI's API is: a value of the wrong JSON type is a 400 naming the field, not
+    # coerced (pydantic's default lax mode took `"store": 0` as false, `"top_k": false` as 0, a
+    # `[[false]]` prompt as token id 0 and `"16"` as 16). Floats take integers; integers take no
+    # floats, not even 16.0 (OpenAI's "expected an integer, but got a decimal number").
+    model_config = ConfigDict(extra="allow", strict=True)
 
     def warn_ignored_fields(self) -> None:
         if self.model_extra:
