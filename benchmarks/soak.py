@@ -62,8 +62,10 @@ MAX_NUM_SEQS = 16
 MAX_WAITING = 32  # admission bound: 16 running + 32 waiting
 KV_GIB = 0.25
 BLOCK_SIZE = 32  # the engine's default
-# NOTE: one compute thread, as tests/test_server.py's ServerProcess: the machine is shared.
-SERVE_CODE = "import sys, torch; torch.set_num_threads(1); from armserve.cli import main; sys.exit(main())"
+# NOTE: one compute thread (OMP_NUM_THREADS=1 below), as tests/server_process.py's ServerProcess: the
+# machine is shared. (No `import torch` here: it added ~180 MB to the front end's RSS, which imports
+# no torch of its own, and so to the RSS figures of the soak.)
+SERVE_CODE = "import sys; from armserve.cli import main; sys.exit(main())"
 
 TOPICS = ["the sea", "a cat", "Paris", "rain", "prime numbers", "tea", "a robot", "winter", "bread", "the moon"]
 
