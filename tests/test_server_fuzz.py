@@ -26,6 +26,7 @@ MAX_TOKENS = 4
 # ARMSERVE_FUZZ_EXAMPLES=200 ARMSERVE_FUZZ_SEED=random for a deeper run of new ones.
 EXAMPLES = int(os.environ.get("ARMSERVE_FUZZ_EXAMPLES", "12"))
 DERANDOMIZE = os.environ.get("ARMSERVE_FUZZ_SEED", "fixed") != "random"
+SEEN: dict[str, int] = {}  # (status class or "stream") -> responses: what the fuzz reached
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,7 @@ def before(server):
           suppress_health_check=list(HealthCheck))
 def test_no_route_answers_a_fuzzed_request_with_a_server_error(case, before):
     response = case.call(timeout=60)
+    SEEN[f"{response.status_code // 100}xx"] = SEEN.get(f"{response.status_code // 100}xx", 0) + 1
     case.validate_response(response, checks=(not_a_server_error, negative_data_rejection))
     content_type = (response.headers.get("content-type") or [""])[0]  # (schemathesis: each header's values)
     if response.status_code >= 400 and content_type.startswith("application/json"):
@@ -76,11 +78,25 @@ def test_no_route_answers_a_fuzzed_request_with_a_server_error(case, before):
         # ({"type": "error", "error": {...}}): either way a message a client can show
         error = body.get("error") if isinstance(body, dict) else None
         assert isinstance(error, dict) and isinstance(error.get("message"), str) and error["message"], body
+    if response.status_code == 200 and content_type.startswith("text/event-stream"):
+        # A stream the server accepted ends well: bad input is refused before the first event, so an
+        # error event inside a 200 stream is the server failing (a 500 the status line cannot show).
+        import json
+
+        SEEN["stream"] = SEEN.get("stream", 0) + 1
+        for line in response.text.splitlines():
+            if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
+                event = json.loads(line[5:])
+                assert "error" not in event and event.get("type") != "error", (case.path, event)
 
 
 def test_the_server_is_unchanged_after_the_fuzzing(server, before):
-    """(Runs after the fuzz, in file order.) Same greedy text, no block held, healthy."""
+    """(Runs after the fuzz, in file order.) Same greedy text, no block held, healthy; and the fuzz
+    reached both sides: accepted requests (streamed ones among them) and refused ones."""
     import time
+
+    if SEEN:  # (the fuzz ran in this process: not with -k picking this test alone)
+        assert SEEN.get("2xx", 0) >= 20 and SEEN.get("4xx", 0) >= 20 and SEEN.get("stream", 0) >= 1, SEEN
 
     assert _greedy(server) == before
     deadline = time.monotonic() + 30
