@@ -190,3 +190,22 @@ def test_a_large_bodys_json_is_read_as_json_loads_reads_it():
             json.loads(bad)
         with pytest.raises(ValueError):
             decode_json(bad.encode())
+
+
+def test_unsupported_fields_are_logged_in_a_bounded_line(caplog):
+    """A body with 50k unknown keys (one of them a megabyte long) logs one short warning that names
+    a few of them and counts the rest; a couple of unknown keys are all named."""
+    from armserve.entrypoints.protocol import IGNORED_FIELDS_SHOWN, ChatCompletionRequest
+
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body = ChatCompletionRequest.model_validate({**base, **{f"x{i:05d}": i for i in range(50_000)}, "a" * 2**20: 1})
+    with caplog.at_level("WARNING", logger="armserve"):
+        body.warn_ignored_fields()
+    (record,) = [r for r in caplog.records if "unsupported request field" in r.getMessage()]
+    line = record.getMessage()
+    assert len(line) < 1500, len(line)
+    assert f"and {50_001 - IGNORED_FIELDS_SHOWN} more" in line and "aaa..." in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="armserve"):
+        ChatCompletionRequest.model_validate({**base, "foo": 1, "bar": 2}).warn_ignored_fields()
+    assert "ignoring unsupported request field(s): bar, foo" in caplog.text and "more" not in caplog.text

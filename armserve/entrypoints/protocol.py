@@ -40,6 +40,9 @@ class APIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
+IGNORED_FIELDS_SHOWN = 10  # names of unsupported fields a request's warning lists
+
+
 class OpenAIBaseModel(BaseModel):
     # NOTE: strict, as OpenAI's API is: a value of the wrong JSON type is a 400 naming the field, not
     # coerced (pydantic's default lax mode took `"store": 0` as false, `"top_k": false` as 0, a
@@ -48,8 +51,14 @@ class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     def warn_ignored_fields(self) -> None:
+        """Log the request's fields this server does not read: a few names, each cut short (a body
+        of 300k unknown keys, or one key of megabytes, would otherwise be a log line of megabytes
+        per request)."""
         if self.model_extra:
-            logger.warning("ignoring unsupported request field(s): %s", ", ".join(sorted(self.model_extra)))
+            names = sorted(self.model_extra)
+            shown = ", ".join(n if len(n) <= 64 else n[:61] + "..." for n in names[:IGNORED_FIELDS_SHOWN])
+            more = f" and {len(names) - IGNORED_FIELDS_SHOWN} more" if len(names) > IGNORED_FIELDS_SHOWN else ""
+            logger.warning("ignoring unsupported request field(s): %s%s", shown, more)
 
 
 class StreamOptions(OpenAIBaseModel):
