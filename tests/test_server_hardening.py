@@ -509,3 +509,23 @@ def test_serving_layout_leaves_the_front_end_a_core(monkeypatch):
     monkeypatch.setenv("ARMSERVE_THREADS_BIND", "0-5")
     envs, front = cpu.serving_layout(1, 1, allowed=allowed)
     assert envs == [{}] and front == [6, 7, 14, 15]
+
+
+def test_a_long_url_is_logged_cut_short(server):
+    """The HTTP parser takes request lines of up to ~64 KB: the access log keeps 2 KB of the path
+    and query and the length, not a line as long as the URL for every request."""
+    import re
+
+    from armserve.entrypoints.middleware import LOGGED_TARGET_CHARS
+
+    path = "/v1/models/" + "a" * 20_000
+    r = httpx.get(f"{server.url}{path}?q=" + "b" * 5_000, timeout=30)
+    assert r.status_code == 404
+    total = len(path) + 3 + 5_000
+    deadline = time.monotonic() + 10
+    while f"...({total} characters)" not in server.log():
+        assert time.monotonic() < deadline, "no access-log line for the long URL"
+        time.sleep(0.2)
+    line = next(ln for ln in server.log().splitlines() if f"...({total} characters)" in ln)
+    assert re.search(r'armserve\.access: 127\.0\.0\.1:\d+ "GET /v1/models/a{100}', line)
+    assert len(line) < LOGGED_TARGET_CHARS + 200, len(line)

@@ -29,6 +29,7 @@ _KNOWN_PATHS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1
                 "/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank",
                 "/v1/models", "/health", "/version", "/tokenize", "/detokenize", "/metrics", "/ping", "/load",
                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter"}
+LOGGED_TARGET_CHARS = 2048  # of a request's path and query in its access-log line
 
 
 def route_path(scope) -> str:
@@ -213,6 +214,8 @@ class ServerMiddleware:
                 who = f"{client[0]}:{client[1]}" if client else "-"
                 query = scope.get("query_string", b"").decode("latin-1")
                 target = scope["path"] + (f"?{query}" if query else "")
+                if len(target) > LOGGED_TARGET_CHARS:  # (the HTTP parser takes URLs of up to ~64 KB)
+                    target = target[:LOGGED_TARGET_CHARS] + f"...({len(target)} characters)"
                 access_logger.info('%s "%s %s HTTP/%s" %d %.3fs%s', who, scope["method"], target,
                                    scope.get("http_version", "1.1"), status, seconds,
                                    " (client disconnected)" if disconnected else "")
