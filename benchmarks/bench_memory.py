@@ -104,8 +104,8 @@ def _mapped_files(pid: int, min_rss: int = 0) -> set[str]:
 
 
 def outside_sharers(tree: list[int]) -> list[str]:
-    """Processes outside `tree` that map a file the tree holds >= 4 MiB of (libtorch, libpython, the
-    model file). PSS divides a shared page among every process mapping it, so while, say, a test run
+    """Processes outside `tree` that map a file the tree holds >= 4 MiB of (libtorch, the model
+    file). PSS divides a shared page among every process mapping it, so while, say, a test run
     imports torch beside the server, the server's PSS is lower than it would be alone (by ~95 MiB
     once, for armserve: its figure of 977 MiB was 1072 MiB alone). The figure is only the server's
     own when this list is empty."""

@@ -381,24 +381,25 @@ def iter_weights(path: str, config, cls: type, keep_quantized: bool = True) -> I
                 w = w.unsqueeze(0)  # llama.cpp keeps Qwen2-MoE's shared-expert gate [hidden], HF [1, hidden]
             yield name, w
         finally:
-            _drop_pages(mapping, t)  # converted copies are what the model keeps, not the mapped blocks
+            # converted copies are what the model keeps, not the mapped blocks
+            _drop_pages(mapping, int(t.data_offset), int(t.n_bytes))
             release_free_heap()  # the conversion's temporaries, before they pile up in the heap
-    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-        # NOTE: the header's pages (read for the config and tokenizer: ~5 MB for a 150k vocabulary)
-        # and the pages fault-around mapped next to each tensor's (~4 MB) are still resident; a
-        # table left mapped (MappedEmbedding) faults back in the rows that lookups read.
-        mapping.madvise(mmap.MADV_DONTNEED, 0, len(mapping))
+    # NOTE: the header's pages (read for the config and tokenizer: ~5 MB for a 150k vocabulary) and
+    # the pages fault-around mapped next to each tensor's (~4 MB) are still resident; a table left
+    # mapped (MappedEmbedding) faults back in the rows that lookups read.
+    _drop_pages(mapping, 0, len(mapping) if mapping is not None else 0)
 
 
-def _drop_pages(mm: mmap.mmap | None, t) -> None:
-    """Unmap tensor `t`'s pages of the file mapping `mm` from this process (they stay in the page cache). The
-    reader maps the whole file and a load reads every tensor once: without this, the file's pages
-    count in the process's resident memory until the end of the load, on top of the converted
-    weights (the kernels read their own packed layout, so the mapped blocks are not kept)."""
+def _drop_pages(mm: mmap.mmap | None, offset: int, nbytes: int) -> None:
+    """Unmap the pages of bytes [offset, offset + nbytes) of the file mapping `mm` from this process
+    (they stay in the page cache). The reader maps the whole file and a load reads every tensor
+    once: without this, the file's pages count in the process's resident memory until the end of
+    the load, on top of the converted weights (the kernels read their own packed layout, so the
+    mapped blocks are not kept)."""
     if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    first = t.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    end = min(len(mm), int(t.data_offset) + int(t.n_bytes))
+    first = offset // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(len(mm), offset + nbytes)
     if end > first:
         mm.madvise(mmap.MADV_DONTNEED, first, end - first)
 
