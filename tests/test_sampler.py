@@ -21,6 +21,8 @@ from armserve.engine.sampler import (
     apply_top_k_top_p_min_p,
     build_sampling_batch,
     compute_logprobs_tensors,
+    filtered_weights,
+    sample_weights,
 )
 from armserve.sampling_params import SamplingParams
 
@@ -100,6 +102,66 @@ def test_top_p_on_peaked_large_vocab_matches_transformers() -> None:
         assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), i
     kept = (~torch.isinf(ours)).sum(-1)
     assert kept[:3].max() < sampler_module._TOP_P_WINDOW < kept[3:5].min()
+
+
+@pytest.mark.parametrize("window", [3, 512])  # top-p's first search window; 3 forces the fallback
+@pytest.mark.parametrize("mode", ["temperature", "k", "p", "min_p", "k+p", "all"])
+def test_sampled_distribution_is_the_reference_filters_softmax(mode: str, window: int, monkeypatch) -> None:
+    """The sampler's own filter (`filtered_weights`, unnormalised probabilities) keeps the tokens
+    `apply_top_k_top_p_min_p` keeps (itself checked against transformers above), with their
+    softmax's probabilities, on flat and LM-like peaked rows of a vocabulary wider than one CDF
+    block; greedy rows in the batch do not disturb the others."""
+    monkeypatch.setattr(sampler_module, "_TOP_P_WINDOW", window)
+    vocab = 5000
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(6, vocab, generator=g) * torch.tensor([[1.0], [3.0], [8.0], [0.3], [5.0], [2.0]])
+    kw = {"temperature": dict(), "k": dict(top_k=50), "p": dict(top_p=0.85), "min_p": dict(min_p=0.02),
+          "k+p": dict(top_k=300, top_p=0.9), "all": dict(top_k=700, top_p=0.95, min_p=0.001)}[mode]
+    params = [SamplingParams(temperature=t, **kw) for t in (0.7, 1.0, 1.3, 0.0, 0.9, 1.1)]
+    batch = _batch(params, vocab)
+    probs = Sampler.probs(logits.clone(), batch)
+    temp = torch.where(batch.temperature == 0, 1.0, batch.temperature).unsqueeze(1)
+    ref = torch.softmax(apply_top_k_top_p_min_p(logits / temp, batch.top_k, batch.top_p, batch.min_p), dim=-1)
+    for r in range(len(params)):
+        if params[r].temperature == 0:
+            continue
+        assert torch.equal(probs[r] > 0, ref[r] > 0), (mode, r)
+        torch.testing.assert_close(probs[r], ref[r], rtol=1e-4, atol=1e-7)
+    w = filtered_weights(logits.clone(), batch)
+    assert torch.equal(w.amax(dim=-1), torch.ones(len(params)))  # the most likely token weighs 1
+
+
+@pytest.mark.parametrize("vocab", [5, 1024, 2500, 3 * 1024 + 1])
+def test_inverse_cdf_draw_matches_a_float64_reference(vocab: int) -> None:
+    """`sample_weights` draws the token where the cumulative weight first exceeds u * total, as a
+    float64 cumulative sum over the whole row finds it (up to draws within rounding of a
+    boundary), never a zero-weight token, at u = 0, tiny, mid and next to 1, with zero runs at
+    block ends and a vocabulary that is not a whole number of blocks."""
+    g = torch.Generator().manual_seed(vocab)
+    w = torch.rand(4, vocab, generator=g) ** 4
+    w[w < 0.05] = 0.0  # scattered zeros
+    w[1, : vocab // 2] = 0.0  # a row whose mass starts halfway
+    w[2, vocab // 3:] = 0.0  # ... and one whose mass ends early
+    w[3] = 0.0
+    w[3, vocab - 1] = 0.25  # a single token: always drawn
+    for r in range(3):
+        if w[r].sum() == 0:
+            w[r, vocab // 2] = 1.0
+    us = torch.cat([torch.tensor([0.0, 1e-12, 0.5, 1 - 1e-12, 1 - 2 ** -53], dtype=torch.float64),
+                    torch.rand(300, generator=g, dtype=torch.float64)])
+    cum = w.double().cumsum(dim=-1)
+    for u in us.tolist():
+        got = sample_weights(w, torch.full((4,), u, dtype=torch.float64))
+        assert bool((w.gather(1, got.unsqueeze(1)) > 0).all()), (u, got)
+        target = u * cum[:, -1]
+        want = torch.searchsorted(cum, target.unsqueeze(1), right=True).squeeze(1).clamp(max=vocab - 1)
+        for r in range(4):
+            if int(got[r]) != int(want[r]):
+                # only a target within float rounding of the boundary between the two may differ
+                lo, hi = sorted((int(got[r]), int(want[r])))
+                edge = float(cum[r, lo])
+                assert abs(float(target[r]) - edge) <= 1e-6 * float(cum[r, -1]), (u, r, int(got[r]), int(want[r]))
+    assert bool((sample_weights(w[3:].expand(50, vocab), torch.rand(50, dtype=torch.float64)) == vocab - 1).all())
 
 
 def test_filter_does_not_modify_input_and_keeps_one_token() -> None:
