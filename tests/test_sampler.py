@@ -294,6 +294,34 @@ def _penalised_logits(logits: torch.Tensor, batch) -> torch.Tensor:
     )
 
 
+def test_penalties_on_padded_rows_with_repeats_equal_a_per_token_loop() -> None:
+    """The gather-and-scatter penalties against the formulas applied token by token: rows with
+    repeated ids, padding, a row holding no token, and rows whose first held id repeats."""
+    g = torch.Generator().manual_seed(5)
+    for _ in range(50):
+        rows, vocab = 5, 40
+        logits = torch.randn(rows, vocab, generator=g) * 3
+        prompt = torch.randint(0, vocab, (rows, 6), generator=g)
+        output = torch.randint(0, vocab // 4, (rows, 9), generator=g)  # (narrow: many repeats)
+        prompt[torch.rand(rows, 6, generator=g) < 0.4] = vocab
+        output[torch.rand(rows, 9, generator=g) < 0.4] = vocab
+        prompt[2], output[2] = vocab, vocab  # holds nothing
+        pres, freq = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+        rep = torch.rand(rows, generator=g) + 0.5
+        want = logits.clone()
+        for r in range(rows):
+            outs = [t for t in output[r].tolist() if t < vocab]
+            for t in set(outs) | {t for t in prompt[r].tolist() if t < vocab}:
+                x = want[r, t]
+                want[r, t] = x / rep[r] if x > 0 else x * rep[r]
+            for t in set(outs):
+                want[r, t] = want[r, t] - freq[r] * outs.count(t)
+                want[r, t] = want[r, t] - pres[r]
+        got = apply_penalties(logits.clone(), prompt, output, pres, freq, rep)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert torch.equal(got[2], logits[2])
+
+
 def test_presence_frequency_penalties_direct_formula() -> None:
     vocab = 20
     g = torch.Generator().manual_seed(4)

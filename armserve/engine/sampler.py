@@ -157,13 +157,6 @@ def apply_min_tokens_mask(logits: torch.Tensor, mask: list[tuple[int, list[int]]
     return logits
 
 
-def _token_bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, L] ids padded with vocab_size -> [B, vocab_size] occurrence counts."""
-    counts = torch.zeros(token_ids.shape[0], vocab_size + 1, dtype=torch.int32)
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids, dtype=torch.int32))
-    return counts[:, :vocab_size]  # drop the padding bin
-
-
 def apply_penalties(
     logits: torch.Tensor,
     prompt_token_ids: torch.Tensor,
@@ -177,17 +170,29 @@ def apply_penalties(
     Repetition penalty (CTRL/HF style) covers prompt and output tokens: a positive logit
     is divided by it, a negative one multiplied. Presence and frequency (OpenAI style)
     cover output tokens only: logit -= frequency * count + presence * (count > 0).
+
+    Only the logits of tokens the rows hold change, so they are gathered, penalised and
+    scattered back ([B, prompt + output] values, not a dozen passes over [B, V]).
     """
-    vocab_size = logits.shape[1]
-    output_counts = _token_bin_counts(output_token_ids, vocab_size)
-    seen = output_counts > 0
-    if prompt_token_ids.shape[1]:
-        seen |= _token_bin_counts(prompt_token_ids, vocab_size) > 0
+    rows, vocab_size = logits.shape
+    ids = torch.cat([prompt_token_ids, output_token_ids], dim=1)  # padded with vocab_size
+    if ids.shape[1] == 0:
+        return logits
+    counts = torch.zeros(rows, vocab_size + 1, dtype=torch.int32)  # (the last bin counts padding)
+    counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=torch.int32))
+    valid = ids < vocab_size
+    held = valid.any(dim=1, keepdim=True)
+    # Padding points at the row's first token, whose value every copy then computes and writes
+    # alike, so the scatter has no conflicting duplicates.
+    first = ids.gather(1, valid.to(torch.int8).argmax(dim=1, keepdim=True))
+    idx = torch.where(valid, ids, torch.where(held, first, 0))
+    old = logits.gather(1, idx)
+    count = counts.gather(1, idx)
     rep = repetition_penalty.unsqueeze(1)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits.copy_(torch.where(seen, penalised, logits))
-    logits -= frequency_penalty.unsqueeze(1) * output_counts
-    logits -= presence_penalty.unsqueeze(1) * (output_counts > 0)
+    new = torch.where(old > 0, old / rep, old * rep)
+    new = new - frequency_penalty.unsqueeze(1) * count
+    new = new - presence_penalty.unsqueeze(1) * (count > 0)
+    logits.scatter_(1, idx, torch.where(held, new, old))
     return logits
 
 
