@@ -105,7 +105,7 @@ def test_top_p_on_peaked_large_vocab_matches_transformers() -> None:
 
 
 @pytest.mark.parametrize("window", [3, 512])  # top-p's first search window; 3 forces the fallback
-@pytest.mark.parametrize("mode", ["temperature", "k", "p", "min_p", "k+p", "all"])
+@pytest.mark.parametrize("mode", ["temperature", "k", "p", "min_p", "k+p", "all", "mixed k+p"])
 def test_sampled_distribution_is_the_reference_filters_softmax(mode: str, window: int, monkeypatch) -> None:
     """The sampler's own filter (`filtered_weights`, unnormalised probabilities) keeps the tokens
     `apply_top_k_top_p_min_p` keeps (itself checked against transformers above), with their
@@ -114,10 +114,15 @@ def test_sampled_distribution_is_the_reference_filters_softmax(mode: str, window
     monkeypatch.setattr(sampler_module, "_TOP_P_WINDOW", window)
     vocab = 5000
     g = torch.Generator().manual_seed(11)
-    logits = torch.randn(6, vocab, generator=g) * torch.tensor([[1.0], [3.0], [8.0], [0.3], [5.0], [2.0]])
+    # (the last row spans ~300 logits: most of it lies below e^-86.5 of its best token)
+    logits = torch.randn(7, vocab, generator=g) * torch.tensor([[1.0], [3.0], [8.0], [0.3], [5.0], [2.0], [40.0]])
     kw = {"temperature": dict(), "k": dict(top_k=50), "p": dict(top_p=0.85), "min_p": dict(min_p=0.02),
-          "k+p": dict(top_k=300, top_p=0.9), "all": dict(top_k=700, top_p=0.95, min_p=0.001)}[mode]
-    params = [SamplingParams(temperature=t, **kw) for t in (0.7, 1.0, 1.3, 0.0, 0.9, 1.1)]
+          "k+p": dict(top_k=300, top_p=0.9), "all": dict(top_k=700, top_p=0.95, min_p=0.001),
+          "mixed k+p": dict(top_p=0.97)}[mode]
+    params = [SamplingParams(temperature=t, **kw) for t in (0.7, 1.0, 1.3, 0.0, 0.9, 1.1, 0.7)]
+    if mode == "mixed k+p":  # a different k in each row, top-p over what each keeps
+        params = [SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=k)
+                  for p, k in zip(params, (3, 40, 900, 7, 25, 200, 15))]
     batch = _batch(params, vocab)
     probs = Sampler.probs(logits.clone(), batch)
     temp = torch.where(batch.temperature == 0, 1.0, batch.temperature).unsqueeze(1)
@@ -125,8 +130,11 @@ def test_sampled_distribution_is_the_reference_filters_softmax(mode: str, window
     for r in range(len(params)):
         if params[r].temperature == 0:
             continue
-        assert torch.equal(probs[r] > 0, ref[r] > 0), (mode, r)
+        # the same tokens, but those below e^-86.5 of the best (near float32's denormals) weigh 0
+        assert not bool((probs[r] > 0)[ref[r] == 0].any()), (mode, r)
+        assert bool((probs[r] > 0)[ref[r] >= ref[r].max() * math.exp(-86.4)].all()), (mode, r)
         torch.testing.assert_close(probs[r], ref[r], rtol=1e-4, atol=1e-7)
+    assert int((probs[6] == 0).sum()) > vocab // 2  # (the wide row really has such tokens)
     w = filtered_weights(logits.clone(), batch)
     assert torch.equal(w.amax(dim=-1), torch.ones(len(params)))  # the most likely token weighs 1
 

@@ -8,6 +8,7 @@ so that a seeded request draws the same noise whatever else shares the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -178,8 +179,6 @@ def apply_penalties(
     ids = torch.cat([prompt_token_ids, output_token_ids], dim=1)  # padded with vocab_size
     if ids.shape[1] == 0:
         return logits
-    counts = torch.zeros(rows, vocab_size + 1, dtype=torch.int32)  # (the last bin counts padding)
-    counts.scatter_add_(1, output_token_ids, torch.ones_like(output_token_ids, dtype=torch.int32))
     valid = ids < vocab_size
     held = valid.any(dim=1, keepdim=True)
     # Padding points at the row's first token, whose value every copy then computes and writes
@@ -187,7 +186,10 @@ def apply_penalties(
     first = ids.gather(1, valid.to(torch.int8).argmax(dim=1, keepdim=True))
     idx = torch.where(valid, ids, torch.where(held, first, 0))
     old = logits.gather(1, idx)
-    count = counts.gather(1, idx)
+    # each token's count in its row's output: the width of its run in the sorted output ids
+    # (padding sorts last and matches no token)
+    out_sorted = output_token_ids.sort(dim=1).values
+    count = (torch.searchsorted(out_sorted, idx, right=True) - torch.searchsorted(out_sorted, idx)).to(torch.int32)
     rep = repetition_penalty.unsqueeze(1)
     new = torch.where(old > 0, old / rep, old * rep)
     new = new - frequency_penalty.unsqueeze(1) * count
@@ -216,13 +218,15 @@ def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
     logits.masked_fill_(logits < kth, float("-inf"))
 
 
-def _top_p_cutoff(x: torch.Tensor, top_p: torch.Tensor, window: int, weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the smallest value top-p keeps ([N, 1]), searched among the `window` largest,
-    and whether that window was wide enough to contain the cut ([N]). `x`: logits, or with
-    `weights` unnormalised probabilities (`_filtered_weights`)."""
+def _top_p_cutoff(x: torch.Tensor, top_p: torch.Tensor, window: int, weights: bool,
+                  vals: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the smallest value top-p keeps ([N, 1]), searched among the `window` largest
+    (or the given descending `vals`), and whether they held the cut ([N]). `x`: logits, or
+    with `weights` unnormalised probabilities (`filtered_weights`)."""
     vocab_size = x.shape[1]
-    window = min(window, vocab_size)
-    vals = x.topk(window, dim=-1).values  # descending
+    if vals is None:
+        vals = x.topk(min(window, vocab_size), dim=-1).values  # descending
+    window = vals.shape[1]
     if weights:
         probs = vals / x.sum(dim=-1, keepdim=True)
     else:
@@ -233,25 +237,33 @@ def _top_p_cutoff(x: torch.Tensor, top_p: torch.Tensor, window: int, weights: bo
     keep[:, 0] = True  # the most likely token always survives
     n_keep = keep.sum(dim=-1)  # tail_mass only decreases, so `keep` is a prefix
     cutoff = vals.gather(1, (n_keep - 1).unsqueeze(1))
-    sufficient = (n_keep < window) | (window == vocab_size)
+    # (the window holds the cut when the nucleus ends inside it or its mass reaches p)
+    sufficient = (n_keep < window) | (window == vocab_size) | (probs.sum(dim=-1) >= top_p)
     return cutoff, sufficient
 
 
-def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor, weights: bool = False) -> None:
+def _apply_top_p(x: torch.Tensor, top_p: torch.Tensor, weights: bool = False,
+                 window_vals: torch.Tensor | None = None) -> None:
     """Drop in place the low-probability tail of the rows with top_p < 1: logits to -inf, or
-    with `weights` unnormalised probabilities to 0."""
+    with `weights` unnormalised probabilities to 0. `window_vals`: every row's largest values,
+    descending, where the cut-off is looked for first (top-k's, which already left no more in
+    the rows); None: the `_TOP_P_WINDOW` largest. Rows whose cut lies beyond are sorted whole."""
     rows = torch.nonzero(top_p < 1.0).squeeze(1)
     if rows.numel() == 0:
         return
     every_row = rows.numel() == x.shape[0]
     sub = x if every_row else x[rows]
     sub_p = top_p if every_row else top_p[rows]
-    cutoff, sufficient = _top_p_cutoff(sub, sub_p, _TOP_P_WINDOW, weights)
+    vals = None if window_vals is None else (window_vals if every_row else window_vals[rows])
+    cutoff, sufficient = _top_p_cutoff(sub, sub_p, _TOP_P_WINDOW, weights, vals)
     if not bool(sufficient.all()):
         wide = torch.nonzero(~sufficient).squeeze(1)
         cutoff[wide] = _top_p_cutoff(sub[wide], sub_p[wide], sub.shape[1], weights)[0]
     # A threshold instead of a scatter of sorted positions; ties at the cut are kept.
-    sub.masked_fill_(sub < cutoff, 0.0 if weights else float("-inf"))
+    if weights:
+        sub.mul_(sub >= cutoff)
+    else:
+        sub.masked_fill_(sub < cutoff, float("-inf"))
     if not every_row:
         x[rows] = sub
 
@@ -307,10 +319,19 @@ def compute_logprobs_tensors(logits: torch.Tensor, target_ids: torch.Tensor, k: 
     return LogprobsTensors(token_ids=token_ids, logprobs=lps, ranks=ranks.to(torch.int64))
 
 
+# Tokens more than 86.5 (in logits over the temperature) below the most likely one weigh 0:
+# exp's float32 result would soon be denormal (the normal range ends at e^-87.3), and PyTorch's
+# exp takes ~30x longer per denormal or -inf input than per ordinary one (a 0.2 temperature
+# made sampling 7x slower). Logits are clamped at the floor, weights at or below e^-86.5 zeroed.
+_EXP_FLOOR = -87.0
+_ZERO_BELOW = math.exp(-86.5)
+
+
 def filtered_weights(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """The distribution random rows sample from, unnormalised, made in place of `logits` [B, V]
-    (a float32 copy): divided by the temperature, top-k, then exp(logit - row max), so the most
-    likely token weighs 1; then top-p and min-p zero their tails. Greedy rows get temperature 1.
+    (a float32 copy): divided by the temperature, then exp(logit - row max), so the most likely
+    token weighs 1; then top-k, top-p and min-p zero their tails. Greedy rows get temperature 1.
+    Tokens below e^-86.5 of the most likely one weigh 0 (`_EXP_FLOOR`).
 
     The same distribution as the softmax of `apply_top_k_top_p_min_p` (tested against it), without
     its second pass over the logits for the log-sum-exp: min-p compares with the max directly.
@@ -318,14 +339,29 @@ def filtered_weights(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     temp = torch.where(batch.temperature < _SAMPLING_EPS, 1.0, batch.temperature)
     logits.div_(temp.unsqueeze(1))
     vocab_size = logits.shape[1]
+    x = logits.sub_(logits.amax(dim=-1, keepdim=True))  # the most likely token at 0
+    # What lay at or below the floor (the -inf of grammar and min_tokens masks) weighs exactly 0
+    # after the threshold, whatever ulp each ISA's exp gives the floor. The filters then cut on
+    # the weights, in place, by multiplying with a mask: a [B, V] temporary of floats costs its
+    # page faults every step, and masked_fill_ runs several times slower than a multiply here.
+    w = torch.nn.functional.threshold_(x.clamp_(min=_EXP_FLOOR).exp_(), _ZERO_BELOW, 0.0)
+    top_vals = None  # each row's largest weights, descending, when top-k found them
     if batch.top_k is not None:
-        _apply_top_k(logits, torch.where(batch.top_k <= 0, vocab_size, batch.top_k).clamp(1, vocab_size))
-    w = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()  # (filtered -inf -> 0)
+        top_k = torch.where(batch.top_k <= 0, vocab_size, batch.top_k).clamp(1, vocab_size)
+        enabled = top_k < vocab_size
+        if bool(enabled.any()):
+            max_k = int(top_k[enabled].max())
+            top_vals = w.topk(max_k, dim=-1).values
+            kth = torch.where(enabled.unsqueeze(1), top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1)), 0.0)
+            w.mul_(w >= kth)  # (ties with the k-th kept)
+            # top-p's window: what top-k left of each row's largest (a row with a smaller k loses
+            # the rest); a row without top-k needs a window of its own
+            top_vals = top_vals.mul_(top_vals >= kth) if bool(enabled.all()) else None
     if batch.top_p is not None:
-        _apply_top_p(w, batch.top_p, weights=True)
+        _apply_top_p(w, batch.top_p, weights=True, window_vals=top_vals)
     if batch.min_p is not None:
         # p_i < min_p * p_max, with p_max's weight 1 (top-k and top-p keep the most likely token)
-        w.masked_fill_(w < batch.min_p.unsqueeze(1), 0.0)
+        w.mul_(w >= batch.min_p.unsqueeze(1))
     return w
 
 
