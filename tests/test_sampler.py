@@ -90,18 +90,19 @@ def test_filter_mask_matches_transformers(vocab: int, mode: str, window: int, mo
 
 def test_top_p_on_peaked_large_vocab_matches_transformers() -> None:
     # LM-like peaked rows (the nucleus fits the first search window) next to flat rows
-    # (it does not, so those rows take the full-sort path).
+    # (it does not, nor the wide one: those rows take the full-sort path) and a row between.
     g = torch.Generator().manual_seed(11)
     vocab = 5000
     logits = torch.randn(6, vocab, generator=g)
     logits[:3] *= 8
-    ps = [0.9, 0.95, 0.5, 0.9, 0.7, 1.0]
+    logits[5] *= 2.5
+    ps = [0.9, 0.95, 0.5, 0.9, 0.7, 0.9]
     ours = apply_top_k_top_p_min_p(logits, None, torch.tensor(ps), None)
     for i, p in enumerate(ps):
         ref = _hf_filter(logits[i], 1.0, 0, p, 0.0)
         assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), i
     kept = (~torch.isinf(ours)).sum(-1)
-    assert kept[:3].max() < sampler_module._TOP_P_WINDOW < kept[3:5].min()
+    assert kept[:3].max() < sampler_module._TOP_P_WINDOW < kept[5] < sampler_module._TOP_P_WIDE < kept[3:5].min()
 
 
 @pytest.mark.parametrize("window", [3, 512])  # top-p's first search window; 3 forces the fallback
