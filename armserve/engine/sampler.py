@@ -2,8 +2,10 @@
 
 The engine builds one `SamplingBatch` per step for the rows that need a sampled token
 (`build_sampling_batch`) and calls `Sampler()(logits, batch)`. Everything is batched
-tensor math; the only Python loop is over rows that carry their own seeded generator,
-so that a seeded request draws the same noise whatever else shares the batch.
+tensor math, in place where it is [B, V]; the only Python loop is over rows that carry their
+own seeded generator, so that a seeded request draws the same uniform whatever else shares
+the batch. Random rows draw by inverse CDF over their filtered weights (`filtered_weights`,
+`sample_weights`); `apply_top_k_top_p_min_p` is the filters' logit-space reference.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ def apply_penalties(
     Only the logits of tokens the rows hold change, so they are gathered, penalised and
     scattered back ([B, prompt + output] values, not a dozen passes over [B, V]).
     """
-    rows, vocab_size = logits.shape
+    vocab_size = logits.shape[1]
     ids = torch.cat([prompt_token_ids, output_token_ids], dim=1)  # padded with vocab_size
     if ids.shape[1] == 0:
         return logits
