@@ -208,18 +208,26 @@ _TOP_P_WINDOW = 64
 _TOP_P_WIDE = 1024
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
-    """Mask in place everything below each row's k-th largest logit (ties are kept)."""
-    vocab_size = logits.shape[1]
+def _kth_largest(x: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row its k-th largest value ([B, 1]; -inf where top-k is off: k <= 0 or >= V) and the
+    rows' largest values, descending, as wide as the largest k; None when no row uses top-k."""
+    vocab_size = x.shape[1]
+    top_k = torch.where(top_k <= 0, vocab_size, top_k).clamp(1, vocab_size)
     enabled = top_k < vocab_size
     if not bool(enabled.any()):
-        return
+        return None
     # Disabled rows (k == V) must not force a full-width topk for everyone.
     max_k = int(top_k[enabled].max())
-    top_vals = logits.topk(max_k, dim=-1).values
+    top_vals = x.topk(max_k, dim=-1).values
     kth = top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1))
-    kth = torch.where(enabled.unsqueeze(1), kth, float("-inf"))
-    logits.masked_fill_(logits < kth, float("-inf"))
+    return torch.where(enabled.unsqueeze(1), kth, float("-inf")), top_vals
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    """Mask in place everything below each row's k-th largest logit (ties are kept)."""
+    found = _kth_largest(logits, top_k)
+    if found is not None:
+        logits.masked_fill_(logits < found[0], float("-inf"))
 
 
 def _top_p_cutoff(x: torch.Tensor, top_p: torch.Tensor, window: int, weights: bool,
@@ -289,10 +297,9 @@ def apply_top_k_top_p_min_p(
     `min_p` [B] (0.0 disables); any may be None. At least the most likely token always
     survives. Tokens tied with the last kept one are kept too.
     """
-    vocab_size = logits.shape[1]
     out = logits.clone()
     if top_k is not None:
-        _apply_top_k(out, torch.where(top_k <= 0, vocab_size, top_k).clamp(1, vocab_size))
+        _apply_top_k(out, top_k)
     if top_p is not None:
         _apply_top_p(out, top_p)
     if min_p is not None:
@@ -346,7 +353,6 @@ def filtered_weights(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     """
     temp = torch.where(batch.temperature < _SAMPLING_EPS, 1.0, batch.temperature)
     logits.div_(temp.unsqueeze(1))
-    vocab_size = logits.shape[1]
     x = logits.sub_(logits.amax(dim=-1, keepdim=True))  # the most likely token at 0
     # What lay at or below the floor (the -inf of grammar and min_tokens masks) weighs exactly 0
     # after the threshold, whatever ulp each ISA's exp gives the floor. The filters then cut on
@@ -354,17 +360,13 @@ def filtered_weights(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
     # page faults every step, and masked_fill_ runs several times slower than a multiply here.
     w = torch.nn.functional.threshold_(x.clamp_(min=_EXP_FLOOR).exp_(), _ZERO_BELOW, 0.0)
     top_vals = None  # each row's largest weights, descending, when top-k found them
-    if batch.top_k is not None:
-        top_k = torch.where(batch.top_k <= 0, vocab_size, batch.top_k).clamp(1, vocab_size)
-        enabled = top_k < vocab_size
-        if bool(enabled.any()):
-            max_k = int(top_k[enabled].max())
-            top_vals = w.topk(max_k, dim=-1).values
-            kth = torch.where(enabled.unsqueeze(1), top_vals.gather(1, (top_k.clamp(max=max_k) - 1).unsqueeze(1)), 0.0)
-            w.mul_(w >= kth)  # (ties with the k-th kept)
-            # top-p's window: what top-k left of each row's largest (a row with a smaller k loses
-            # the rest); a row without top-k needs a window of its own
-            top_vals = top_vals.mul_(top_vals >= kth) if bool(enabled.all()) else None
+    found = None if batch.top_k is None else _kth_largest(w, batch.top_k)
+    if found is not None:
+        kth, top_vals = found
+        w.mul_(w >= kth)  # (ties with the k-th kept)
+        # top-p's window: what top-k left of each row's largest (a row with a smaller k loses the
+        # rest); a row without top-k (its k-th at -inf) needs a window of its own
+        top_vals = top_vals.mul_(top_vals >= kth) if bool(torch.isfinite(kth).all()) else None
     if batch.top_p is not None:
         _apply_top_p(w, batch.top_p, weights=True, window_vals=top_vals)
     if batch.min_p is not None:
@@ -416,10 +418,8 @@ def sample_weights(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     missed = vals.gather(1, j.unsqueeze(1)).squeeze(1) <= 0
     if bool(missed.any()):
         for r in torch.nonzero(missed).flatten().tolist():
-            positive = torch.nonzero(vals[r, : int(j[r]) + 1] > 0).flatten()
-            if positive.numel() == 0:  # (not reached: the block's weight lies before j)
-                positive = torch.nonzero(vals[r] > 0).flatten()
-            j[r] = positive[-1] if positive.numel() else 0
+            # (there is one: the block has weight, and the walk stops at or after its first)
+            j[r] = torch.nonzero(vals[r, : int(j[r]) + 1] > 0).flatten()[-1]
     return cols.gather(1, j.unsqueeze(1)).squeeze(1)
 
 
