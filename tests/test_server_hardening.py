@@ -403,10 +403,16 @@ def test_sigterm_drains_streams_in_flight_and_refuses_new_requests(tiny_llama, t
             t.start()
         _wait_streaming(outs)
         srv.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        # /health turns 503 once the signal is handled; the late request goes right after. (A fixed
+        # 0.3 s wait instead raced the streams: on a quiet machine the tiny model's 4 x 300 tokens
+        # took 0.25 s, and the drained server had closed its socket.)
+        deadline = time.monotonic() + 30
+        health = httpx.get(f"{srv.url}/health", timeout=30)
+        while health.status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.005)
+            health = httpx.get(f"{srv.url}/health", timeout=30)
         late = httpx.post(f"{srv.base_url}/completions", json={"model": "", "prompt": "hi", "max_tokens": 2},
                           timeout=30)
-        health = httpx.get(f"{srv.url}/health", timeout=30)
         for t in threads:
             t.join(300)
         code = srv.proc.wait(60)
