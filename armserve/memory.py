@@ -73,6 +73,37 @@ def release_free_heap() -> None:
         pass  # not glibc: nothing to do
 
 
+_MADV_PAGEOUT = 21  # Linux 5.4 (asm-generic/mman-common.h)
+
+
+def page_out_library_code() -> int:
+    """Hand back the resident pages of the process's shared libraries that nothing touches any more
+    (madvise MADV_PAGEOUT over every read-only mapping of a .so file): `import torch` leaves ~60
+    MiB of libtorch resident that ran once, for its static initialisers and the imports, against
+    ~15 MiB a step uses. Pages a step needs fault back in at its next use. Only clean file pages
+    are reclaimed, and only those no other process maps; a kernel without MADV_PAGEOUT ignores it.
+    Returns the bytes of the mappings advised."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advised = 0
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) < 6 or "w" in fields[1] or not fields[5].startswith("/"):
+                continue
+            name = os.path.basename(fields[5].rstrip("\n"))
+            if not (name.endswith(".so") or ".so." in name):
+                continue
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            if madvise(start, end - start, _MADV_PAGEOUT) == 0:
+                advised += end - start
+    return advised
+
+
 # glibc's mallopt parameters (malloc.h) and the values keep_freed_memory sets: blocks up to 32 MiB
 # (glibc's largest mmap threshold on 64-bit) come from the heap, and up to 1 GiB of free heap
 # stays with the process.

@@ -51,7 +51,7 @@ from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
 from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand, StopCommand
 from armserve.engine.llm_engine import check_request, create_backend, input_processor_for, lora_manager
 from armserve.engine.stats import SchedulerStats
-from armserve.memory import release_free_heap
+from armserve.memory import page_out_library_code, release_free_heap
 
 logger = logging.getLogger("armserve")
 
@@ -113,6 +113,10 @@ class EngineCore:
         why = "the engine was shut down"
         try:
             tokenizer = self._release_tokenizer() if release_tokenizer else self.tokenizer
+            if release_tokenizer:
+                # A process of its own: the libraries' code that ran only for the imports and the
+                # load goes back to the system now; the warm-up faults in what a step runs.
+                page_out_library_code()
             # On the loop's own thread: the kernels' per-thread scratch buffers and the memory a
             # large step touches are then in place before the first request.
             if warm_up:
