@@ -2,6 +2,8 @@
 
   - PSS of the whole process tree after one request (sum of /proc/<pid>/smaps_rollup Pss over the
     server and every descendant: API server, engine cores, helpers), and how it splits by process;
+  - the same PSS again after each kind of request once (sampling with penalties and logprobs, a
+    JSON schema, a long prompt, 8 at once: `varied_requests`), for what only they touch;
   - peak RSS during load (VmHWM of the engine process: armserve's engine core, vLLM's EngineCore,
     llama-server itself) against its RSS after the request (steady state).
 
@@ -137,6 +139,47 @@ def one_request(url: str) -> None:
     r.raise_for_status()
 
 
+_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                          "tags": {"type": "array", "items": {"type": "string"}}},
+           "required": ["name", "age"]}
+_LONG_PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(150))
+
+
+def varied_requests(url: str) -> list[str]:
+    """What a server sees after its first request, each kind once: sampling with top-p, top-k and
+    penalties and logprobs, a JSON-schema response, a ~1,800-token prompt, 8 requests at once. The
+    second measurement comes after these, so that code and buffers only they touch are counted
+    (armserve's engine hands back its libraries' cold pages after the load; these fault some in).
+    Returns the requests a system refused ("kind: status")."""
+    import concurrent.futures
+
+    import httpx
+
+    chat = [{"role": "user", "content": "Write a short poem about the sea."}]
+    bodies = [("sampling+logprobs", "chat", {"messages": chat, "max_tokens": 32, "temperature": 0.8, "top_p": 0.9,
+                                             "top_k": 40, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+                                             "logprobs": True, "top_logprobs": 5}),
+              ("json_schema", "chat", {"messages": [{"role": "user", "content": "A person, as JSON."}],
+                                       "max_tokens": 64, "temperature": 0,
+                                       "response_format": {"type": "json_schema",
+                                                           "json_schema": {"name": "person", "schema": _SCHEMA}}}),
+              ("long prompt", "completions", {"prompt": _LONG_PROMPT, "max_tokens": 8, "temperature": 0})]
+    refused = []
+
+    def post(kind: str, route: str, body: dict) -> None:
+        r = httpx.post(url + ("/v1/chat/completions" if route == "chat" else "/v1/completions"), timeout=600,
+                       json={"model": SERVED, **body})
+        if r.status_code != 200:
+            refused.append(f"{kind}: {r.status_code}")
+
+    for kind, route, body in bodies:
+        post(kind, route, body)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: post("8 at once", "chat", {"messages": chat, "max_tokens": 32, "temperature": 0.7,
+                                                            "seed": i}), range(8)))
+    return refused
+
+
 def armserve_spec(model: str, port: int, max_model_len: int, kv_gib: float, dtype: str | None,
                   kv_dtype: str | None = None) -> peers.ServerSpec:
     import armserve
@@ -173,11 +216,16 @@ def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
         one_request(srv.url)
         time.sleep(1.0)  # let the request's transient buffers go
         m = measure_tree(srv.proc.pid)
+        m["refused"] = varied_requests(srv.url)
+        time.sleep(1.0)
+        after = measure_tree(srv.proc.pid)
+        m["pss_varied"], m["engine_rss_varied"] = after["pss_total"], after["engine_rss"]
     finally:
         srv.stop()
     m["label"], m["settings"], m["version"] = spec.label, spec.settings, spec.version
-    print(f"  {spec.label}: PSS {m['pss_total'] / MiB:.0f} MiB; engine peak {m['engine_hwm'] / MiB:.0f} MiB, "
-          f"steady {m['engine_rss'] / MiB:.0f} MiB", flush=True)
+    print(f"  {spec.label}: PSS {m['pss_total'] / MiB:.0f} MiB, {m['pss_varied'] / MiB:.0f} after the varied "
+          f"requests{' (refused: ' + ', '.join(m['refused']) + ')' if m['refused'] else ''}; engine peak "
+          f"{m['engine_hwm'] / MiB:.0f} MiB, steady {m['engine_rss'] / MiB:.0f} MiB", flush=True)
     if m["outside_sharers"]:
         print(f"  WARNING: {len(m['outside_sharers'])} other processes map the same files, so this PSS is "
               f"too low; measure on a quiet machine: {m['outside_sharers'][:5]}", flush=True)
@@ -227,15 +275,20 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float], r
     lines = [f"## Memory: {what} (issue 35)", "",
              f"Machine: {machine_description()}. Load average {load[0]:.2f} before / {load[1]:.2f} after. "
              f"armserve rev `{rev}`. PSS: the whole process tree after one chat request of 16 tokens; "
-             "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request.", "",
-             "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve |",
-             "|---|---|---|---|---|---|---|"]
+             "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request. "
+             "Then each kind of request once (`varied_requests`: sampling with top-p, top-k, penalties and "
+             "logprobs; a JSON-schema response; a ~1,800-token prompt; 8 at once) and the tree's PSS again.", "",
+             "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve | PSS after the varied requests (MiB) | vs armserve |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per = ", ".join(f"{p['pss'] / MiB:.0f}" for p in sorted(r["processes"], key=lambda p: -p["pss"]) if p["pss"] > MiB)
         ratio = f"{ours['pss_total'] / r['pss_total']:.2f}x" if ours and r is not ours else ""
+        ratio_varied = f"{ours['pss_varied'] / r['pss_varied']:.2f}x" if ours and r is not ours else ""
+        refused = f" (refused: {', '.join(r['refused'])})" if r["refused"] else ""
         lines.append(f"| {r['label']} | {r['settings']} | {r['pss_total'] / MiB:.0f} | {per} | "
                      f"{r['engine_hwm'] / MiB:.0f} / {r['engine_rss'] / MiB:.0f} | "
-                     f"{r['engine_hwm'] / max(r['engine_rss'], 1):.2f} | {ratio} |")
+                     f"{r['engine_hwm'] / max(r['engine_rss'], 1):.2f} | {ratio} | "
+                     f"{r['pss_varied'] / MiB:.0f}{refused} | {ratio_varied} |")
     shared = [f"{r['label']}: {len(r['outside_sharers'])}" for r in rows if r.get("outside_sharers")]
     lines += ["", ("**Not alone:** other processes mapped the same files during the measurement (" + ", ".join(shared)
                    + "), so the PSS above is too low." if shared else

@@ -93,8 +93,10 @@ def test_bomb_fails_within_its_budget_while_other_grammars_compile(tokenizer_dir
     mgr = _manager(tokenizer_dir)
     try:
         mgr.compile(SO(regex="[a-c]+"))  # starts the pool: the budget below is the compile's own
-        workers = set(mgr.worker_pids())
-        assert len(workers) == 2
+        mgr.compile(SO(regex="[d-f]+"))
+        # One after the other, compiles take the worker whose process is up: no second process.
+        first = set(mgr.worker_pids())
+        assert len(first) == 1
         result: dict = {}
 
         def bomb() -> None:
@@ -116,6 +118,8 @@ def test_bomb_fails_within_its_budget_while_other_grammars_compile(tokenizer_dir
             m = mgr.new_matcher(mgr.compile(so))
             assert not m.is_terminated()
         assert thread.is_alive(), "the other grammars had to wait for the bomb"
+        workers = set(mgr.worker_pids())
+        assert len(workers) == 2 and first < workers  # the second started for the overlap
         thread.join(2.0 + SLACK)
         assert not thread.is_alive(), "the bomb's compile was not stopped at its budget"
         err = result["error"]
@@ -129,6 +133,40 @@ def test_bomb_fails_within_its_budget_while_other_grammars_compile(tokenizer_dir
     finally:
         mgr.close()
     assert _wait_gone(workers | set(mgr.worker_pids()), 5.0)
+
+
+def test_an_idle_second_worker_stops_and_the_first_serves_on(tokenizer_dir, monkeypatch):
+    """The second process (started when two compiles overlapped) stops after WORKER_IDLE_SECONDS
+    without a job; one process stays up however long it idles, and compiles on."""
+    monkeypatch.setenv("ARMSERVE_GRAMMAR_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(structured_output, "WORKER_IDLE_SECONDS", 1.0)
+    mgr = _manager(tokenizer_dir)
+    try:
+        gate = threading.Event()
+        # (its process starts, ~0.6 s, then compiles it, ~0.2 s: the regex below comes meanwhile)
+        slow = SO(json={"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(400)}})
+        t = threading.Thread(target=lambda: (mgr.compile(slow), gate.set()), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not mgr.worker_pids() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        mgr.compile(SO(regex="[0-9]{2}"))  # while the slow one compiles: on a second process
+        both = set(mgr.worker_pids())
+        assert len(both) == 2, both  # (the first was busy: a second process started)
+        t.join(120)
+        assert gate.is_set()
+        deadline = time.monotonic() + 1.0 + SLACK
+        while len(mgr.worker_pids()) > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = set(mgr.worker_pids())
+        assert len(left) == 1 and left < both
+        assert _wait_gone(both - left, 5.0)
+        time.sleep(1.5)  # past the idle time again: the last one stays
+        assert set(mgr.worker_pids()) == left
+        assert mgr.new_matcher(mgr.compile(SO(regex="[x-z]{3}"))) is not None
+        assert set(mgr.worker_pids()) == left
+    finally:
+        mgr.close()
 
 
 def test_the_token_table_is_built_off_the_callers_thread(tokenizer_dir, monkeypatch):
@@ -267,12 +305,15 @@ def test_engine_bomb_is_refused_others_served_abort_kills_no_leaks(tiny_llama, m
             # Nothing burns CPU afterwards (the replacement worker has had time to start).
             await asyncio.sleep(3.0)
             assert await asyncio.to_thread(_busy_worker, 0.5) is None
-            # The engine serves structured requests as before.
+            # The engine serves structured requests as before: inline, and on a worker (both were
+            # killed, by the budget and by the abort: a process starts again for this compile).
             assert (await text_of(SO(choice=["left", "right"]))) in ("left", "right")
+            three = await text_of(SO(regex="[0-9]{3}"))
+            assert len(three) == 3 and three.isdigit()
 
         asyncio.run(main())
         workers = {p.pid for p in _grammar_workers()} - earlier
-        assert len(workers) == 2
+        assert len(workers) == 1
     finally:
         llm.shutdown()
     assert _wait_gone(workers, 10.0), "grammar workers outlived their engine"

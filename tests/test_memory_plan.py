@@ -233,3 +233,32 @@ def test_page_out_library_code_hands_back_a_libraries_pages_and_it_still_runs():
     assert before > 1 << 20, before  # (the kernels' library: ~1.7 MB of code and tables)
     assert after < before // 4, (before, after)
     assert same == "True"
+
+
+_IDLE_TRIM_SCRIPT = r"""
+from armserve.memory import IdleTrim, resident_bytes
+
+trim = IdleTrim(growth=32 << 20)
+quiet = trim()  # nothing grew
+# ~120 MB in blocks malloc keeps in its heap (below its mmap threshold), then all freed but every
+# 50th, which pins the heap's top: the freed blocks stay resident until a trim
+blocks = [bytes(2000) + bytes([i % 256]) for i in range(60_000)]
+pins = blocks[::50]
+del blocks
+grown = resident_bytes()
+trimmed = trim()
+after = resident_bytes()
+again = trim()
+print(quiet, trimmed, again, grown - after, trim.trims)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_idle_trim_hands_back_a_freed_heap_once_it_grew():
+    """An idle engine core (engine/core.py) trims when its RSS grew by the mark since the last trim:
+    ~120 MB freed but held in malloc's heap goes back; with nothing grown it does nothing."""
+    out = subprocess.run([sys.executable, "-c", _IDLE_TRIM_SCRIPT], check=True, capture_output=True, text=True,
+                         timeout=120).stdout.split()
+    assert out[:3] == ["False", "True", "False"], out
+    assert int(out[3]) > 80 << 20, out
+    assert out[4] == "1"

@@ -51,7 +51,7 @@ from armserve.config import DEFAULT_STATS_INTERVAL, EngineConfig
 from armserve.engine.commands import AbortCommand, AddCommand, LoRACommand, StopCommand
 from armserve.engine.llm_engine import check_request, create_backend, input_processor_for, lora_manager
 from armserve.engine.stats import SchedulerStats
-from armserve.memory import page_out_library_code, release_free_heap
+from armserve.memory import IdleTrim, page_out_library_code, release_free_heap
 
 logger = logging.getLogger("armserve")
 
@@ -121,6 +121,8 @@ class EngineCore:
             # large step touches are then in place before the first request.
             if warm_up:
                 backend.warm_up()
+            # (after the warm-up: its working set is the step's usual one, kept)
+            idle_trim = IdleTrim() if release_tokenizer else None
             snap = self.snapshot()
             # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB), parsed once
             # (a GGUF header takes seconds) and loaded there without transformers' Auto classes,
@@ -131,7 +133,10 @@ class EngineCore:
                                  "tokenizer": tokenizer if send_tokenizer else None,
                                  "kernels": kernels.status()}))
             while True:
-                if not self._drain(block=not backend.has_unfinished_requests()):
+                idle = not backend.has_unfinished_requests()
+                if idle and idle_trim is not None:
+                    idle_trim()
+                if not self._drain(block=idle):
                     break
                 if backend.has_unfinished_requests():
                     self._step()

@@ -23,6 +23,7 @@ accepted exactly those tokens) stays valid: nothing to roll back.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ import torch
 from armserve import config as _config
 from armserve.engine.child import start_child
 from armserve.engine.exceptions import CompileAborted, GrammarTooComplex
+from armserve.memory import release_free_heap
 from armserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger("armserve")
@@ -59,6 +61,11 @@ INLINE_CHOICE_CHARS = 4096
 WORKER_CACHE_BYTES = 64 * 2**20
 
 WORKER_START_TIMEOUT = 120.0  # seconds for a worker to import xgrammar and report ready
+
+# A worker's process starts when it takes its first job, and one that has waited this long for
+# another while a second process is up is stopped: each holds ~75 MiB (xgrammar, the token
+# table, its cache), and overlapping compiles (a slow schema beside others) are the exception.
+WORKER_IDLE_SECONDS = 60.0
 
 _XGR_LOG_PREFIX = re.compile(r"^\s*(\[[\d:]+\]\s*)?\S+\.(cc|h):\d+:\s*")
 
@@ -113,6 +120,8 @@ class _Worker:
 
     def __init__(self, pool: "GrammarCompilePool", index: int) -> None:
         self.pool = pool
+        self.waiting = False  # in the pool's `_take` (under its lock)
+        self.retiring = False  # told to stop its process for idleness (under the pool's lock)
         self.proc: subprocess.Popen | None = None
         self._send = self._recv = None
         self.thread = threading.Thread(target=self._run, name=f"armserve-grammar-{index}", daemon=True)
@@ -143,17 +152,31 @@ class _Worker:
         if proc is not None:
             proc.kill()
 
+    def live(self) -> bool:
+        """Whether its process is up (any thread)."""
+        proc = self.proc
+        return proc is not None and proc.poll() is None
+
     def _run(self) -> None:
         pool = self.pool
         failures = 0
         while not pool.closed:
-            if self.proc is None or self.proc.poll() is not None:
+            job = pool._take(self)
+            if job is None:
+                break
+            if job is _RETIRE:
+                self._stop()
+                with pool._lock:
+                    self.retiring = False
+                continue
+            if not self.live():  # not started yet, or killed (budget, abort) or died since
                 self._stop()
                 try:
                     self._start()
                     failures = 0
                 except Exception as e:
                     self._stop()
+                    pool._requeue(job)
                     if pool.closed:
                         break
                     failures += 1
@@ -162,12 +185,6 @@ class _Worker:
                         pool._fail_all(RuntimeError(f"the grammar compile workers cannot start: {e}"))
                     time.sleep(min(5.0, 0.5 * failures))
                     continue
-            job = pool._take(self)
-            if job is None:
-                break
-            if self.proc.poll() is not None:  # died while idle (say the OOM killer): not the job's fault
-                pool._requeue(job)
-                continue
             self._compile(job)
         self._stop()
 
@@ -212,9 +229,15 @@ class _Worker:
         pool._finish(job, compiled, error)
 
 
+_RETIRE = object()  # `_take`'s answer to a worker idle for WORKER_IDLE_SECONDS beside another
+
+
 class GrammarCompilePool:
-    """`workers` compile processes over one tokenizer; jobs wait in a FIFO queue for a free one.
-    Each process compiles one job at a time, so killing it (budget, abort) stops just that job."""
+    """Up to `workers` compile processes over one tokenizer; jobs wait in a FIFO queue for a free
+    one. Each process compiles one job at a time, so killing it (budget, abort) stops just that
+    job. A worker's process starts with its first job; a job goes to an idle worker whose process
+    is up before one whose is not; a process idle for WORKER_IDLE_SECONDS while another is up
+    stops (one stays)."""
 
     def __init__(self, tokenizer_info_json: str, deserialize: Callable[[str], Any], workers: int,
                  timeout: float, memory_mb: float) -> None:
@@ -237,7 +260,7 @@ class GrammarCompilePool:
             if self.closed:
                 raise RuntimeError("the grammar compile pool is closed")
             self._queue.append(job)
-            self._ready.notify()
+            self._ready.notify_all()
 
     def cancel(self, job: _Job) -> None:
         """Drop `job` (its last waiter went): off the queue, or its worker killed mid-compile."""
@@ -251,22 +274,38 @@ class GrammarCompilePool:
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.poll() is None]
 
-    def _take(self, worker: _Worker) -> _Job | None:
+    def _take(self, worker: _Worker) -> Any:
+        """The next job for `worker`, None once the pool is closed, or _RETIRE when its process
+        should stop."""
         with self._lock:
-            while not self._queue and not self.closed:
-                self._ready.wait()
-            if self.closed:
+            worker.waiting = True
+            try:
+                since = time.monotonic()
+                while not self.closed:
+                    if self._queue and (worker.live() or not any(w.waiting and w.live() for w in self._workers)):
+                        job = self._queue.popleft()
+                        job.worker = worker
+                        return job
+                    idle = time.monotonic() - since
+                    if idle >= WORKER_IDLE_SECONDS and worker.live() and not worker.retiring and any(
+                            w.live() and not w.retiring for w in self._workers if w is not worker):
+                        worker.retiring = True  # (so that two idle ones do not both stop)
+                        return _RETIRE
+                    # Until its idle time is up; past it (the only process up), until something
+                    # changes: every worker leaving this wait wakes the others (notify_all below).
+                    live_for = WORKER_IDLE_SECONDS - idle if worker.live() else 0.0
+                    self._ready.wait(live_for if live_for > 0 else None)
                 return None
-            job = self._queue.popleft()
-            job.worker = worker
-            return job
+            finally:
+                worker.waiting = False
+                self._ready.notify_all()
 
     def _requeue(self, job: _Job) -> None:
         with self._lock:
             job.worker = None
             if not job.cancelled and not self.closed:
                 self._queue.appendleft(job)
-                self._ready.notify()
+                self._ready.notify_all()
                 return
         if self.closed:
             self._finish(job, None, CompileAborted("the engine shut down while the grammar compiled"))
@@ -362,6 +401,11 @@ class StructuredOutputManager:
             self._build_compiler()
         except Exception as e:  # (xgrammar refusing this tokenizer)
             error = ValueError(f"structured outputs: cannot build xgrammar's token table: {_clean(e)}")
+        if self.tokenizer is None:
+            # The unpickled tokenizer is gone (only its token table stays): hand back its heap, ~100
+            # MiB resident for a 150k-token vocabulary in this thread's malloc arena otherwise.
+            gc.collect()
+            release_free_heap()
         with self._lock:
             pending, self._pending, self._preparing = self._pending, [], False
         for job, so in pending:
