@@ -137,7 +137,8 @@ def test_bomb_fails_within_its_budget_while_other_grammars_compile(tokenizer_dir
 
 def test_an_idle_second_worker_stops_and_the_first_serves_on(tokenizer_dir, monkeypatch):
     """The second process (started when two compiles overlapped) stops after WORKER_IDLE_SECONDS
-    without a job; one process stays up however long it idles, and compiles on."""
+    without a job; one process stays up however long it idles, and compiles on. A worker maps
+    xgrammar but neither torch nor the tokenizer libraries."""
     monkeypatch.setenv("ARMSERVE_GRAMMAR_COMPILE_WORKERS", "2")
     monkeypatch.setattr(structured_output, "WORKER_IDLE_SECONDS", 1.0)
     mgr = _manager(tokenizer_dir)
@@ -153,6 +154,10 @@ def test_an_idle_second_worker_stops_and_the_first_serves_on(tokenizer_dir, monk
         mgr.compile(SO(regex="[0-9]{2}"))  # while the slow one compiles: on a second process
         both = set(mgr.worker_pids())
         assert len(both) == 2, both  # (the first was busy: a second process started)
+        for pid in both:  # a worker loads xgrammar's compiler only: no torch, no tokenizer libraries
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+            assert "libxgrammar" in maps and "libtorch" not in maps and "tokenizers" not in maps
         t.join(120)
         assert gate.is_set()
         deadline = time.monotonic() + 1.0 + SLACK
