@@ -277,6 +277,9 @@ def core_process_main(commands, messages, config: EngineConfig, log_level: int, 
             except (BrokenPipeError, EOFError, OSError):
                 pass  # the frontend is gone; the command reader stops the loop
 
+    # The imports' code that ran once goes back before the load too, so that the load's peak is
+    # not the steady state plus what `import torch` left resident (again after the load, in `run`).
+    page_out_library_code()
     try:
         core = EngineCore(config, emit, stats_interval)
     except BaseException as e:
