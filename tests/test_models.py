@@ -65,6 +65,26 @@ def test_tiny_architectures_match_transformers(tiny_checkpoints, name):
         assert_matches_hf(folder, llm, prompt, atol=1e-4)
 
 
+def test_rope_tables_end_at_max_model_len_and_its_last_position_matches_transformers(tiny_llama):
+    """The rotary tables keep max_model_len (+1) rows, not max_position_embeddings' (512 here; 131k
+    for Llama 3.x): a sequence that fills max_model_len to its last position gives transformers'
+    greedy tokens, and the kept rows are the full table's."""
+    from armserve.layers.rotary_embedding import RotaryEmbedding, _cos_sin, rope_parameters
+
+    llm = LLM(tiny_llama, dtype="float32", kv_cache_space=0.02, max_model_len=48)
+    model = llm.llm_engine.model
+    ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    assert ropes and all(m.cos_sin.shape[0] == 49 for m in ropes)
+    full = _cos_sin(ropes[0].rotary_dim, 512, rope_parameters(hf_model(tiny_llama).config))
+    assert torch.equal(ropes[0].cos_sin, full[:49])
+    prompt = llm.get_tokenizer().encode("the cat ran over the blue sea and")
+    steps = 48 - len(prompt)
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=steps,
+                                                                       min_tokens=steps), use_tqdm=False)[0]
+    assert len(prompt) + len(out.outputs[0].token_ids) == 48
+    assert out.outputs[0].token_ids == hf_greedy(tiny_llama, prompt, steps)[0]
+
+
 def test_mistral_sliding_window_is_used(tiny_checkpoints):
     """The window (8) is shorter than the sequence, so ignoring it would change the logits."""
     folder = tiny_checkpoints["mistral"]

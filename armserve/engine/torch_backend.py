@@ -24,6 +24,7 @@ from armserve.engine.model_runner import ModelRunner, kv_cache_bytes_per_token, 
 from armserve.engine.request import Request, RequestStatus
 from armserve.engine.scheduler import Scheduler
 from armserve.engine.draft_proposer import DraftModelProposer, load_draft_model
+from armserve.layers.rotary_embedding import trim_rope_tables
 from armserve.engine.eagle_proposer import EagleProposer
 from armserve.engine.spec_decode import NgramProposer
 from armserve.engine.suffix_decode import SuffixProposer
@@ -98,6 +99,12 @@ class TorchBackend:
             from armserve.models.deepseek_mtp import load_mtp_layer
 
             draft, draft_config = load_mtp_layer(spec.model or config.model, self.model, hf, self.dtype)  # type: ignore
+        # Rotary tables for the positions this engine can reach, not the model's whole context
+        # (a verifying step's rows run up to num_speculative_tokens past a sequence's end).
+        positions = self.max_model_len + (getattr(spec, "num_speculative_tokens", None) or 0) + 1
+        for m in (self.model, draft):
+            if m is not None:
+                trim_rope_tables(m, positions)
         # (under tensor parallelism each rank caches only its share of the KV heads; a draft model's
         # cache shares the space, block for block)
         num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,

@@ -140,3 +140,22 @@ class RotaryEmbedding(nn.Module):
         """positions: [T]; q: [T, Hq*D]; k: [T, Hkv*D] (views into a fused qkv are rotated in place)."""
         return kernels.rotary(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
 
+
+def trim_rope_tables(model: nn.Module, positions: int) -> int:
+    """Keep the first `positions` rows of each RotaryEmbedding's table in `model`: a table holds
+    max_position_embeddings rows (Llama 3.x: 131,072 x 128 float32, 64 MiB), and an engine never
+    rotates past its max_model_len (plus speculative rows). Layers sharing a table share its trimmed
+    copy. Call after loading, before any step records the tables' addresses. Returns bytes freed."""
+    trimmed: dict[int, torch.Tensor] = {}
+    freed = 0
+    for m in model.modules():
+        if isinstance(m, RotaryEmbedding) and m.cos_sin.shape[0] > positions:
+            key = m.cos_sin.data_ptr()
+            if key not in trimmed:
+                freed += (m.cos_sin.shape[0] - positions) * m.cos_sin.shape[1] * m.cos_sin.element_size()
+                trimmed[key] = m.cos_sin[:positions].clone()
+            m.cos_sin = trimmed[key]
+    if trimmed:  # (the full tables the cache holds are what was freed)
+        for k in [k for k, t in _COS_SIN.items() if t.data_ptr() in trimmed]:
+            del _COS_SIN[k]
+    return freed
