@@ -142,14 +142,15 @@ def one_request(url: str) -> None:
 _SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                           "tags": {"type": "array", "items": {"type": "string"}}},
            "required": ["name", "age"]}
-_LONG_PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(150))
+_LONG_PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(100))
 
 
 def varied_requests(url: str) -> list[str]:
     """What a server sees after its first request, each kind once: sampling with top-p, top-k and
-    penalties and logprobs, a JSON-schema response, a ~1,800-token prompt, 8 requests at once. The
-    second measurement comes after these, so that code and buffers only they touch are counted
-    (armserve's engine hands back its libraries' cold pages after the load; these fault some in).
+    penalties and logprobs, a JSON-schema response, a ~1,500-token prompt (the bf16 case's
+    max_model_len is 2048), 8 requests at once. The second measurement comes after these, so that
+    code and buffers only they touch are counted (armserve's engine hands back its libraries' cold
+    pages after the load; these fault some in).
     Returns the requests a system refused ("kind: status")."""
     import concurrent.futures
 
@@ -277,7 +278,7 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float], r
              f"armserve rev `{rev}`. PSS: the whole process tree after one chat request of 16 tokens; "
              "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request. "
              "Then each kind of request once (`varied_requests`: sampling with top-p, top-k, penalties and "
-             "logprobs; a JSON-schema response; a ~1,800-token prompt; 8 at once) and the tree's PSS again.", "",
+             "logprobs; a JSON-schema response; a ~1,500-token prompt; 8 at once) and the tree's PSS again.", "",
              "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve | PSS after the varied requests (MiB) | vs armserve |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
