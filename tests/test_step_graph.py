@@ -219,6 +219,38 @@ def test_bucketed_graph_steps_pad_and_equal_eager(qwen2_biased):
     assert runner.graphs.replays > 20
 
 
+def test_graphs_share_one_arena_and_a_new_size_every_step_equals_eager(qwen2_biased):
+    """Step graphs after the first record into one arena (kernels/capture.Arena), each rewriting
+    the others' tensors. A batch whose requests end one per step replays another graph at every
+    step; run twice, so that the second pass replays graphs recorded in the first: the tokens and
+    logprobs are the eager steps', and every later graph's tensors lie in the arena."""
+
+    def shrinking(llm: LLM) -> list:
+        params = [PARAMS[i % 2].clone(max_tokens=3 + 2 * i) for i in range(8)]
+        got = []
+        for _ in range(2):
+            for o in llm.generate(prompts(llm, 8, seed=3), params, use_tqdm=False):
+                c = o.outputs[0]
+                got.append((c.token_ids, None if c.logprobs is None else
+                            [sorted((k, v.logprob) for k, v in d.items()) for d in c.logprobs]))
+        return got
+
+    eager = shrinking(LLM(qwen2_biased, enforce_eager=True, dtype="bfloat16", kv_cache_space=0.02))
+    llm = LLM(qwen2_biased, dtype="bfloat16", kv_cache_space=0.02)
+    assert shrinking(llm) == eager
+    graphs = llm.llm_engine.runner.graphs
+    assert set(range(1, 9)) <= set(graphs.graphs) and graphs.replays >= 20
+    arena = graphs.arena
+    base = arena.buffer.data_ptr()
+
+    def inside(t: torch.Tensor) -> bool:
+        return base <= t.data_ptr() < base + arena.capacity
+
+    shared = [g for g in graphs.graphs.values() if any(inside(t) for t in g.recording.keep)]
+    assert len(shared) == len(graphs.graphs) - 1  # (the first sized the arena)
+    assert all(inside(t) for g in shared for t in g.recording.keep)
+
+
 TEAM_SCRIPT = """
 import json, sys, traceback, torch
 from armserve import LLM, kernels

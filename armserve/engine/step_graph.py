@@ -17,6 +17,11 @@ A step in which some sequence runs a LoRA adapter has graphs of its own (`lora_g
 recording includes the adapters' shrink/expand calls, whose per-token slots are one more input
 buffer, and the slots' weights are rewritten in place when an adapter moves in (layers/lora.py).
 
+All graphs after the first record their tensors into one arena (kernels/capture.py's Arena), as
+vLLM's CUDA graphs share a memory pool: the runner replays one graph at a time and a replay
+recomputes every tensor it allocated, so the graphs of all sizes hold the largest one's bytes,
+not their sum. A graph's logits are therefore valid until the runner's next replay of any graph.
+
 A step that runs any PyTorch op that computes (rather than allocates or makes a view) cannot be
 replayed; capture notices (kernels/capture.py's dispatch guard) and steps of that batch size stay
 eager. `enforce_eager=True` (vLLM's flag) turns graphs off.
@@ -38,7 +43,8 @@ logger = logging.getLogger("armserve")
 # Decode batches up to this size are replayed: up to 8 sequences each size has its graph, beyond
 # that sizes share one per multiple of GRAPH_BUCKET (vLLM's CUDA-graph sizes: 1, 2, 4, 8, 16, 24,
 # ...), the missing rows padded with a dummy sequence whose key and value go to a spare cache
-# block of their own. Each graph keeps its activations and logits (Qwen2.5-0.5B at 64: ~100 MB);
+# block of their own. A graph keeps its activations and logits (Qwen2.5-0.5B at 64: 130 MiB), all
+# graphs but the first in one shared arena (capture.Arena: the 15 sizes hold 147 MiB, not 633);
 # past 64 sequences the Python overhead of an eager step (~4-6 ms) is under a tenth of the step.
 MAX_GRAPH_BATCH = 64
 GRAPH_BUCKET = 8
@@ -117,14 +123,15 @@ class StepGraph:
             n = (p0 + q - 1) // bs + 1
             self._block_tables[r, :n] = (b + [pad_block] * n)[:n]
 
-    def capture(self, model) -> torch.Tensor:
-        """Run the step eagerly while recording it; returns its float32 logits [rows, vocab]."""
+    def capture(self, model, arena: capture.Arena | None = None) -> torch.Tensor:
+        """Run the step eagerly while recording it (its tensors in `arena` when given); returns its
+        float32 logits [rows, vocab]."""
         md = AttentionMetadata(slot_mapping=self.slots, num_decodes=self.batch)
         md.kernel_batch = self.attn_batch
         set_attention_metadata(md)
         set_lora_indices(self.lora_slots)
         try:
-            with capture.recording() as rec:
+            with capture.recording(arena) as rec:
                 logits = model.compute_logits(model(self.ids, self.positions))
             if getattr(model, "aux_hidden_layers", ()):
                 self.aux = list(model.aux_hidden)
@@ -162,6 +169,9 @@ class StepGraphs:
         self.graphs: dict[int, StepGraph] = {}
         self.verify_graphs: dict[tuple[int, int], StepGraph] = {}  # (batch, rows per sequence)
         self.lora_graphs: dict[int, StepGraph] = {}  # steps in which some sequence runs an adapter
+        # Shared by every graph's recording (capture.Arena), made after the first replayable one,
+        # from its bytes per row.
+        self.arena: capture.Arena | None = None
         self.replays = 0  # decode steps served by a replay (tests, stats)
         self.verify_replays = 0
         self.last: StepGraph | None = None  # the graph of the last step served (its `aux`)
@@ -184,7 +194,7 @@ class StepGraphs:
             g = StepGraph(b, self.max_blocks, self.block_size, lora=lora_slots is not None)
             graphs[b] = g
             g.set_inputs(ids, positions, block_ids, self.pad_block, lora_slots)
-            logits = g.capture(self.model)
+            logits = g.capture(self.model, self.arena)
             self.last = g
             if not self._check(g) and b != n:
                 # computed on padded rows: PyTorch's GEMMs may round a row differently with
@@ -216,7 +226,7 @@ class StepGraphs:
         if g is None:
             g = self.verify_graphs[(b, q)] = StepGraph(b, self.max_blocks, self.block_size, q)
             g.set_verify_inputs(tokens, starts, block_ids, self.pad_block)
-            logits = g.capture(self.model)
+            logits = g.capture(self.model, self.arena)
             self.last = g
             # (not replayable: something fell back to PyTorch, which may round the real rows
             # differently beside padding ones; the eager step rewrites the same slots)
@@ -229,7 +239,17 @@ class StepGraphs:
         return g.replay(), q
 
     def _check(self, g: StepGraph) -> bool:
-        """Whether the just recorded `g` can be replayed; if not, it keeps nothing."""
+        """Whether the just recorded `g` can be replayed; if not, it keeps nothing. The first that
+        can sizes the arena the later ones share: its bytes per row, for MAX_GRAPH_BATCH rows and a
+        quarter more (untouched pages cost nothing)."""
+        rec = g.recording
+        if rec is not None and rec.arena is not None and rec.arena.spilled:
+            logger.debug("the step graph of %d x %d rows put %d bytes beside the shared arena", g.batch, g.q,
+                         rec.arena.spilled)
+        if g.replayable and self.arena is None:
+            kept = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in rec.keep}.values())  # type: ignore[union-attr]
+            self.arena = capture.Arena(kept // (g.batch * g.q) * MAX_GRAPH_BATCH * 5 // 4)
         if not g.replayable:
             # e.g. a float16 model's matmuls beyond the skinny kernel's token limit go to
             # PyTorch (bfloat16 ones run the dense GEMM at any size): that shape stays eager

@@ -11,6 +11,7 @@ writing its own column range of the output.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from armserve import kernels
+from armserve.kernels import capture
 from armserve.kernels.reference import quantize_act_ref
 from armserve.layers.linear import Split
 from armserve.quantization.formats import QuantizedTensor, kernel_scales, quantize_weight_int8, tile_bytes
@@ -33,9 +35,12 @@ def _act_buffers(m: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor
     key = (m, k, group)
     buf = _ACT_BUFFERS.get(key)
     if buf is None:
-        buf = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // group, dtype=torch.float32),
-               torch.empty(m, k // group, dtype=torch.int32))
-        if m <= 8:
+        keep = m <= 8
+        # (kept ones serve later steps and other step graphs: never in a recording's arena)
+        with capture.persistent() if keep else contextlib.nullcontext():
+            buf = (torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // group, dtype=torch.float32),
+                   torch.empty(m, k // group, dtype=torch.int32))
+        if keep:
             _ACT_BUFFERS[key] = buf
     return buf
 
