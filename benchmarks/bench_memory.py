@@ -3,7 +3,7 @@
   - PSS of the whole process tree after one request (sum of /proc/<pid>/smaps_rollup Pss over the
     server and every descendant: API server, engine cores, helpers), and how it splits by process;
   - the same PSS again after each kind of request once (sampling with penalties and logprobs, a
-    JSON schema, a long prompt, 8 at once: `varied_requests`), for what only they touch;
+    JSON schema, a long prompt, 8 then 64 at once: `varied_requests`), for what only they touch;
   - peak RSS during load (VmHWM of the engine process: armserve's engine core, vLLM's EngineCore,
     llama-server itself) against its RSS after the request (steady state).
 
@@ -148,7 +148,7 @@ _LONG_PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog.
 def varied_requests(url: str) -> list[str]:
     """What a server sees after its first request, each kind once: sampling with top-p, top-k and
     penalties and logprobs, a JSON-schema response, a ~1,500-token prompt (the bf16 case's
-    max_model_len is 2048), 8 requests at once. The second measurement comes after these, so that
+    max_model_len is 2048), 8 requests at once, then 64. The second measurement comes after these, so that
     code and buffers only they touch are counted (armserve's engine hands back its libraries' cold
     pages after the load; these fault some in).
     Returns the requests a system refused ("kind: status")."""
@@ -175,9 +175,10 @@ def varied_requests(url: str) -> list[str]:
 
     for kind, route, body in bodies:
         post(kind, route, body)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: post("8 at once", "chat", {"messages": chat, "max_tokens": 32, "temperature": 0.7,
-                                                            "seed": i}), range(8)))
+    for n in (8, 64):  # (armserve records a step graph per batch size: 64 is its largest)
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            list(pool.map(lambda i: post(f"{n} at once", "chat", {"messages": chat, "max_tokens": 16,
+                                                                   "temperature": 0.7, "seed": i}), range(n)))
     return refused
 
 
@@ -278,7 +279,7 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float], r
              f"armserve rev `{rev}`. PSS: the whole process tree after one chat request of 16 tokens; "
              "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request. "
              "Then each kind of request once (`varied_requests`: sampling with top-p, top-k, penalties and "
-             "logprobs; a JSON-schema response; a ~1,500-token prompt; 8 at once) and the tree's PSS again.", "",
+             "logprobs; a JSON-schema response; a ~1,500-token prompt; 8 at once, then 64) and the tree's PSS again.", "",
              "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve | PSS after the varied requests (MiB) | vs armserve |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -17,10 +17,11 @@ A step in which some sequence runs a LoRA adapter has graphs of its own (`lora_g
 recording includes the adapters' shrink/expand calls, whose per-token slots are one more input
 buffer, and the slots' weights are rewritten in place when an adapter moves in (layers/lora.py).
 
-All graphs after the first record their tensors into one arena (kernels/capture.py's Arena), as
-vLLM's CUDA graphs share a memory pool: the runner replays one graph at a time and a replay
-recomputes every tensor it allocated, so the graphs of all sizes hold the largest one's bytes,
-not their sum. A graph's logits are therefore valid until the runner's next replay of any graph.
+All graphs keep their tensors in one arena (kernels/capture.py's Arena), as vLLM's CUDA graphs
+share a memory pool: the runner replays one graph at a time and a replay recomputes every tensor
+it allocated, so the graphs of all sizes hold the largest one's bytes, not their sum; and each
+recording is packed by lifetime (Recording.pack: a layer's activations reuse the bytes of the
+layers before). A graph's logits are therefore valid until the runner's next step.
 
 A step that runs any PyTorch op that computes (rather than allocates or makes a view) cannot be
 replayed; capture notices (kernels/capture.py's dispatch guard) and steps of that batch size stay
@@ -43,8 +44,9 @@ logger = logging.getLogger("armserve")
 # Decode batches up to this size are replayed: up to 8 sequences each size has its graph, beyond
 # that sizes share one per multiple of GRAPH_BUCKET (vLLM's CUDA-graph sizes: 1, 2, 4, 8, 16, 24,
 # ...), the missing rows padded with a dummy sequence whose key and value go to a spare cache
-# block of their own. A graph keeps its activations and logits (Qwen2.5-0.5B at 64: 130 MiB), all
-# graphs but the first in one shared arena (capture.Arena: the 15 sizes hold 147 MiB, not 633);
+# block of their own. A graph keeps its activations and logits (Qwen2.5-0.5B at 64: 130 MiB as
+# recorded, 56 packed by lifetime), all graphs in one shared arena (capture.Arena: the 15 sizes
+# hold 56 MiB, where each with its own tensors held 633);
 # past 64 sequences the Python overhead of an eager step (~4-6 ms) is under a tenth of the step.
 MAX_GRAPH_BATCH = 64
 GRAPH_BUCKET = 8
@@ -170,8 +172,11 @@ class StepGraphs:
         self.verify_graphs: dict[tuple[int, int], StepGraph] = {}  # (batch, rows per sequence)
         self.lora_graphs: dict[int, StepGraph] = {}  # steps in which some sequence runs an adapter
         # Shared by every graph's recording (capture.Arena), made after the first replayable one,
-        # from its bytes per row.
+        # from its bytes per row; each recording is then packed into its first `arena_used` bytes.
         self.arena: capture.Arena | None = None
+        self.arena_used = 0
+        self.largest_recording = 0
+        self._moved: tuple[StepGraph, list[torch.Tensor]] | None = None  # (`_settle`)
         self.replays = 0  # decode steps served by a replay (tests, stats)
         self.verify_replays = 0
         self.last: StepGraph | None = None  # the graph of the last step served (its `aux`)
@@ -185,6 +190,7 @@ class StepGraphs:
         b = graph_batch(n) if self.pad_block is not None else n
         if not self.enabled or b > MAX_GRAPH_BATCH:
             return None
+        self._settle()
         graphs = self.graphs if lora_slots is None else self.lora_graphs
         g = graphs.get(b)
         if g is not None and g.generation != library.kernel_generation:
@@ -219,6 +225,7 @@ class StepGraphs:
         if (not self.enabled or self.pad_block is None or b * q > MAX_GRAPH_BATCH
                 or (max(starts) + q - 1) // self.block_size >= self.max_blocks):
             return None  # (the last: padding rows past the block tables' width, at max_model_len)
+        self._settle()
         g = self.verify_graphs.get((b, q))
         if g is not None and g.generation != library.kernel_generation:
             self.verify_graphs.clear()
@@ -247,9 +254,10 @@ class StepGraphs:
             logger.debug("the step graph of %d x %d rows put %d bytes beside the shared arena", g.batch, g.q,
                          rec.arena.spilled)
         if g.replayable and self.arena is None:
-            kept = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in rec.keep}.values())  # type: ignore[union-attr]
+            kept = sum(nbytes for _, nbytes in rec.regions)  # type: ignore[union-attr]
             self.arena = capture.Arena(kept // (g.batch * g.q) * MAX_GRAPH_BATCH * 5 // 4)
+        if g.replayable:
+            self._pack(g)
         if not g.replayable:
             # e.g. a float16 model's matmuls beyond the skinny kernel's token limit go to
             # PyTorch (bfloat16 ones run the dense GEMM at any size): that shape stays eager
@@ -259,3 +267,29 @@ class StepGraphs:
             g.logits = None
             return False
         return True
+
+    def _pack(self, g: StepGraph) -> None:
+        """Lay `g`'s tensors out by lifetime in the arena (capture.Recording.pack): its later replays
+        compute there; this step's outputs stay where the recording computed them until `_settle`."""
+        rec, arena = g.recording, self.arena
+        # (bytes the recording allocated, laid end to end: what the graph held before packing)
+        self.largest_recording = max(self.largest_recording, sum(n for _, n in rec.regions))  # type: ignore[union-attr]
+        held = [g.logits, *(g.aux or [])]
+        packed = rec.pack(arena, held)  # type: ignore[union-attr, arg-type]
+        if packed is None:  # (stays as recorded, in the arena's first `top` bytes or beside it)
+            self.arena_used = max(self.arena_used, arena.top)  # type: ignore[union-attr]
+            return
+        used, moved = packed
+        self.arena_used = max(self.arena_used, used)
+        # (this step reads the logits and kept hidden states where the recording computed them)
+        self._moved = (g, moved)
+
+    def _settle(self) -> None:
+        """Before a step: the graph packed last step reads its outputs at their new places now,
+        and the arena's pages past what the graphs use go back."""
+        if self._moved is not None:
+            (g, moved), self._moved = self._moved, None
+            g.logits = moved[0]
+            if g.aux is not None:
+                g.aux = moved[1:]
+            self.arena.release_beyond(self.arena_used)  # type: ignore[union-attr]
