@@ -127,17 +127,21 @@ def page_out_library_code() -> int:
         return 0
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     advised = 0
-    with open("/proc/self/maps") as f:
-        for line in f:
-            fields = line.split(maxsplit=5)
-            if len(fields) < 6 or "w" in fields[1] or not fields[5].startswith("/"):
-                continue
-            name = os.path.basename(fields[5].rstrip("\n"))
-            if not (name.endswith(".so") or ".so." in name):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if madvise(start, end - start, _MADV_PAGEOUT) == 0:
-                advised += end - start
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.readlines()
+    except OSError:
+        return 0  # (no /proc: not Linux)
+    for line in maps:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or "w" in fields[1] or not fields[5].startswith("/"):
+            continue
+        name = os.path.basename(fields[5].rstrip("\n"))
+        if not (name.endswith(".so") or ".so." in name):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        if madvise(start, end - start, _MADV_PAGEOUT) == 0:
+            advised += end - start
     return advised
 
 
