@@ -3,7 +3,8 @@
   - PSS of the whole process tree after one request (sum of /proc/<pid>/smaps_rollup Pss over the
     server and every descendant: API server, engine cores, helpers), and how it splits by process;
   - the same PSS again after each kind of request once (sampling with penalties and logprobs, a
-    JSON schema, a long prompt, 8 then 64 at once: `varied_requests`), for what only they touch;
+    JSON schema, a long prompt, 8 then 64 at once: `varied_requests`), for what only they touch,
+    and again after n at once for every decode batch size n up to 64 (`every_batch_size`);
   - peak RSS during load (VmHWM of the engine process: armserve's engine core, vLLM's EngineCore,
     llama-server itself) against its RSS after the request (steady state).
 
@@ -182,6 +183,32 @@ def varied_requests(url: str) -> list[str]:
     return refused
 
 
+BATCH_SIZES = [*range(1, 9), *range(16, 65, 8)]  # armserve's step-graph sizes (engine/step_graph.py)
+
+
+def every_batch_size(url: str) -> list[str]:
+    """`n` requests at once for each n in BATCH_SIZES (16 tokens each): what a server holds once it
+    has served every decode batch size up to 64 (armserve records a step graph per size). Returns
+    the requests refused."""
+    import concurrent.futures
+
+    import httpx
+
+    refused = []
+
+    def post(i: int) -> None:
+        r = httpx.post(url + "/v1/chat/completions", timeout=600,
+                       json={"model": SERVED, "max_tokens": 16, "temperature": 0.7, "seed": i,
+                             "messages": [{"role": "user", "content": f"Name a colour ({i})."}]})
+        if r.status_code != 200:
+            refused.append(f"batch: {r.status_code}")
+
+    for n in BATCH_SIZES:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            list(pool.map(post, range(n)))
+    return refused
+
+
 def armserve_spec(model: str, port: int, max_model_len: int, kv_gib: float, dtype: str | None,
                   kv_dtype: str | None = None) -> peers.ServerSpec:
     import armserve
@@ -222,11 +249,15 @@ def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
         time.sleep(1.0)
         after = measure_tree(srv.proc.pid)
         m["pss_varied"], m["engine_rss_varied"] = after["pss_total"], after["engine_rss"]
+        m["refused"] += every_batch_size(srv.url)
+        time.sleep(1.0)
+        m["pss_batches"] = measure_tree(srv.proc.pid)["pss_total"]
     finally:
         srv.stop()
     m["label"], m["settings"], m["version"] = spec.label, spec.settings, spec.version
     print(f"  {spec.label}: PSS {m['pss_total'] / MiB:.0f} MiB, {m['pss_varied'] / MiB:.0f} after the varied "
-          f"requests{' (refused: ' + ', '.join(m['refused']) + ')' if m['refused'] else ''}; engine peak "
+          f"requests, {m['pss_batches'] / MiB:.0f} after every batch size"
+          f"{' (refused: ' + ', '.join(m['refused']) + ')' if m['refused'] else ''}; engine peak "
           f"{m['engine_hwm'] / MiB:.0f} MiB, steady {m['engine_rss'] / MiB:.0f} MiB", flush=True)
     if m["outside_sharers"]:
         print(f"  WARNING: {len(m['outside_sharers'])} other processes map the same files, so this PSS is "
@@ -279,18 +310,21 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float], r
              f"armserve rev `{rev}`. PSS: the whole process tree after one chat request of 16 tokens; "
              "peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request. "
              "Then each kind of request once (`varied_requests`: sampling with top-p, top-k, penalties and "
-             "logprobs; a JSON-schema response; a ~1,500-token prompt; 8 at once, then 64) and the tree's PSS again.", "",
-             "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve | PSS after the varied requests (MiB) | vs armserve |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "logprobs; a JSON-schema response; a ~1,500-token prompt; 8 at once, then 64) and the tree's PSS again; "
+             "then n requests at once for every n in 1-8, 16, 24, ..., 64 (`every_batch_size`) and once more.", "",
+             "| system | settings | PSS total (MiB) | per process (MiB) | engine peak / steady RSS (MiB) | peak / steady | PSS vs armserve | PSS after the varied requests (MiB) | vs armserve | PSS after every batch size (MiB) | vs armserve |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         per = ", ".join(f"{p['pss'] / MiB:.0f}" for p in sorted(r["processes"], key=lambda p: -p["pss"]) if p["pss"] > MiB)
         ratio = f"{ours['pss_total'] / r['pss_total']:.2f}x" if ours and r is not ours else ""
         ratio_varied = f"{ours['pss_varied'] / r['pss_varied']:.2f}x" if ours and r is not ours else ""
+        ratio_batches = f"{ours['pss_batches'] / r['pss_batches']:.2f}x" if ours and r is not ours else ""
         refused = f" (refused: {', '.join(r['refused'])})" if r["refused"] else ""
         lines.append(f"| {r['label']} | {r['settings']} | {r['pss_total'] / MiB:.0f} | {per} | "
                      f"{r['engine_hwm'] / MiB:.0f} / {r['engine_rss'] / MiB:.0f} | "
                      f"{r['engine_hwm'] / max(r['engine_rss'], 1):.2f} | {ratio} | "
-                     f"{r['pss_varied'] / MiB:.0f}{refused} | {ratio_varied} |")
+                     f"{r['pss_varied'] / MiB:.0f}{refused} | {ratio_varied} | {r['pss_batches'] / MiB:.0f} | "
+                     f"{ratio_batches} |")
     shared = [f"{r['label']}: {len(r['outside_sharers'])}" for r in rows if r.get("outside_sharers")]
     lines += ["", ("**Not alone:** other processes mapped the same files during the measurement (" + ", ".join(shared)
                    + "), so the PSS above is too low." if shared else
