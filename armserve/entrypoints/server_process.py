@@ -20,6 +20,7 @@ from armserve.engine.exceptions import EngineDeadError
 from armserve.entrypoints.api_server import build_app
 from armserve.entrypoints.metrics import PrometheusMetrics
 from armserve.entrypoints.middleware import ServerLimits, http_protocol
+from armserve.memory import page_out_library_code
 
 logger = logging.getLogger("armserve")
 
@@ -198,6 +199,9 @@ def run_server(args: argparse.Namespace) -> int:
                         allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                         root_path=root_path, log_requests=args.log_requests,
                         responses_store=args.responses_store, lora_modules=lora_modules)
+        # Imports, the tokenizer's load and the app built: the code that ran only for them goes back
+        # (what a request runs faults in again at the first ones), as the engine core's does.
+        page_out_library_code()
         # NOTE: uvicorn's own graceful timeout only bounds the connections still open after the drain
         # (ArmServer.drain) has ended every request.
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.uvicorn_log_level,
