@@ -363,12 +363,19 @@ def test_reasoning_parser(client, model, auth_server):
 # ---- concurrency -------------------------------------------------------------------------------
 
 
+def _running(metrics: str) -> float:
+    """vllm:num_requests_running summed over the engines, from a /metrics page."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("vllm:num_requests_running{"))
+
+
 def test_eight_concurrent_chats_share_one_batch(server, model):
-    """Eight chats streamed at once run in one batch: while all eight are streaming, the stats line
-    says `Running: 8 reqs`. The client cannot force the eight to overlap (on a loaded machine the
-    first one can finish before the last one arrives), so each round measures the window in which
-    all eight were streaming, and the log is judged on a round whose window spans several stats
-    lines (every 0.2 s here: a window of 0.6 s holds at least two)."""
+    """Eight chats streamed at once run in one batch: while they stream, the engine's running-
+    requests gauge (polled every ~10 ms) reaches 8, and the stats line says `Running: 8 reqs` when
+    a round's overlap spans several of its lines (every 0.2 s here: a window of 0.6 s holds at
+    least two). The client cannot force the eight to overlap (on a loaded machine the first one can
+    finish before the last one arrives), and a fast machine streams the tiny model's 460 tokens in
+    well under a second, so up to three rounds are run."""
 
     async def one(client: AsyncOpenAI, i: int) -> tuple[float, float, int, str]:
         stream = await client.chat.completions.create(
@@ -386,25 +393,39 @@ def test_eight_concurrent_chats_share_one_batch(server, model):
                 reason = chunk.choices[0].finish_reason
         return first, last, tokens, reason
 
-    async def round_() -> list[tuple[float, float, int, str]]:
+    async def round_() -> tuple[list[tuple[float, float, int, str]], float]:
         client = aclient(server)
-        out = await asyncio.gather(*[one(client, i) for i in range(8)])
-        await client.close()
-        return out
+        done = asyncio.Event()
+        seen = [0.0]
 
+        async def poll() -> None:
+            async with httpx.AsyncClient(timeout=30) as http:
+                while not done.is_set():
+                    seen.append(_running((await http.get(f"{server.url}/metrics")).text))
+                    await asyncio.sleep(0.01)
+
+        poller = asyncio.ensure_future(poll())
+        out = await asyncio.gather(*[one(client, i) for i in range(8)])
+        done.set()
+        await poller
+        await client.close()
+        return out, max(seen)
+
+    most = window = 0.0
     for _ in range(3):
         log_start = len(server.log())
-        results = asyncio.run(round_())
+        results, most = asyncio.run(round_())
         assert all(tokens == 460 and reason == "length" for _, _, tokens, reason in results), results
         window = min(last for _, last, _, _ in results) - max(first for first, _, _, _ in results)
-        if window >= 0.6:
+        if most == 8 and window >= 0.6:
             break
-    else:
-        pytest.fail(f"the eight streams never overlapped for 0.6 s (last window {window:.2f} s)")
+    assert most == 8, f"the running-requests gauge reached {most:g}, not 8"
     time.sleep(0.5)  # let the stats logger write its next line
     lines = re.findall(r"Running: (\d+) reqs, Waiting: (\d+) reqs", server.log()[log_start:])
     assert lines, server.log()[log_start:]
-    assert max(int(r) for r, _ in lines) == 8, (window, lines)
+    assert max(int(r) for r, _ in lines) <= 8
+    if window >= 0.6:
+        assert max(int(r) for r, _ in lines) == 8, (window, lines)
 
 
 def _64_streams_a_quarter_disconnecting(server, model) -> tuple[dict[str, float], dict[str, float]]:
