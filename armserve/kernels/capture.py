@@ -112,7 +112,12 @@ class Recording:
         do not overlap share bytes, as a step's layers reuse one layer's worth of activations in
         an eager step. Qwen2.5-0.5B at 64 sequences: 56 MiB, against 130 laid end to end. The
         bytes recorded at now stay valid until the next replay or recording (this step's logits).
-        Returns (the bytes used, `held` at their new places), or None when it does not fit."""
+        Only pointer arguments (`P` in csrc/api.h) are rewritten, so a kernel must name every
+        tensor of the step it touches: an address inside one that reached a kernel another way (a
+        struct built during the step) would not move. None does today: the attention batch struct
+        points at the graph's input buffers, the MoE tables at weights, both made outside.
+        Returns (the bytes used, `held` at their new places), or None, before changing anything,
+        when a held tensor was not allocated while recording or the layout does not fit."""
         order = sorted(range(len(self.regions)), key=lambda r: self.regions[r][0])
         starts = [self.regions[r][0] for r in order]
         first: dict[int, int] = {}
