@@ -1,6 +1,8 @@
 """The machine's memory as a server sees it: total per NUMA node and available now, each within the
-process's cgroup limit (a container's memory.max), and returning a freed heap to the system.
-Plain Python (no torch): the engine's memory plan (engine/memory_plan.py) and the front end use it."""
+process's cgroup limit (a container's memory.max); and what a process hands back to the system: a
+freed heap (now, or when an idle engine's RSS has grown: IdleTrim) and the pages of library code
+that ran only at start (page_out_library_code). Plain Python (no torch): the engine's memory plan
+(engine/memory_plan.py), the engine core and the front end use it."""
 
 from __future__ import annotations
 
