@@ -112,7 +112,19 @@ class IdleTrim:
         return True
 
 
-_MADV_PAGEOUT = 21  # Linux 5.4 (asm-generic/mman-common.h)
+# madvise(2) advice (asm-generic/mman-common.h, the same on x86_64 and aarch64)
+MADV_DONTNEED, MADV_HUGEPAGE, MADV_PAGEOUT = 4, 14, 21  # (MADV_PAGEOUT: Linux 5.4)
+
+
+def madvise(address: int, length: int, advice: int) -> bool:
+    """madvise(2) over [address, address + length); whether it took. Advice only: where libc or
+    the kernel lacks it, nothing changes."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn(address, length, advice) == 0
 
 
 def page_out_library_code() -> int:
@@ -122,12 +134,6 @@ def page_out_library_code() -> int:
     ~15 MiB a step uses. Pages a step needs fault back in at its next use. Only clean file pages
     are reclaimed, and only those no other process maps; a kernel without MADV_PAGEOUT ignores it.
     Returns the bytes of the mappings advised."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return 0
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     advised = 0
     try:
         with open("/proc/self/maps") as f:
@@ -142,7 +148,7 @@ def page_out_library_code() -> int:
         if not (name.endswith(".so") or ".so." in name):
             continue
         start, end = (int(x, 16) for x in fields[0].split("-"))
-        if madvise(start, end - start, _MADV_PAGEOUT) == 0:
+        if madvise(start, end - start, MADV_PAGEOUT):
             advised += end - start
     return advised
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
@@ -25,6 +24,7 @@ from armserve.engine.scheduler import SchedulerOutput
 from armserve.engine.step_graph import MAX_GRAPH_BATCH, StepGraphs, graph_batch
 from armserve.layers.attention import AttentionMetadata, PrefillChunk, kv_cache_shapes, set_attention_metadata
 from armserve.layers.lora import set_lora_indices
+from armserve.memory import MADV_HUGEPAGE, madvise
 
 
 KV_SCALE_DTYPE = torch.float32  # one scale per (slot, kv head) of an int8 cache
@@ -70,7 +70,6 @@ PROMPT_LOGPROBS_SLICE = 256
 
 _log = logging.getLogger("armserve")
 _HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
 
 
 def _thp_mode() -> str:
@@ -103,12 +102,7 @@ def prefault_kv_cache(cache: torch.Tensor) -> None:
     if huge_pages_wanted() and nbytes >= 2 * _HUGE_PAGE:
         start = -(-cache.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
         end = (cache.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: failure changes nothing
-        except (OSError, AttributeError):
-            pass
+        madvise(start, end - start, MADV_HUGEPAGE)  # advice only: failure changes nothing
     cache.view(torch.uint8).view(-1).zero_()
     took = time.perf_counter() - t
     if took > 1.0:

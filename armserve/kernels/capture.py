@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from armserve.kernels import library
+from armserve.memory import MADV_DONTNEED, madvise
 
 
 class GraphOp(ctypes.Structure):
@@ -32,16 +33,6 @@ class NotCapturable(RuntimeError):
 
 _ALIGN = 64  # bytes: what PyTorch's CPU allocator aligns to
 _PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-
-
-def _madvise(address: int, length: int, advice: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise(address, length, advice)
-    except (OSError, AttributeError):
-        pass  # no madvise: the pages stay
 
 
 class Arena:
@@ -88,7 +79,7 @@ class Arena:
         start = -(-(base + nbytes) // _PAGE) * _PAGE
         end = (base + self.capacity) // _PAGE * _PAGE
         if end > start:
-            _madvise(start, end - start, _MADV_DONTNEED)
+            madvise(start, end - start, MADV_DONTNEED)  # (without it the pages stay)
 
 
 class Recording:
