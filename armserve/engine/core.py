@@ -104,25 +104,26 @@ class EngineCore:
 
     # ---- the loop ---------------------------------------------------------------------------
 
-    def run(self, warm_up: bool = True, send_tokenizer: bool = False, release_tokenizer: bool = False) -> None:
+    def run(self, warm_up: bool = True, send_tokenizer: bool = False, own_process: bool = False) -> None:
         """Warm up, report ready (with the tokenizer if `send_tokenizer`), then step while there is
         work and apply commands between steps, until a `StopCommand`. Ends with a ("dead", why)
-        message either way. `release_tokenizer`: the core has a process of its own, whose front
-        end detokenizes: it keeps the tokenizer pickled only, and sends that."""
+        message either way. `own_process`: the core has a process of its own, whose front end
+        detokenizes: it keeps the tokenizer pickled only (and sends that), and hands memory back
+        to the system (libraries' code after the load, the heap when idle: armserve/memory.py)."""
         backend = self.backend
         why = "the engine was shut down"
         try:
-            tokenizer = self._release_tokenizer() if release_tokenizer else self.tokenizer
-            if release_tokenizer:
-                # A process of its own: the libraries' code that ran only for the imports and the
-                # load goes back to the system now; the warm-up faults in what a step runs.
+            tokenizer = self._release_tokenizer() if own_process else self.tokenizer
+            if own_process:
+                # The libraries' code that ran only for the imports and the load goes back to the
+                # system now; the warm-up faults in what a step runs.
                 page_out_library_code()
             # On the loop's own thread: the kernels' per-thread scratch buffers and the memory a
             # large step touches are then in place before the first request.
             if warm_up:
                 backend.warm_up()
             # (after the warm-up: its working set is the step's usual one, kept)
-            idle_trim = IdleTrim() if release_tokenizer else None
+            idle_trim = IdleTrim() if own_process else None
             snap = self.snapshot()
             # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB), parsed once
             # (a GGUF header takes seconds) and loaded there without transformers' Auto classes,
@@ -298,7 +299,7 @@ def core_process_main(commands, messages, config: EngineConfig, log_level: int, 
                 return
 
     threading.Thread(target=read_commands, name="armserve-core-commands", daemon=True).start()
-    core.run(warm_up, send_tokenizer, release_tokenizer=True)
+    core.run(warm_up, send_tokenizer, own_process=True)
     # NOTE: no interpreter teardown: with the kernels' worker threads and the OpenMP runtime
     # still up it can hang at exit, and there is nothing left to clean up.
     for stream in (sys.stdout, sys.stderr):
