@@ -509,6 +509,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(OFFLINE_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
 
+    def positions_reached(self) -> int:
+        """How many positions a step can rotate (after `finalize`): max_model_len, plus the rows a
+        verifying step runs past a sequence's end (num_speculative_tokens), and one to spare."""
+        spec = self.speculative_config
+        return self.max_model_len + (getattr(spec, "num_speculative_tokens", None) or 0) + 1  # type: ignore[operator]
+
 
 def check_engine_args(engine_args: dict) -> None:
     """A TypeError naming any engine argument EngineConfig does not know (before anything loads)."""

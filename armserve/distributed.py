@@ -204,8 +204,7 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
         model = model_loader.load_model(src, hf, dtype, config.quantization, ParallelContext(rank, world, group))
         from armserve.layers.rotary_embedding import trim_rope_tables
 
-        spec_rows = getattr(config.speculative_config, "num_speculative_tokens", None) or 0
-        trim_rope_tables(model, config.max_model_len + spec_rows + 1)  # (as rank 0 does: torch_backend)
+        trim_rope_tables(model, config.positions_reached())  # (as rank 0 does: torch_backend)
         num_blocks = conn.recv()
         runner = ModelRunner(model, num_blocks, config.block_size, dtype, cache_dtype, config.max_model_len,
                              enforce_eager=True)

@@ -99,12 +99,10 @@ class TorchBackend:
             from armserve.models.deepseek_mtp import load_mtp_layer
 
             draft, draft_config = load_mtp_layer(spec.model or config.model, self.model, hf, self.dtype)  # type: ignore
-        # Rotary tables for the positions this engine can reach, not the model's whole context
-        # (a verifying step's rows run up to num_speculative_tokens past a sequence's end).
-        positions = self.max_model_len + (getattr(spec, "num_speculative_tokens", None) or 0) + 1
+        # Rotary tables for the positions this engine can reach, not the model's whole context.
         for m in (self.model, draft):
             if m is not None:
-                trim_rope_tables(m, positions)
+                trim_rope_tables(m, config.positions_reached())
         # (under tensor parallelism each rank caches only its share of the KV heads; a draft model's
         # cache shares the space, block for block)
         num_blocks = kv_cache_num_blocks(hf, config.kv_cache_space, config.block_size, self.kv_cache_dtype,

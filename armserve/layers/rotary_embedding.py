@@ -141,21 +141,19 @@ class RotaryEmbedding(nn.Module):
         return kernels.rotary(positions, q, k, self.cos_sin, self.head_dim, self.rotary_dim, self.is_neox_style)
 
 
-def trim_rope_tables(model: nn.Module, positions: int) -> int:
+def trim_rope_tables(model: nn.Module, positions: int) -> None:
     """Keep the first `positions` rows of each RotaryEmbedding's table in `model`: a table holds
     max_position_embeddings rows (Llama 3.x: 131,072 x 128 float32, 64 MiB), and an engine never
-    rotates past its max_model_len (plus speculative rows). Layers sharing a table share its trimmed
-    copy. Call after loading, before any step records the tables' addresses. Returns bytes freed."""
+    rotates past its max_model_len (plus speculative rows: EngineConfig.positions_reached). Layers
+    sharing a table share its trimmed copy. Call after loading, before any step records the
+    tables' addresses."""
     trimmed: dict[int, torch.Tensor] = {}
-    freed = 0
     for m in model.modules():
         if isinstance(m, RotaryEmbedding) and m.cos_sin.shape[0] > positions:
             key = m.cos_sin.data_ptr()
             if key not in trimmed:
-                freed += (m.cos_sin.shape[0] - positions) * m.cos_sin.shape[1] * m.cos_sin.element_size()
                 trimmed[key] = m.cos_sin[:positions].clone()
             m.cos_sin = trimmed[key]
-    if trimmed:  # (the full tables the cache holds are what was freed)
-        for k in [k for k, t in _COS_SIN.items() if t.data_ptr() in trimmed]:
-            del _COS_SIN[k]
-    return freed
+    # (the cache's full tables: dropped, so that they go)
+    for k in [k for k, t in _COS_SIN.items() if t.data_ptr() in trimmed]:
+        del _COS_SIN[k]
