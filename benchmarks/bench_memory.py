@@ -146,17 +146,32 @@ _SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {
 _LONG_PROMPT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(100))
 
 
+def _post(url: str, refused: list[str], kind: str, route: str, body: dict) -> None:
+    """One request to the served model (`route`: "chat" or "completions"); a refusal is noted in
+    `refused` as "kind: status"."""
+    import httpx
+
+    r = httpx.post(f"{url}/v1/{'chat/completions' if route == 'chat' else 'completions'}", timeout=600,
+                   json={"model": SERVED, **body})
+    if r.status_code != 200:
+        refused.append(f"{kind}: {r.status_code}")
+
+
+def _at_once(url: str, refused: list[str], kind: str, n: int, body_of) -> None:
+    """`n` chat requests at once, request i's body `body_of(i)`."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        list(pool.map(lambda i: _post(url, refused, kind, "chat", body_of(i)), range(n)))
+
+
 def varied_requests(url: str) -> list[str]:
     """What a server sees after its first request, each kind once: sampling with top-p, top-k and
     penalties and logprobs, a JSON-schema response, a ~1,500-token prompt (the bf16 case's
-    max_model_len is 2048), 8 requests at once, then 64. The second measurement comes after these, so that
-    code and buffers only they touch are counted (armserve's engine hands back its libraries' cold
-    pages after the load; these fault some in).
-    Returns the requests a system refused ("kind: status")."""
-    import concurrent.futures
-
-    import httpx
-
+    max_model_len is 2048), 8 requests at once, then 64. The second measurement comes after
+    these, so that code and buffers only they touch are counted (armserve's engine hands back its
+    libraries' cold pages after the load; these fault some in). Returns the requests a system
+    refused ("kind: status")."""
     chat = [{"role": "user", "content": "Write a short poem about the sea."}]
     bodies = [("sampling+logprobs", "chat", {"messages": chat, "max_tokens": 32, "temperature": 0.8, "top_p": 0.9,
                                              "top_k": 40, "presence_penalty": 0.5, "frequency_penalty": 0.5,
@@ -166,20 +181,12 @@ def varied_requests(url: str) -> list[str]:
                                        "response_format": {"type": "json_schema",
                                                            "json_schema": {"name": "person", "schema": _SCHEMA}}}),
               ("long prompt", "completions", {"prompt": _LONG_PROMPT, "max_tokens": 8, "temperature": 0})]
-    refused = []
-
-    def post(kind: str, route: str, body: dict) -> None:
-        r = httpx.post(url + ("/v1/chat/completions" if route == "chat" else "/v1/completions"), timeout=600,
-                       json={"model": SERVED, **body})
-        if r.status_code != 200:
-            refused.append(f"{kind}: {r.status_code}")
-
+    refused: list[str] = []
     for kind, route, body in bodies:
-        post(kind, route, body)
+        _post(url, refused, kind, route, body)
     for n in (8, 64):  # (armserve records a step graph per batch size: 64 is its largest)
-        with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            list(pool.map(lambda i: post(f"{n} at once", "chat", {"messages": chat, "max_tokens": 16,
-                                                                   "temperature": 0.7, "seed": i}), range(n)))
+        _at_once(url, refused, f"{n} at once", n,
+                 lambda i: {"messages": chat, "max_tokens": 16, "temperature": 0.7, "seed": i})
     return refused
 
 
@@ -190,22 +197,10 @@ def every_batch_size(url: str) -> list[str]:
     """`n` requests at once for each n in BATCH_SIZES (16 tokens each): what a server holds once it
     has served every decode batch size up to 64 (armserve records a step graph per size). Returns
     the requests refused."""
-    import concurrent.futures
-
-    import httpx
-
-    refused = []
-
-    def post(i: int) -> None:
-        r = httpx.post(url + "/v1/chat/completions", timeout=600,
-                       json={"model": SERVED, "max_tokens": 16, "temperature": 0.7, "seed": i,
-                             "messages": [{"role": "user", "content": f"Name a colour ({i})."}]})
-        if r.status_code != 200:
-            refused.append(f"batch: {r.status_code}")
-
+    refused: list[str] = []
     for n in BATCH_SIZES:
-        with concurrent.futures.ThreadPoolExecutor(n) as pool:
-            list(pool.map(post, range(n)))
+        _at_once(url, refused, "batch", n, lambda i: {"max_tokens": 16, "temperature": 0.7, "seed": i, "messages": [
+            {"role": "user", "content": f"Name a colour ({i})."}]})
     return refused
 
 
