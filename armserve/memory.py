@@ -1,6 +1,6 @@
 """The machine's memory as a server sees it: total per NUMA node and available now, each within the
 process's cgroup limit (a container's memory.max); and what a process hands back to the system: a
-freed heap (now, or when an idle engine's RSS has grown: IdleTrim) and the pages of library code
+freed heap (now, or when an engine is idle: IdleTrim) and the pages of library code
 that ran only at start (page_out_library_code). Plain Python (no torch): the engine's memory plan
 (engine/memory_plan.py), the engine core and the front end use it."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 
 _CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
@@ -75,10 +76,13 @@ def release_free_heap() -> None:
         pass  # not glibc: nothing to do
 
 
-# How far an idle engine's RSS may have grown since its last trim before it trims again
-# (IdleTrim): a burst of long prompts leaves ~100+ MiB of freed activations in malloc's arenas,
-# while a step's usual working set (~30 MiB for a 512-token prefill) stays below it.
+# How far an idle engine's RSS may have grown since its last trim before it trims at once
+# (IdleTrim): a burst of long prompts leaves ~100+ MiB of freed activations in malloc's arenas.
 IDLE_TRIM_GROWTH = 64 << 20
+# How long an engine stays idle before it hands back what its last steps freed whatever the amount
+# (IdleTrim; ~15 MiB after a short chat request): an allocator's decay time (jemalloc's is 10 s),
+# so that requests arriving back to back reuse the pages instead of faulting them in again.
+IDLE_TRIM_SECONDS = 2.0
 
 
 def resident_bytes() -> int:
@@ -91,25 +95,39 @@ def resident_bytes() -> int:
 
 
 class IdleTrim:
-    """Called when an engine has no work left: hands the free heap back (release_free_heap) once
-    the RSS has grown by `growth` bytes since the last time, so that what a burst of long prompts
-    or a structured-output request freed does not stay with the process until the next one, and
-    an engine serving short requests one after another does not fault its working set in anew
-    each time."""
+    """Hands the free heap back (release_free_heap) while an engine has no work: at once when its
+    RSS has grown by `growth` bytes since the last trim, so that what a burst of long prompts or a
+    structured-output request freed does not stay with the process; else once it has been idle for
+    `delay` seconds, so that a server between bursts holds no step's working set, while one
+    serving requests back to back does not fault it in anew for each. Call it whenever the engine
+    is idle, and `worked()` after each step."""
 
-    def __init__(self, growth: int = IDLE_TRIM_GROWTH) -> None:
+    def __init__(self, growth: int = IDLE_TRIM_GROWTH, delay: float = IDLE_TRIM_SECONDS) -> None:
         self.growth = growth
+        self.delay = delay
         self.base = resident_bytes()
         self.trims = 0
+        self._idle_since: float | None = None
+        self._trimmed = True  # nothing ran since the last trim (or the start)
 
-    def __call__(self) -> bool:
-        """Trim if the RSS grew past the mark; returns whether it did."""
-        if resident_bytes() < self.base + self.growth:
-            return False
-        release_free_heap()
-        self.base = resident_bytes()
-        self.trims += 1
-        return True
+    def worked(self) -> None:
+        """A step ran: the next idle period may trim again."""
+        self._idle_since = None
+        self._trimmed = False
+
+    def __call__(self) -> float | None:
+        """Trim if it is due; returns the seconds until the idle trim is due, None when none is
+        pending (the engine may sleep until its next command)."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        if resident_bytes() >= self.base + self.growth or (
+                not self._trimmed and now - self._idle_since >= self.delay):
+            release_free_heap()
+            self.base = resident_bytes()
+            self.trims += 1
+            self._trimmed = True
+        return None if self._trimmed else self._idle_since + self.delay - now
 
 
 # madvise(2) advice (asm-generic/mman-common.h, the same on x86_64 and aarch64)

@@ -1,7 +1,8 @@
 """Memory of a serving system as its users measure it, beside its peers on the same model and KV cache:
 
-  - PSS of the whole process tree after one request (sum of /proc/<pid>/smaps_rollup Pss over the
-    server and every descendant: API server, engine cores, helpers), and how it splits by process;
+  - PSS of the whole process tree after one request, once the server has been idle IDLE_SECONDS (sum
+    of /proc/<pid>/smaps_rollup Pss over the server and every descendant: API server, engine
+    cores, helpers), and how it splits by process;
   - the same PSS again after each kind of request once (sampling with penalties and logprobs, a
     JSON schema, a long prompt, 8 then 64 at once: `varied_requests`), for what only they touch,
     and again after n at once for every decode batch size n up to 64 (`every_batch_size`);
@@ -40,6 +41,9 @@ from report import git_revision, load_average, machine_description, update_secti
 
 SERVED = "m"
 MiB = 1 << 20
+# Every system is measured once idle this long after its requests: the state of a server between
+# bursts. (armserve's engine hands back what its steps freed after 2 s idle: IDLE_TRIM_SECONDS.)
+IDLE_SECONDS = 3.0
 
 
 def descendants(pid: int) -> list[int]:
@@ -238,14 +242,14 @@ def run_one(spec: peers.ServerSpec, logdir: str, port: int) -> dict:
     srv = peers.Server(spec, port, os.path.join(logdir, f"{spec.label}.log"), STARTUP_TIMEOUT)
     try:
         one_request(srv.url)
-        time.sleep(1.0)  # let the request's transient buffers go
+        time.sleep(IDLE_SECONDS)
         m = measure_tree(srv.proc.pid)
         m["refused"] = varied_requests(srv.url)
-        time.sleep(1.0)
+        time.sleep(IDLE_SECONDS)
         after = measure_tree(srv.proc.pid)
         m["pss_varied"], m["engine_rss_varied"] = after["pss_total"], after["engine_rss"]
         m["refused"] += every_batch_size(srv.url)
-        time.sleep(1.0)
+        time.sleep(IDLE_SECONDS)
         m["pss_batches"] = measure_tree(srv.proc.pid)["pss_total"]
     finally:
         srv.stop()

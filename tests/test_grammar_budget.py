@@ -176,14 +176,16 @@ def test_an_idle_second_worker_stops_and_the_first_serves_on(tokenizer_dir, monk
 
 def test_the_token_table_is_built_off_the_callers_thread(tokenizer_dir, monkeypatch):
     """xgrammar's token table (seconds for a large vocabulary) is built on a thread of its own, from
-    the tokenizer's pickle when only that is kept: the first constraints return a handle at once and
+    the tokenizer's compressed pickle when only that is kept: the first constraints return a handle at once and
     are answered when it is ready, one build for all of them; one aborted meanwhile is never compiled."""
     import pickle
+    import zlib
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    manager = structured_output.StructuredOutputManager(pickle.dumps(tok), len(tok), {tok.eos_token_id})
+    manager = structured_output.StructuredOutputManager(zlib.compress(pickle.dumps(tok), 1), len(tok),
+                                                        {tok.eos_token_id})
     built_on: list[threading.Thread] = []
     gate = threading.Event()
     real = xgr.TokenizerInfo.from_huggingface

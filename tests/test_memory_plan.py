@@ -236,29 +236,59 @@ def test_page_out_library_code_hands_back_a_libraries_pages_and_it_still_runs():
 
 
 _IDLE_TRIM_SCRIPT = r"""
+import json
+
+import armserve.memory as memory
 from armserve.memory import IdleTrim, resident_bytes
 
-trim = IdleTrim(growth=32 << 20)
-quiet = trim()  # nothing grew
-# ~120 MB in blocks malloc keeps in its heap (below its mmap threshold), then all freed but every
-# 50th, which pins the heap's top: the freed blocks stay resident until a trim
-blocks = [bytes(2000) + bytes([i % 256]) for i in range(60_000)]
-pins = blocks[::50]
-del blocks
+clock = [0.0]
+memory.time.monotonic = lambda: clock[0]  # (this process's: the test reads no real clock)
+
+
+def freed_but_held(n):
+    # n blocks of ~2 kB that malloc keeps in its heap (below its mmap threshold), all freed but
+    # every 50th, which pins the heap's top: the freed blocks stay resident until a trim
+    blocks = [bytes(2000) + bytes([i % 256]) for i in range(n)]
+    pins = blocks[::50]
+    del blocks
+    return pins
+
+
+trim = IdleTrim(growth=32 << 20, delay=2.0)
+start = trim()  # nothing ran yet: nothing pending
+keep = [freed_but_held(60_000)]  # ~120 MB: past the growth mark
+trim.worked()
 grown = resident_bytes()
-trimmed = trim()
-after = resident_bytes()
-again = trim()
-print(quiet, trimmed, again, grown - after, trim.trims)
+at_once = trim()
+big = grown - resident_bytes()
+keep.append(freed_but_held(8_000))  # ~16 MB: below the mark
+trim.worked()
+clock[0] = 10.0
+waits = [trim()]
+clock[0] = 11.0
+waits.append(trim())
+held = resident_bytes()
+trims_before = trim.trims
+clock[0] = 12.0
+waits.append(trim())
+small = held - resident_bytes()
+clock[0] = 20.0
+waits.append(trim())
+print(json.dumps([start, at_once, big, waits, trims_before, small, trim.trims]))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
-def test_idle_trim_hands_back_a_freed_heap_once_it_grew():
-    """An idle engine core (engine/core.py) trims when its RSS grew by the mark since the last trim:
-    ~120 MB freed but held in malloc's heap goes back; with nothing grown it does nothing."""
+def test_idle_trim_hands_back_a_freed_heap_at_once_when_it_grew_else_after_the_delay():
+    """An idle engine core (engine/core.py) trims at once when its RSS grew by the mark since the
+    last trim (~120 MB freed but held in malloc's heap goes back), and otherwise once it has been
+    idle for the delay after a step (~16 MB goes back then, not before); once per idle period."""
     out = subprocess.run([sys.executable, "-c", _IDLE_TRIM_SCRIPT], check=True, capture_output=True, text=True,
-                         timeout=120).stdout.split()
-    assert out[:3] == ["False", "True", "False"], out
-    assert int(out[3]) > 80 << 20, out
-    assert out[4] == "1"
+                         timeout=120).stdout
+    start, at_once, big, waits, trims_before, small, trims = json.loads(out)
+    assert (start, at_once) == (None, None), out
+    assert big > 80 << 20, out
+    assert waits == [2.0, 1.0, None, None], out  # (due in 2 s, then 1 s; trimmed; nothing pending)
+    assert trims_before == 1, out  # (the growth's trim only: none before the delay)
+    assert small > 8 << 20, out
+    assert trims == 2, out

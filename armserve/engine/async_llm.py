@@ -471,7 +471,8 @@ class AsyncLLM:
                 it = self._outputs[engine].take_stats()  # (requests aborted meanwhile)
             self._record(engine, msg[1], it)
         elif kind == "ready":
-            self._ready_info = msg[1]
+            # (without the tokenizer's pickle: 5 MB for a 150k-token vocabulary, parsed once here)
+            self._ready_info = {k: v for k, v in msg[1].items() if k != "tokenizer"}
             if msg[1].get("tokenizer") is not None:  # (pickled: a core process's)
                 self._tokenizer = pickle.loads(msg[1]["tokenizer"])
             self._kv_tokens[engine] = msg[1].get("kv_cache_tokens", 0)

@@ -33,6 +33,7 @@ import subprocess
 import threading
 import time
 import weakref
+import zlib
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -339,8 +340,8 @@ class StructuredOutputManager:
     """One engine's xgrammar state: tokenizer info (built on first use), the compile pool, the
     grammar cache (bounded in entries and in bytes).
 
-    `tokenizer`: the model's (transformers), or its pickle (bytes), unpickled on first use: an engine
-    core in its own process keeps only that (engine/core.py).
+    `tokenizer`: the model's (transformers), or its pickle compressed by zlib (bytes), unpickled on
+    first use: an engine core in its own process keeps only that (engine/core.py).
     `vocab_size` is the width of the model's logits, which may exceed the tokenizer's (padded
     embeddings): the ids past the tokenizer are never allowed. The compile budget, memory limit,
     worker count and cache size default to armserve.config's GRAMMAR_* (or their environment
@@ -383,7 +384,8 @@ class StructuredOutputManager:
         vocabulary (and unpickling the tokenizer first when only its pickle is kept), so on a
         thread of its own (`_prepare`), never the engine loop's."""
         xgr = self._xgr()
-        tokenizer = pickle.loads(self.tokenizer) if isinstance(self.tokenizer, bytes) else self.tokenizer
+        tokenizer = (pickle.loads(zlib.decompress(self.tokenizer)) if isinstance(self.tokenizer, bytes)
+                     else self.tokenizer)
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                   stop_token_ids=self.stop_token_ids or None)
         # It compiles only bounded grammars, which our LRU keeps: no cache of its own.
