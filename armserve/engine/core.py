@@ -129,9 +129,11 @@ class EngineCore:
                 # The warm-up's largest steps (a full token budget of prefill) left ~35 MiB of freed
                 # activations in the heap, which a usual step does not reuse: they go back, and a
                 # short request faults in ~5 MiB of them again. The source lines torch's imports
-                # cached (linecache: ~2 MiB of text) go too.
+                # cached (linecache: ~2 MiB of text) go too, and the library code that only the
+                # warm-up ran (recording and packing the step graphs: ~5 MiB of libtorch).
                 linecache.clearcache()
                 release_free_heap()
+                page_out_library_code()
             idle_trim = IdleTrim() if own_process else None
             snap = self.snapshot()
             # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB), parsed once
