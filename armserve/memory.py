@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from typing import Callable
 
 _CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2
                  ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
@@ -95,15 +96,18 @@ def resident_bytes() -> int:
 
 
 class IdleTrim:
-    """Hands the free heap back (release_free_heap) while an engine has no work: at once when its
-    RSS has grown by `growth` bytes since the last trim, so that what a burst of long prompts or a
-    structured-output request freed does not stay with the process; else once it has been idle for
-    `delay` seconds, so that a server between bursts holds no step's working set, while one
-    serving requests back to back does not fault it in anew for each. Call it whenever the engine
-    is idle, and `worked()` after each step."""
+    """Hands the free heap back (release_free_heap) while an engine has no work, and first what
+    `release` frees (the engine's step scratch: EngineBackend.release_idle_memory): at once when
+    its RSS has grown by `growth` bytes since the last trim, so that what a burst of long prompts
+    or a structured-output request freed does not stay with the process; else once it has been
+    idle for `delay` seconds, so that a server between bursts holds no step's working set, while
+    one serving requests back to back does not fault it in anew for each. Call it whenever the
+    engine is idle, and `worked()` after each step."""
 
-    def __init__(self, growth: int = IDLE_TRIM_GROWTH, delay: float = IDLE_TRIM_SECONDS) -> None:
+    def __init__(self, growth: int = IDLE_TRIM_GROWTH, delay: float = IDLE_TRIM_SECONDS,
+                 release: Callable[[], None] | None = None) -> None:
         self.growth = growth
+        self.release = release
         self.delay = delay
         self.base = resident_bytes()
         self.trims = 0
@@ -123,6 +127,8 @@ class IdleTrim:
             self._idle_since = now
         if resident_bytes() >= self.base + self.growth or (
                 not self._trimmed and now - self._idle_since >= self.delay):
+            if self.release is not None:
+                self.release()
             release_free_heap()
             self.base = resident_bytes()
             self.trims += 1

@@ -97,6 +97,11 @@ class EngineBackend(Protocol):
         first-touch costs; the backend's counters are as before afterwards."""
         ...
 
+    def release_idle_memory(self) -> None:
+        """Hand back memory that only a step's computation uses (called while no request is
+        unfinished, beside the heap's trim: memory.IdleTrim)."""
+        ...
+
     def scheduler_stats(self) -> "SchedulerStats":
         """The backend's state now: requests running/waiting, KV cache use, prefix cache counters."""
         ...

@@ -127,14 +127,15 @@ class EngineCore:
                 backend.warm_up()
             if own_process:
                 # The warm-up's largest steps (a full token budget of prefill) left ~35 MiB of freed
-                # activations in the heap, which a usual step does not reuse: they go back, and a
-                # short request faults in ~5 MiB of them again. The source lines torch's imports
+                # activations in the heap, which a usual step does not reuse: they go back (with
+                # the step graphs' scratch), and a short request faults in ~5 MiB of them again. The source lines torch's imports
                 # cached (linecache: ~2 MiB of text) go too, and the library code that only the
                 # warm-up ran (recording and packing the step graphs: ~5 MiB of libtorch).
                 linecache.clearcache()
+                backend.release_idle_memory()
                 release_free_heap()
                 page_out_library_code()
-            idle_trim = IdleTrim() if own_process else None
+            idle_trim = IdleTrim(release=backend.release_idle_memory) if own_process else None
             snap = self.snapshot()
             # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB), parsed once
             # (a GGUF header takes seconds) and loaded there without transformers' Auto classes,

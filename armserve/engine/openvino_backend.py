@@ -521,6 +521,9 @@ class OpenVINOBackend:
         n = min(self.config.max_num_batched_tokens, self.max_model_len - 2, 512)  # type: ignore[type-var]
         run_dummy_request(self, n)
 
+    def release_idle_memory(self) -> None:
+        """Nothing: the pipeline keeps its own buffers."""
+
     def scheduler_stats(self) -> SchedulerStats:
         """Requests and KV cache use as the pipeline reports them. NOTE: the pipeline does not
         report prefix-cache hits or preemptions; those counters stay 0."""

@@ -147,6 +147,9 @@ class PoolingBackend:
         while self.has_unfinished_requests():
             self.step()
 
+    def release_idle_memory(self) -> None:
+        """Nothing beside the heap (an encoder step's activations are freed into it)."""
+
     def scheduler_stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting)
 

@@ -284,6 +284,14 @@ class StepGraphs:
         # (this step reads the logits and kept hidden states where the recording computed them)
         self._moved = (g, moved)
 
+    def release_scratch(self) -> None:
+        """Hand the arena's pages back to the system between steps (an idle engine: IdleTrim):
+        every replay recomputes what it holds from the graph's input buffers, and the last step's
+        outputs have been read. The next step faults in the pages it touches, zeroed (Qwen2.5-0.5B
+        at 64 sequences: 55 MiB, ~10 ms once)."""
+        if self.arena is not None:
+            self.arena.release_beyond(0)
+
     def _settle(self) -> None:
         """Before a step: the graph packed last step reads its outputs at their new places now,
         and the arena's pages past what the graphs use go back."""

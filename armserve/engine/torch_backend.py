@@ -192,6 +192,13 @@ class TorchBackend:
             self.scheduler.spec_stats = type(self.scheduler.spec_stats).empty(self.scheduler.proposer.k)
         kv.reset_prefix_cache()
 
+    def release_idle_memory(self) -> None:
+        """The step graphs' scratch, the target's and a draft model's (StepGraphs.release_scratch)."""
+        self.runner.graphs.release_scratch()
+        draft_runner = getattr(self.scheduler.proposer, "runner", None)
+        if draft_runner is not None:
+            draft_runner.graphs.release_scratch()
+
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue the request's n sequences (a ValueError naming a bad structured-output spec)."""
         compiled = None
