@@ -204,8 +204,9 @@ def run_server(args: argparse.Namespace) -> int:
         page_out_library_code()
         # NOTE: uvicorn's own graceful timeout only bounds the connections still open after the drain
         # (ArmServer.drain) has ended every request.
+        # (ws="none": no endpoint speaks WebSocket, so uvicorn loads no WebSocket protocol, ~1 MiB)
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.uvicorn_log_level,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5, ws="none",
                                 http=http_protocol(limits.header_read_timeout), ssl_keyfile=args.ssl_keyfile,
                                 ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
         shown_host = f"[{args.host}]" if ":" in args.host else args.host
