@@ -35,6 +35,7 @@ import torch
 
 from armserve import kernels
 from armserve.kernels.library import DTYPE_CODES
+from armserve.memory import page_out_library_code, release_free_heap
 
 logger = logging.getLogger("armserve")
 
@@ -178,6 +179,11 @@ def make_comm_spec(world: int, slot_bytes: int, kind: str | None = None) -> Comm
 # ---- the workers ----------------------------------------------------------------------------
 
 
+# What rank 0 sends instead of a step when its engine goes idle (a step is a pickle, which never
+# starts so): the rank hands its free heap back, as rank 0's IdleTrim does (memory.py).
+TRIM_MESSAGE = b"trim"
+
+
 def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str | None, log_level: int) -> None:
     """A tensor-parallel rank > 0: load its part of the model, allocate its KV cache shard, then
     run every step rank 0 sends until the pipe closes."""
@@ -208,6 +214,8 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
         num_blocks = conn.recv()
         runner = ModelRunner(model, num_blocks, config.block_size, dtype, cache_dtype, config.max_model_len,
                              enforce_eager=True)
+        # (as rank 0's core does: the code that ran only for the imports and the load goes back)
+        page_out_library_code()
         conn.send(("ready", None))
         parent = os.getppid()
 
@@ -225,6 +233,9 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
                 return
             if not data:
                 return
+            if data == TRIM_MESSAGE:
+                release_free_heap()
+                continue
             runner.execute_worker(pickle.loads(data))
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, then this rank exits
         if group is not None:
@@ -288,6 +299,15 @@ class TPWorkers:
                 c.send_bytes(data)
             except (BrokenPipeError, OSError):
                 raise TPError("a tensor-parallel rank is gone") from None
+
+    def trim(self) -> None:
+        """Have every rank hand its free heap back (rank 0's engine is idle); a rank that is gone
+        is found by the next step."""
+        for c in self.conns:
+            try:
+                c.send_bytes(TRIM_MESSAGE)
+            except (BrokenPipeError, OSError):
+                pass
 
     def close(self) -> None:
         if self.closed:

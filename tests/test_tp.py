@@ -113,7 +113,8 @@ def test_tp2_gemma3_equals_tp1(tokenizer_dir):
 
 def test_tp2_chunked_prefill_preemption_and_prefix_caching(tiny_llama):
     """Under TP=2: prompts chunked into 16-token steps through a 10-block cache (preempting)
-    give the tokens each prompt gets alone at TP=1; prefix-cache hits change nothing either."""
+    give the tokens each prompt gets alone at TP=1; prefix-cache hits change nothing either, nor
+    an idle trim between steps (`release_idle_memory`, which reaches rank 1 too)."""
     ref = tiny(tiny_llama, enable_prefix_caching=False)
     prompts = mixed_prompts(ref.get_tokenizer())
     alone = [ref.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -134,9 +135,13 @@ def test_tp2_chunked_prefill_preemption_and_prefix_caching(tiny_llama):
     want = token_lists(ref.generate(variants, GREEDY, use_tqdm=False))
     on = tiny(tiny_llama, tensor_parallel_size=2)
     on.generate([{"prompt_token_ids": shared}], GREEDY, use_tqdm=False)
+    # Idle between the two: rank 0 hands back its step scratch and tells rank 1 to trim its heap
+    # (a message between steps, which the rank must not take for a step); nothing else changes.
+    on.llm_engine.release_idle_memory()
     outs = on.generate(variants, GREEDY, use_tqdm=False)
     assert token_lists(outs) == want
     assert all(o.num_cached_tokens >= 16 for o in outs)
+    assert all(p.is_alive() for p in on.llm_engine.tp_workers.procs)
 
 
 def assert_same_greedy(one: LLM, two: LLM, prompts: list, atol: float) -> None:

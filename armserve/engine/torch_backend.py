@@ -193,8 +193,11 @@ class TorchBackend:
         kv.reset_prefix_cache()
 
     def release_idle_memory(self) -> None:
-        """The step graphs' scratch, the target's and a draft model's (StepGraphs.release_scratch)."""
+        """The step graphs' scratch, the target's and a draft model's (StepGraphs.release_scratch),
+        and the other tensor-parallel ranks' free heap."""
         self.runner.graphs.release_scratch()
+        if self.tp_workers is not None:
+            self.tp_workers.trim()
         draft_runner = getattr(self.scheduler.proposer, "runner", None)
         if draft_runner is not None:
             draft_runner.graphs.release_scratch()
