@@ -96,13 +96,13 @@ def resident_bytes() -> int:
 
 
 class IdleTrim:
-    """Hands the free heap back (release_free_heap) while an engine has no work, and first what
-    `release` frees (the engine's step scratch: EngineBackend.release_idle_memory): at once when
-    its RSS has grown by `growth` bytes since the last trim, so that what a burst of long prompts
-    or a structured-output request freed does not stay with the process; else once it has been
-    idle for `delay` seconds, so that a server between bursts holds no step's working set, while
-    one serving requests back to back does not fault it in anew for each. Call it whenever the
-    engine is idle, and `worked()` after each step."""
+    """Hands the free heap back (release_free_heap) while an engine has no work: at once when its
+    RSS has grown by `growth` bytes since the last trim, so that what a burst of long prompts or a
+    structured-output request freed does not stay with the process; and once it has been idle for
+    `delay` seconds after a step, with what `release` frees first (the engine's step scratch:
+    EngineBackend.release_idle_memory), so that a server between bursts holds no step's working
+    set, while one serving bursts back to back does not fault it in anew for each. Call it
+    whenever the engine is idle, and `worked()` after each step."""
 
     def __init__(self, growth: int = IDLE_TRIM_GROWTH, delay: float = IDLE_TRIM_SECONDS,
                  release: Callable[[], None] | None = None) -> None:
@@ -125,14 +125,14 @@ class IdleTrim:
         now = time.monotonic()
         if self._idle_since is None:
             self._idle_since = now
-        if resident_bytes() >= self.base + self.growth or (
-                not self._trimmed and now - self._idle_since >= self.delay):
-            if self.release is not None:
+        due = not self._trimmed and now - self._idle_since >= self.delay
+        if due or resident_bytes() >= self.base + self.growth:
+            if due and self.release is not None:
                 self.release()
             release_free_heap()
             self.base = resident_bytes()
             self.trims += 1
-            self._trimmed = True
+            self._trimmed = self._trimmed or due
         return None if self._trimmed else self._idle_since + self.delay - now
 
 

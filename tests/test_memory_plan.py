@@ -254,7 +254,8 @@ def freed_but_held(n):
     return pins
 
 
-trim = IdleTrim(growth=32 << 20, delay=2.0)
+released = []  # the clock at each call of `release` (the step scratch's hand-back)
+trim = IdleTrim(growth=32 << 20, delay=2.0, release=lambda: released.append(clock[0]))
 start = trim()  # nothing ran yet: nothing pending
 keep = [freed_but_held(60_000)]  # ~120 MB: past the growth mark
 trim.worked()
@@ -274,21 +275,24 @@ waits.append(trim())
 small = held - resident_bytes()
 clock[0] = 20.0
 waits.append(trim())
-print(json.dumps([start, at_once, big, waits, trims_before, small, trim.trims]))
+print(json.dumps([start, at_once, big, waits, trims_before, small, trim.trims, released]))
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 def test_idle_trim_hands_back_a_freed_heap_at_once_when_it_grew_else_after_the_delay():
-    """An idle engine core (engine/core.py) trims at once when its RSS grew by the mark since the
-    last trim (~120 MB freed but held in malloc's heap goes back), and otherwise once it has been
-    idle for the delay after a step (~16 MB goes back then, not before); once per idle period."""
+    """An idle engine core (engine/core.py) trims its heap at once when its RSS grew by the mark
+    since the last trim (~120 MB freed but held in malloc's heap goes back), and once it has been
+    idle for the delay after a step (~16 MB goes back then, not before), handing back its step
+    scratch (`release`) then only; once per idle period."""
     out = subprocess.run([sys.executable, "-c", _IDLE_TRIM_SCRIPT], check=True, capture_output=True, text=True,
                          timeout=120).stdout
-    start, at_once, big, waits, trims_before, small, trims = json.loads(out)
-    assert (start, at_once) == (None, None), out
+    start, at_once, big, waits, trims_before, small, trims, released = json.loads(out)
+    assert start is None, out  # (nothing ran yet: nothing pending)
+    assert at_once == 2.0, out  # (the heap now; the idle trim, with the scratch, still due in 2 s)
     assert big > 80 << 20, out
     assert waits == [2.0, 1.0, None, None], out  # (due in 2 s, then 1 s; trimmed; nothing pending)
     assert trims_before == 1, out  # (the growth's trim only: none before the delay)
     assert small > 8 << 20, out
     assert trims == 2, out
+    assert released == [12.0], out  # (the step scratch with the idle trim only, once)
