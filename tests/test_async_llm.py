@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import signal
+import pickle
 import time
 from dataclasses import replace
 
@@ -215,6 +216,63 @@ def test_a_core_in_its_own_process_keeps_only_its_tokenizers_pickle(tiny_llama):
                 if any(q.finish_reason for q in seqs):
                     break
         assert tokenizer.decode(ids, skip_special_tokens=True) in choices
+    finally:
+        core.put(StopCommand())
+        loop.join(60)
+
+
+def test_an_idle_core_hands_back_its_step_scratch_and_serves_on(tiny_llama, monkeypatch):
+    """An engine core in a process of its own (`own_process`) hands its step scratch and free heap
+    back once idle for IdleTrim's delay after a step (here 0.2 s), never while a request runs, and
+    the next request's tokens equal the first's."""
+    import functools
+    import queue
+    import threading
+
+    from armserve.engine import core as core_module
+    from armserve.engine.commands import AddCommand, StopCommand
+    from armserve.engine.core import EngineCore
+
+    monkeypatch.setattr(core_module, "IdleTrim", functools.partial(core_module.IdleTrim, delay=0.2))
+    messages: queue.SimpleQueue = queue.SimpleQueue()
+    core = EngineCore(_config(tiny_llama), messages.put)
+    releases: list[int] = []  # how many requests were unfinished at each release
+    real = core.backend.release_idle_memory
+
+    def release() -> None:
+        releases.append(len(core.backend.scheduler.running) + len(core.backend.scheduler.waiting))
+        real()
+
+    core.backend.release_idle_memory = release
+    loop = threading.Thread(target=core.run, args=(False, True, True))
+    loop.start()
+    try:
+        kind, ready = messages.get(timeout=120)
+        assert kind == "ready"
+        tokenizer = pickle.loads(ready["tokenizer"])
+        processor = replace(ready["input"], tokenizer=tokenizer)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+        def generate(rid: str) -> list[int]:
+            core.put(AddCommand(processor.process(rid, "Once upon a time", params)))
+            ids: list[int] = []
+            while True:
+                msg = messages.get(timeout=120)
+                if msg[0] == "outputs":
+                    seqs = [q for q in msg[1].sequences if q.request_id == rid]
+                    ids += [t for q in seqs for t in q.token_ids]
+                    if any(q.finish_reason for q in seqs):
+                        return ids
+
+        first = generate("a")
+        before = len(releases)  # (one after the start, in place of the warm-up's)
+        for _ in range(400):  # (up to 20 s; the delay is 0.2 s)
+            if len(releases) > before:
+                break
+            threading.Event().wait(0.05)
+        assert len(releases) == before + 1, releases
+        assert generate("b") == first
+        assert releases and all(n == 0 for n in releases), releases
     finally:
         core.put(StopCommand())
         loop.join(60)
