@@ -128,9 +128,9 @@ class EngineCore:
             if own_process:
                 # The warm-up's largest steps (a full token budget of prefill) left ~35 MiB of freed
                 # activations in the heap, which a usual step does not reuse: they go back (with
-                # the step graphs' scratch), and a short request faults in ~5 MiB of them again. The source lines torch's imports
-                # cached (linecache: ~2 MiB of text) go too, and the library code that only the
-                # warm-up ran (recording and packing the step graphs: ~5 MiB of libtorch).
+                # the step graphs' scratch), and a short request faults in ~5 MiB of them again.
+                # The source lines torch's imports cached (linecache: ~2 MiB of text) go too, and
+                # the library code only the warm-up ran (graph recording and packing: ~5 MiB).
                 linecache.clearcache()
                 backend.release_idle_memory()
                 release_free_heap()
