@@ -5,7 +5,8 @@ grammar serialized as JSON. It is a separate process so that a grammar too compl
 aborted, or when it reaches its memory limit (RLIMIT_AS).
 
 Protocol (multiprocessing.connection framing and pickle, over two pipes given as argv fds):
-    parent -> worker   ("init", tokenizer_info_json, memory_limit_bytes, cache_limit_bytes)   once
+    parent -> worker   ("init", tokenizer_info, memory_limit_bytes, cache_limit_bytes)   once
+                       (tokenizer_info: xgrammar's TokenizerInfo JSON, UTF-8, zlib-compressed)
                        (job_id, kind, spec, any_whitespace)                 per compile
     worker -> parent   ("ready", pid)
                        (job_id, "ok", compiled_json)
@@ -22,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import zlib
 
 # Run as a script, its folder (armserve/engine: core.py, request.py, ...) leads sys.path and
 # would shadow libraries' modules of the same names.
@@ -157,10 +159,12 @@ def main(read_fd: int, write_fd: int) -> None:
 
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     try:
-        _, info_json, memory_limit, cache_limit = inbox.recv()
+        _, info_z, memory_limit, cache_limit = inbox.recv()
     except EOFError:
         return
     GrammarCompiler, TokenizerInfo = _import_xgrammar()
+    info_json = zlib.decompress(info_z).decode()
+    del info_z
     info = TokenizerInfo.deserialize_json(info_json)
     # xgrammar's own cache, bounded: it keeps the masks of sub-grammars too, so a schema sharing
     # parts with one compiled before (a string with maxLength, ...) compiles in ~1 ms, not ~80.

@@ -132,7 +132,7 @@ class _Worker:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "grammar_worker.py")
         env = dict(os.environ, TRANSFORMERS_VERBOSITY="error", OMP_NUM_THREADS="1")
         self.proc, self._send, self._recv = start_child(lambda r, w: [script, str(r), str(w)], env)
-        self._send.send(("init", pool.tokenizer_info_json, int(pool.memory_mb * 2**20), WORKER_CACHE_BYTES))
+        self._send.send(("init", pool.tokenizer_info, int(pool.memory_mb * 2**20), WORKER_CACHE_BYTES))
         if not self._recv.poll(WORKER_START_TIMEOUT):
             raise RuntimeError(f"the grammar worker did not start within {WORKER_START_TIMEOUT:g} s")
         self._recv.recv()  # ("ready", pid); EOFError if it died
@@ -242,7 +242,8 @@ class GrammarCompilePool:
 
     def __init__(self, tokenizer_info_json: str, deserialize: Callable[[str], Any], workers: int,
                  timeout: float, memory_mb: float) -> None:
-        self.tokenizer_info_json = tokenizer_info_json
+        # Kept for every worker's start, compressed: a 150k-token table is 5.1 MB of JSON, 1.2 here.
+        self.tokenizer_info = zlib.compress(tokenizer_info_json.encode(), 1)
         self.deserialize = deserialize
         self.timeout = timeout
         self.memory_mb = memory_mb
