@@ -264,8 +264,10 @@ def test_an_idle_core_hands_back_its_step_scratch_and_serves_on(tiny_llama, monk
                     if any(q.finish_reason for q in seqs):
                         return ids
 
+        # (one release at the start, before "ready", with the trim after the warm-up's place)
+        before = len(releases)
+        assert before == 1, releases
         first = generate("a")
-        before = len(releases)  # (one after the start, in place of the warm-up's)
         for _ in range(400):  # (up to 20 s; the delay is 0.2 s)
             if len(releases) > before:
                 break
