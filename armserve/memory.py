@@ -127,13 +127,18 @@ class IdleTrim:
             self._idle_since = now
         due = not self._trimmed and now - self._idle_since >= self.delay
         if due or resident_bytes() >= self.base + self.growth:
-            if due and self.release is not None:
-                self.release()
-            release_free_heap()
-            self.base = resident_bytes()
-            self.trims += 1
+            self.trim(scratch=due)
             self._trimmed = self._trimmed or due
         return None if self._trimmed else self._idle_since + self.delay - now
+
+    def trim(self, scratch: bool = True) -> None:
+        """Trim now: what `release` frees first (with `scratch`), then the heap; the growth mark
+        counts from here."""
+        if scratch and self.release is not None:
+            self.release()
+        release_free_heap()
+        self.base = resident_bytes()
+        self.trims += 1
 
 
 # madvise(2) advice (asm-generic/mman-common.h, the same on x86_64 and aarch64)

@@ -119,23 +119,23 @@ class EngineCore:
             tokenizer = self._release_tokenizer() if own_process else self.tokenizer
             if own_process:
                 # The libraries' code that ran only for the imports and the load goes back to the
-                # system now; the warm-up faults in what a step runs.
+                # system now, before the warm-up, whose full-budget prefill is the engine's peak;
+                # the warm-up faults in what a step runs.
                 page_out_library_code()
             # On the loop's own thread: the kernels' per-thread scratch buffers and the memory a
             # large step touches are then in place before the first request.
             if warm_up:
                 backend.warm_up()
-            if own_process:
+            idle_trim = IdleTrim(release=backend.release_idle_memory) if own_process else None
+            if idle_trim is not None:
                 # The warm-up's largest steps (a full token budget of prefill) left ~35 MiB of freed
                 # activations in the heap, which a usual step does not reuse: they go back (with
                 # the step graphs' scratch), and a short request faults in ~5 MiB of them again.
                 # The source lines torch's imports cached (linecache: ~2 MiB of text) go too, and
                 # the library code only the warm-up ran (graph recording and packing: ~5 MiB).
                 linecache.clearcache()
-                backend.release_idle_memory()
-                release_free_heap()
                 page_out_library_code()
-            idle_trim = IdleTrim(release=backend.release_idle_memory) if own_process else None
+                idle_trim.trim()
             snap = self.snapshot()
             # NOTE: the front end gets the engine's own tokenizer (pickled, a few MB), parsed once
             # (a GGUF header takes seconds) and loaded there without transformers' Auto classes,
