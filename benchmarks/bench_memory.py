@@ -307,7 +307,8 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float], r
     lines = [f"## Memory: {what} (issue 35)", "",
              f"Machine: {machine_description()}. Load average {load[0]:.2f} before / {load[1]:.2f} after. "
              f"armserve rev `{rev}`. PSS: the whole process tree after one chat request of 16 tokens, once "
-             f"every system has been idle {IDLE_SECONDS:.0f} s (each measurement below too); peak: VmHWM of the engine process over its life (load included), steady: its RSS after the request. "
+             f"every system has been idle {IDLE_SECONDS:.0f} s (each measurement below too); peak: VmHWM of the "
+             "engine process over its life (load included), steady: its RSS after the request. "
              "Then each kind of request once (`varied_requests`: sampling with top-p, top-k, penalties and "
              "logprobs; a JSON-schema response; a ~1,500-token prompt; 8 at once, then 64) and the tree's PSS again; "
              "then n requests at once for every n in 1-8, 16, 24, ..., 64 (`every_batch_size`) and once more.", "",
