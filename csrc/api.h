@@ -106,15 +106,19 @@ void armserve_gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* as
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
 void armserve_gemm_w5(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);  // group 32
-// codes [n, k] (fmt 0 = w4: uint8 0..15, 1 = w8: int8, 3 = w5: uint8 0..31, group 32) and float32 scales
-// (w4: and szp) [n, k / group] -> the packed tiles the GEMMs above read (formats.py `pack` is the
-// reference), at load.
+void armserve_gemm_w6(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);  // group 16
+// codes [n, k] (fmt 0 = w4: uint8 0..15, 1 = w8: int8, 3 = w5: uint8 0..31, group 32, 4 = w6: uint8
+// 0..63, group 16) and float32 scales [n, k / group] (w4: and szp, the same shape; w6: `szp` is d
+// [n, k / 256], and scales / d are the int8 sub-scales) -> the packed tiles the GEMMs above read
+// (formats.py `pack` is the reference), at load.
 void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const float* szp, int64_t n, int64_t k,
                      int64_t group, void* packed);
-// Token embedding rows of a quantized table held in the packed tiles above (fmt 0 = w4, 1 = w8, 3 = w5; n rows,
-// k columns, `group` columns per scale): out [m, k] (dtype) row i = dequant(W)[ids[i] - start], or zeros
-// where ids[i] - start is outside [0, n) (a tensor-parallel rank's vocabulary share). Only the rows asked
-// for are dequantized: w4 as float(u) * s - szp, w8 as float(q) * s, in float32, then rounded to dtype
+// Token embedding rows of a quantized table held in the packed tiles above (fmt 0 = w4, 1 = w8,
+// 3 = w5, 4 = w6; n rows, k columns, `group` columns per scale): out [m, k] (dtype) row i =
+// dequant(W)[ids[i] - start], or zeros where ids[i] - start is outside [0, n) (a tensor-parallel
+// rank's vocabulary share). Only the rows asked for are dequantized: w4 as float(u) * s - szp, w8 as
+// float(q) * s (w5, w6: float(u - offset) * s), in float32, then rounded to dtype
 // (what a float table dequantized from the same codes held). `exact`: null, or float32 [n, k / group, 2]
 // (s, szp) replacing a w4 table's inline float16 scales (GGUF Q4_K's d * sc is not a float16 value).
 void armserve_qembedding(int32_t fmt, int32_t dtype, void* out, const void* w, const float* exact,
@@ -130,9 +134,10 @@ void armserve_gguf_embedding(int32_t type, int32_t dtype, void* out, const void*
 // Mixture-of-Experts MLP of one layer (moe_impl.h): out [T, hidden] float32 = the sum over j < top_k
 // of weights[t, j] * E_{ids[t, j]}(x[t]), with E(x) = down(silu(gate(x)) * up(x)). Per expert e,
 // gate[e] and up[e] ([inter, hidden] each) and down[e] ([hidden, inter]) point at w4 (fmt 0), w8
-// (fmt 1) or w5 (fmt 3) tiles of qgemm.h (groups group_gu and group_dn), or at bf16 blocks packed for the dense
-// GEMM (fmt 2, dense_gemm.h; x bf16): the first tile / block of that projection, which may lie inside
-// a fused gate_up weight. inter a multiple of 16; ids in [0, num_experts); top_k <= 64.
+// (fmt 1), w5 (fmt 3) or w6 (fmt 4) tiles of qgemm.h (groups group_gu and group_dn), or at bf16
+// blocks packed for the dense GEMM (fmt 2, dense_gemm.h; x bf16): the first tile / block of that
+// projection, which may lie inside a fused gate_up weight. inter a multiple of 16; ids in
+// [0, num_experts); top_k <= 64.
 // A token's expert outputs are rounded to `dtype` and added to its row in expert order (fp32),
 // as the unfused layers and index_add_ do; a token's result never depends on the others routed.
 void armserve_fused_moe(int32_t fmt, int32_t dtype, float* out, const void* x, int64_t tokens, int64_t hidden,
@@ -146,7 +151,7 @@ void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void*
                         int64_t k, int64_t ldo);
 // w [n, k] bf16 -> packed [ceil(n / 16)][ceil(k / 2)][16][2], zero-padded.
 void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed);
-// The same GEMM on quantized weights (the packed tiles of qgemm.h: fmt 0 = w4, 1 = w8, 3 = w5, `group`
+// The same GEMM on quantized weights (the packed tiles of qgemm.h: fmt 0 = w4, 1 = w8, 3 = w5, 4 = w6, `group`
 // columns per scale), dequantized to bf16 one column panel at a time, against bf16 activations:
 // the prefill path of the quantized layers (the w4a8 / w8a8 GEMM keeps the few-row steps).
 void armserve_gemm_q_bf16(int32_t fmt, int32_t out_dtype, void* out, const void* x, const void* wq, int64_t m,
@@ -231,7 +236,8 @@ const char* armserve_signature(const char* name);
   X(armserve_lora_expand)                                                                                      \
   X(armserve_qembedding)                                                                                       \
   X(armserve_gguf_embedding)                                                                                   \
-  X(armserve_gemm_w5)
+  X(armserve_gemm_w5)                                                                                          \
+  X(armserve_gemm_w6)
 
 // Everything Python binds (armserve/kernels/library.py asks for this list and each signature).
 #define ARMSERVE_EXPORTS(X)                                                                                    \

@@ -82,25 +82,34 @@ static inline void* xbuf(int64_t bytes) { return tbuf(0, bytes); }
 static inline void* wbuf(int64_t bytes) { return tbuf(1, bytes); }
 
 // Column block t (16 weight rows) of qgemm.h's packed quantized tiles -> the dense layout's block
-// [k / 2][16][2] of bf16: w = code * s - s * zero (w4), code * s (w8) or (code - 16) * s (w5, as
-// the w8 tiles of the same Q5_0 blocks gave), in fp32 as QuantizedTensor.dequantize computes it (no
-// fused multiply-add), rounded to nearest even.
-// Per group: the code chunks (w4 / w5: 8 columns per chunk, 4 bytes per row, column j in the low
-// nibble of byte j and column j + 4 in its high nibble; w8: 4 columns, one byte each), w5's plane
-// of bit 4, then the scales (w4: float16 s[16], s * zero[16]; w8: float32 s[16]; w5: float16
-// s[16]). Loops run over the 16 rows innermost, which the TU's flags vectorise: a row is a lane of
-// the dot instructions.
+// [k / 2][16][2] of bf16: w = code * s - s * zero (w4), code * s (w8) or (code - offset) * s (w5:
+// 16, w6: 32, as the w8 tiles of the same Q5_0 / Q6_K blocks gave), in fp32 as
+// QuantizedTensor.dequantize computes it (no fused multiply-add), rounded to nearest even.
+// Per group: the code chunks (w4 / w5 / w6: 8 columns per chunk, 4 bytes per row, column j in the
+// low nibble of byte j and column j + 4 in its high nibble; w8: 4 columns, one byte each), w5's /
+// w6's plane of the high bits, then the scales (w4: float16 s[16], s * zero[16]; w8: float32 s[16];
+// w5: float16 s[16]; w6: per super-block of 16 groups, int8 sub-scales and float32 d after the
+// groups, s = d * sc). Loops run over the 16 rows innermost, which the TU's flags vectorise: a row
+// is a lane of the dot instructions.
 static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int64_t k, int64_t group, uint16_t* dst) {
-  const bool w4 = fmt == 0, w5 = fmt == 3, nib = w4 || w5;
+  const bool w4 = fmt == 0, w5 = fmt == 3, w6 = fmt == 4, nib = w4 || w5 || w6, plane = w5 || w6;
   const int64_t ng = k / group, per = nib ? 8 : 4, chunks = group / per;
-  const int64_t planes = w5 ? 64 : 0, gbytes = chunks * 64 + planes + (w5 ? 32 : 64);
-  const uint8_t* tile = wq + t * ng * gbytes;
+  const int64_t planes = plane ? 64 : 0, gbytes = chunks * 64 + planes + (w6 ? 0 : w5 ? 32 : 64);
+  const int bits = w6 ? 2 : 1, offset = w6 ? 32 : 16;
+  const uint8_t* tile = wq + t * (w6 ? k / 256 * 3392 : ng * gbytes);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);  // one (even, odd) column pair per weight row
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* gp = tile + g * gbytes;
+    const uint8_t* gp = w6 ? tile + (g >> 4) * 3392 + (g & 15) * gbytes : tile + g * gbytes;
     float s[16], z[16];
-    uint32_t pw[16] = {};  // w5: row r's 4 plane bytes (qgemm.h)
-    if (nib) {
+    uint32_t pw[16] = {};  // w5 / w6: row r's 4 plane bytes (qgemm.h)
+    if (w6) {
+      const uint8_t* sb = tile + (g >> 4) * 3392;
+      int8_t sc[16];
+      std::memcpy(sc, sb + 3072 + (g & 15) * 16, 16);
+      std::memcpy(s, sb + 3328, 64);
+      for (int r = 0; r < 16; ++r) s[r] *= float(sc[r]), z[r] = 0.f;
+      std::memcpy(pw, gp + chunks * 64, 64);
+    } else if (nib) {
       uint16_t h[32];
       std::memcpy(h, gp + chunks * 64 + planes, w5 ? 32 : 64);
       for (int r = 0; r < 16; ++r) s[r] = f16_to_f32(h[r]), z[r] = w5 ? 0.f : f16_to_f32(h[16 + r]);
@@ -109,18 +118,19 @@ static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int6
       std::memcpy(s, gp + chunks * 64, 64);
       for (int r = 0; r < 16; ++r) z[r] = 0.f;
     }
+    const uint32_t mask = (1u << bits) - 1;
     for (int64_t ch = 0; ch < chunks; ++ch) {
       uint32_t u[16];
       std::memcpy(u, gp + ch * 64, 64);
       uint32_t* o = d + (g * group + ch * per) / 2 * 16;
-      if (w5) {
-        // the same pairs as w4 below; a code's bit 4 sits at bit sh + ch of its row's plane word
+      if (plane) {
+        // the same pairs as w4 below; a code's high bits sit at bit sh + bits * ch of its row's plane word
         for (int q = 0; q < 4; ++q)
           for (int r = 0; r < 16; ++r) {
             const int sh = (q & 1) * 16 + (q >> 1) * 4;
-            const int ca = int(((u[r] >> sh) & 15u) | ((pw[r] >> (sh + ch)) & 1u) << 4);
-            const int cb = int(((u[r] >> (sh + 8)) & 15u) | ((pw[r] >> (sh + 8 + ch)) & 1u) << 4);
-            const float a = float(ca - 16) * s[r], b = float(cb - 16) * s[r];
+            const int ca = int(((u[r] >> sh) & 15u) | ((pw[r] >> (sh + bits * ch)) & mask) << 4);
+            const int cb = int(((u[r] >> (sh + 8)) & 15u) | ((pw[r] >> (sh + 8 + bits * ch)) & mask) << 4);
+            const float a = float(ca - offset) * s[r], b = float(cb - offset) * s[r];
             o[q * 16 + r] = uint32_t(f32_to_bf16(a)) | uint32_t(f32_to_bf16(b)) << 16;
           }
       } else if (w4) {

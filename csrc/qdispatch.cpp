@@ -69,6 +69,11 @@ void armserve_gemm_w5(int32_t dtype, void* out, const int8_t* q, const float* as
   qtable()->gemm_w5(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
 }
 
+void armserve_gemm_w6(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+  qtable()->gemm_w6(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
+}
+
 void armserve_fused_moe(int32_t fmt, int32_t dtype, float* out, const void* x, int64_t tokens, int64_t hidden,
                         int64_t inter, int32_t top_k, const int64_t* ids, const float* weights, int32_t num_experts,
                         const void* const* gate, const void* const* up, const void* const* down, int64_t group_gu,
@@ -110,7 +115,39 @@ static void pack_w5(const uint8_t* c, const float* scales, int64_t n, int64_t k,
   }
 }
 
-// codes [n, k] (w4: uint8 0..15, w8: int8, w5: uint8 0..31), scales (and w4's szp) float32 [n, k / group] ->
+// W6 (qgemm.h; group 16, k a multiple of 256): per tile and super-block of 16 groups, each group's 2
+// chunks of low nibbles and its plane of bits 4-5 (byte r * 4 + j: bits 2cl..2cl+1 from the code in
+// chunk cl's low nibble, 4 + 2cl..5 + 2cl from its high one), then the int8 sub-scales sc =
+// scales / d ([group][row]), then 16 float32 d (`d` [n, k / 256]).
+static void pack_w6(const uint8_t* c, const float* scales, const float* d, int64_t n, int64_t k, uint8_t* out) {
+  const int64_t ng = k / 16, nsb = k / 256, tiles = (n + 15) / 16;
+  for (int64_t t = 0; t < tiles; ++t) {
+    for (int64_t sb = 0; sb < nsb; ++sb, out += 3392) {
+      std::memset(out, 0, 3392);
+      for (int64_t r = 0; r < 16 && t * 16 + r < n; ++r) {
+        const int64_t row = t * 16 + r;
+        const float dr = d[row * nsb + sb];
+        std::memcpy(out + 3328 + 4 * r, &dr, 4);
+        for (int64_t gl = 0; gl < 16; ++gl) {
+          const int64_t gi = sb * 16 + gl;
+          const uint8_t* u = c + row * k + gi * 16;
+          uint8_t* gp = out + gl * 192;
+          for (int cl = 0; cl < 2; ++cl)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t lo = u[cl * 8 + j], hi = u[cl * 8 + 4 + j];
+              gp[cl * 64 + r * 4 + j] = uint8_t((lo & 15) | (hi & 15) << 4);
+              gp[128 + r * 4 + j] |= uint8_t((lo >> 4 & 3) << (2 * cl) | (hi >> 4 & 3) << (4 + 2 * cl));
+            }
+          // (d * sc is exact: sc = scales / d is the integer it was built from; 0 where d is)
+          const float sc = dr != 0.0f ? scales[row * ng + gi] / dr : 0.0f;
+          out[3072 + gl * 16 + r] = uint8_t(int8_t(sc));
+        }
+      }
+    }
+  }
+}
+
+// codes [n, k] (w4: uint8 0..15, w8: int8, w5: uint8 0..31, w6: uint8 0..63), scales (and w4's szp) float32 [n, k / group] ->
 // the packed tiles of qgemm.h (formats.py `pack` is the PyTorch reference): per 16-row tile and
 // group, the weight words (w4: 4 bytes a row per 8 columns, byte j = u[8c + j] | u[8c + 4 + j] << 4;
 // w8: 4 codes a row per 4 columns), then 64 bytes of scales (w4: 16 float16 s, then 16 szp; w8:
@@ -121,6 +158,7 @@ void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const 
   const auto* c = static_cast<const uint8_t*>(codes);
   auto* out = static_cast<uint8_t*>(packed);
   if (fmt == 3) return pack_w5(c, scales, n, k, out);
+  if (fmt == 4) return pack_w6(c, scales, szp, n, k, out);
   const int64_t ng = k / group, tiles = (n + 15) / 16;
   const int64_t chunk = fmt == 0 ? 8 : 4;  // columns per 4-byte word
   for (int64_t t = 0; t < tiles; ++t) {

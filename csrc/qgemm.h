@@ -33,6 +33,17 @@
 //       The GEMM sums u * a exactly in int32 and subtracts 16 * the group's activation sum, giving
 //       the integer dot of (u - 16) and a that the W8 tiles of the same Q5_0 blocks computed, then
 //       folds it with W8's float ops: bit for bit what the W8 path returned.
+//   W6: GGUF Q6_K as stored, 6.625 bits a weight (w8 held it in 10): w = d * sc * (u - 32), u in
+//       0..63, an int8 sub-scale sc per group of 16 columns and a float32 d (a float16 value) per
+//       super-block of 256; k a multiple of 256. Tiles of 16 rows; per super-block 3392 bytes: its
+//       16 groups of 192 bytes (W4's 2 chunks of low nibbles, then a 64-byte plane of bits 4-5), then
+//       the sub-scales (16 bytes a group: one per row), then 16 float32 d. Plane byte i holds bits
+//       4-5 of chunk cl's low-nibble code of byte i at bits 2cl..2cl+1 and of its high-nibble code at
+//       4 + 2cl..5 + 2cl: W5's plane with 2 bits a code, so the kernels OR ((plane << 4) >> 2cl) & 0x30
+//       and (plane >> 2cl) & 0x30 into W4's unpacked vectors. Group g (of 16) at 3392 * (g / 16) +
+//       192 * (g % 16); its sub-scales at 3392 * (g / 16) + 3072 + 16 * (g % 16), d at + 3328.
+//       s = d * sc is exact in float32 (11 by 8 significant bits): the W8 tiles of the same Q6_K
+//       blocks stored it; with sum(u a) - 32 (code sum) the GEMM returns their outputs bit for bit.
 #pragma once
 #include <cstdint>
 
@@ -47,6 +58,7 @@ struct QKernelTable {  // member types from the exported functions (api.h)
   decltype(&armserve_gemm_w4) gemm_w4;
   decltype(&armserve_gemm_w8) gemm_w8;
   decltype(&armserve_gemm_w5) gemm_w5;
+  decltype(&armserve_gemm_w6) gemm_w6;
   decltype(&armserve_fused_moe) fused_moe;  // moe_impl.h: the experts' GEMMs and SiLU of this variant
   decltype(&armserve_qembedding) qembedding;  // rows of a packed table, dequantized (qgemm_impl.h)
   decltype(&armserve_gguf_embedding) gguf_embedding;  // rows of a GGUF table as stored (gguf_rows.h)

@@ -1,7 +1,7 @@
 // Quantized GEMM with AVX512-VNNI: vpdpbusd multiplies 4 unsigned by 4 signed bytes per
-// 32-bit lane, so one instruction does 16 rows x 4 columns of a tile. The W5 tiles (GGUF Q5_0)
-// unpack each code with its bit 4 once per chunk, as AVX2's (qgemm_avx2.h), and then take every
-// token's products with vpdpbusd; the embedding rows are AVX2's.
+// 32-bit lane, so one instruction does 16 rows x 4 columns of a tile. The W5 / W6 tiles (GGUF
+// Q5_0 / Q6_K) unpack each code with its high bits once per chunk, as AVX2's (qgemm_avx2.h), and
+// then take every token's products with vpdpbusd; the embedding rows are AVX2's.
 #include <immintrin.h>
 
 #include "qgemm_avx2.h"
@@ -9,8 +9,8 @@
 namespace {
 // (load4, chunk, the scale and W5 layout helpers, prefetch_ahead: qgemm_avx2.h's usings)
 struct QAvx512 : QAvx2 {
-  // W5 takes up to 8 tokens a pass (its own tile_w5 below; 8 x 2 int32 chains + 8 float sums fit
-  // the 32 registers).
+  // W5 takes up to 8 tokens a pass (its own tile_w5 below, as W6's; 8 x 2 int32 chains + 8 float
+  // sums fit the 32 registers).
   static constexpr int kMaxTokens = 8;
   // W4 and W8 take up to 8 tokens a pass: 8 x 2 int32 chains + 8 float sums fit the 32 registers,
   // and past 4 tokens a second pass over each tile cost as much as the first.
@@ -53,44 +53,63 @@ struct QAvx512 : QAvx2 {
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(acc[i], facc[i]);
   }
 
-  // W5 (group 32, qgemm.h): a chunk's low and high nibbles per row, each ORed with its bit 4 from
-  // the group's plane (plane byte j of a row: bit cl is bit 4 of the low-nibble code of byte j in
-  // chunk cl, bit 4 + cl of the high one; 16-bit shifts stay exact under the 0x10 mask), unsigned
-  // codes 0..31 against the signed activations, then (u - 16) a as sum(u a) - 16 (code sum).
-  // The same integer sums as AVX2's maddubs tiles, folded the same way: the same outputs, with a
-  // token's products one vpdpbusd per half chunk instead of 4 instructions.
-  template <int NT>
-  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
-                      int64_t k, int64_t group, float (*acc)[16]) {
-    (void)group;
-    const __m512i nib = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+  // W5 (group 32, qgemm.h) and W6 (group 16): a chunk's low and high nibbles per row, each ORed with
+  // its high bits from the group's plane (plane byte j of a row: bits kBits * cl of the low-nibble
+  // code of byte j in chunk cl, 4 + kBits * cl of the high one; 16-bit shifts stay exact under the
+  // mask), unsigned codes against the signed activations, then (u - offset) a as sum(u a) - offset
+  // (code sum). The same integer sums as AVX2's maddubs tiles, folded the same way: the same
+  // outputs, with a token's products one vpdpbusd per half chunk instead of 4 instructions.
+  template <int F, int NT>
+  static void tile_plane(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                         int64_t k, float (*acc)[16]) {
+    using P = Plane<F>;
+    const __m512i nib = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(char(((1 << P::kBits) - 1) << 4));
     __m512 facc[NT];
     for (int i = 0; i < NT; ++i) facc[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < k / kW5Group; ++g) {
+    for (int64_t g = 0; g < k / P::kGroup; ++g) {
       __m512i ia[NT], ib[NT];
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
-      prefetch_ahead(w5_chunk(wt, g, 0), kW5GroupBytes);
-      const __m512i pl = _mm512_loadu_si512(w5_plane(wt, g)), pl4 = _mm512_slli_epi16(pl, 4);
+      prefetch_ahead(P::stream(wt, g), P::kStreamBytes);
+      const __m512i pl = _mm512_loadu_si512(P::plane(wt, g)), pl4 = _mm512_slli_epi16(pl, 4);
 #pragma GCC unroll 4
-      for (int cl = 0; cl < 4; ++cl) {
-        const __m512i b = _mm512_loadu_si512(w5_chunk(wt, g, cl));
-        const __m128i sh = _mm_cvtsi32_si128(cl);
-        const __m512i lo = _mm512_or_si512(_mm512_and_si512(b, nib), _mm512_and_si512(_mm512_srl_epi16(pl4, sh), bit4));
+      for (int cl = 0; cl < P::kGroup / 8; ++cl) {
+        const __m512i b = _mm512_loadu_si512(P::chunk(wt, g, cl));
+        const __m128i sh = _mm_cvtsi32_si128(P::kBits * cl);
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(b, nib), _mm512_and_si512(_mm512_srl_epi16(pl4, sh), high));
         const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(b, 4), nib),
-                                           _mm512_and_si512(_mm512_srl_epi16(pl, sh), bit4));
-        const int64_t c = g * 4 + cl;
+                                           _mm512_and_si512(_mm512_srl_epi16(pl, sh), high));
+        const int64_t c = g * P::kGroup / 8 + cl;
         for (int i = 0; i < NT; ++i) {
           ia[i] = _mm512_dpbusd_epi32(ia[i], lo, _mm512_set1_epi32(load4(q[i] + c * 8)));
           ib[i] = _mm512_dpbusd_epi32(ib[i], hi, _mm512_set1_epi32(load4(q[i] + c * 8 + 4)));
         }
       }
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_scales(wt, g))));
+      __m512 s;
+      if constexpr (F == kW5) {
+        s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w5_scales(wt, g))));
+      } else {  // d * sc, exact
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w6_sc(wt, g)));
+        s = _mm512_mul_ps(_mm512_loadu_ps(w6_d(wt, g)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+      }
       for (int i = 0; i < NT; ++i) {
-        const __m512i d = _mm512_sub_epi32(_mm512_add_epi32(ia[i], ib[i]), _mm512_set1_epi32(16 * gs[i][g]));
+        const __m512i d =
+            _mm512_sub_epi32(_mm512_add_epi32(ia[i], ib[i]), _mm512_set1_epi32(P::kOffset * gs[i][g]));
         facc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(as[i][g])), _mm512_cvtepi32_ps(d), facc[i]);
       }
     }
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(acc[i], facc[i]);
+  }
+  template <int NT>
+  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    (void)group;
+    tile_plane<kW5, NT>(wt, q, as, gs, k, acc);
+  }
+  template <int NT>
+  static void tile_w6(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    (void)group;
+    tile_plane<kW6, NT>(wt, q, as, gs, k, acc);
   }
 
   template <int NT>

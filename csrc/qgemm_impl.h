@@ -2,6 +2,7 @@
 //   template <int NT> tile_w4(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
 //   template <int NT> tile_w8(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
 //   template <int NT> tile_w5(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])   (group 32)
+//   template <int NT> tile_w6(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])   (group 16)
 // computing, for one 16-row weight tile and NT tokens, the 16 outputs (`as` are each token's
 // per-group activation scales). See qgemm.h for the packed layout. Same anonymous-namespace rule as
 // kernels_impl.h: nothing here may be merged across TUs compiled with different flags.
@@ -34,7 +35,7 @@ static inline const float* w8_scales(const uint8_t* wt, int64_t g, int64_t group
 }
 
 // The packed formats (qgemm.h; 2 is the fused MoE's bf16 blocks, not a qgemm tile).
-enum : int32_t { kW4 = 0, kW8 = 1, kW5 = 3 };
+enum : int32_t { kW4 = 0, kW8 = 1, kW5 = 3, kW6 = 4 };
 // W5 (group 32 only): per group 352 bytes: chunks cl = 0..3 of low nibbles, the bit-4 plane, 16 float16 s.
 constexpr int64_t kW5Group = 32, kW5GroupBytes = 352;
 static inline const uint8_t* w5_chunk(const uint8_t* wt, int64_t g, int64_t cl) {
@@ -44,9 +45,56 @@ static inline const uint8_t* w5_plane(const uint8_t* wt, int64_t g) { return wt 
 static inline const uint16_t* w5_scales(const uint8_t* wt, int64_t g) {
   return reinterpret_cast<const uint16_t*>(wt + g * kW5GroupBytes + 320);
 }
-// The two 5-bit codes of chunk byte b (low nibble: column j, high: j + 4) of chunk cl, plane byte p.
-static inline int w5_lo(uint8_t b, uint8_t p, int64_t cl) { return (b & 15) | (((p >> cl) & 1) << 4); }
-static inline int w5_hi(uint8_t b, uint8_t p, int64_t cl) { return (b >> 4) | (((p >> (4 + cl)) & 1) << 4); }
+// W6 (group 16, k a multiple of 256): per super-block of 16 groups 3392 bytes: the groups' chunks
+// cl = 0, 1 and plane (192 bytes each), then int8 sub-scales [16 groups][16 rows], then float32 d[16].
+constexpr int64_t kW6Group = 16, kW6Super = 256, kW6SuperBytes = 3392;
+static inline const uint8_t* w6_super(const uint8_t* wt, int64_t g) { return wt + (g >> 4) * kW6SuperBytes; }
+static inline const uint8_t* w6_chunk(const uint8_t* wt, int64_t g, int64_t cl) {
+  return w6_super(wt, g) + (g & 15) * 192 + cl * 64;
+}
+static inline const uint8_t* w6_plane(const uint8_t* wt, int64_t g) { return w6_chunk(wt, g, 2); }
+static inline const int8_t* w6_sc(const uint8_t* wt, int64_t g) {
+  return reinterpret_cast<const int8_t*>(w6_super(wt, g) + 3072 + (g & 15) * 16);
+}
+static inline const float* w6_d(const uint8_t* wt, int64_t g) {
+  return reinterpret_cast<const float*>(w6_super(wt, g) + 3328);
+}
+
+// W5 and W6, the plane formats: W4's chunks of low nibbles, a plane of each code's high kBits bits
+// (chunk cl's at bits kBits * cl of a plane byte for the low nibble's code, 4 + kBits * cl for the
+// high one's), w = s * (u - kOffset). The kernels take their layout from here.
+template <int F>
+struct Plane;
+template <>
+struct Plane<kW5> {
+  static constexpr int kBits = 1, kOffset = 16;
+  static constexpr int64_t kGroup = kW5Group;
+  static const uint8_t* chunk(const uint8_t* wt, int64_t g, int64_t cl) { return w5_chunk(wt, g, cl); }
+  static const uint8_t* plane(const uint8_t* wt, int64_t g) { return w5_plane(wt, g); }
+  static float scale(const uint8_t* wt, int64_t g, int r) { return f16_to_f32(w5_scales(wt, g)[r]); }
+  static const uint8_t* stream(const uint8_t* wt, int64_t g) { return w5_chunk(wt, g, 0); }  // (prefetch)
+  static constexpr int64_t kStreamBytes = kW5GroupBytes;                                    // per group
+};
+template <>
+struct Plane<kW6> {
+  static constexpr int kBits = 2, kOffset = 32;
+  static constexpr int64_t kGroup = kW6Group;
+  static const uint8_t* chunk(const uint8_t* wt, int64_t g, int64_t cl) { return w6_chunk(wt, g, cl); }
+  static const uint8_t* plane(const uint8_t* wt, int64_t g) { return w6_plane(wt, g); }
+  static float scale(const uint8_t* wt, int64_t g, int r) { return w6_d(wt, g)[r] * float(w6_sc(wt, g)[r]); }
+  // a super-block's bytes in 16 equal runs, sub-scales and d included
+  static const uint8_t* stream(const uint8_t* wt, int64_t g) { return w6_super(wt, g) + (g & 15) * kStreamBytes; }
+  static constexpr int64_t kStreamBytes = kW6SuperBytes / 16;
+};
+// The code of chunk byte b's low nibble (column j) or high nibble (j + 4) in chunk cl, plane byte p.
+template <int F>
+static inline int plane_lo(uint8_t b, uint8_t p, int64_t cl) {
+  return (b & 15) | (((p >> (Plane<F>::kBits * cl)) & ((1 << Plane<F>::kBits) - 1)) << 4);
+}
+template <int F>
+static inline int plane_hi(uint8_t b, uint8_t p, int64_t cl) {
+  return (b >> 4) | (((p >> (4 + Plane<F>::kBits * cl)) & ((1 << Plane<F>::kBits) - 1)) << 4);
+}
 // The tiles prefetch each group's bytes this far ahead of the group they compute: several tokens'
 // activation rows, scales and code sums are read beside the weights, more streams than the
 // hardware prefetchers follow. Zen 5, AVX512-VNNI: batch-1 decode +11% (Qwen2.5-Coder Q4_K_M
@@ -86,18 +134,20 @@ struct ScalarQ {
     }
   }
 
-  // W5 rows as W8 rows of the same blocks: float(u - 16) * s (every variant uses this one: an
-  // embedding gathers a few rows a step).
-  static void row_w5(const uint8_t* wt, int r, int64_t k, float* out) {
-    for (int64_t g = 0; g < k / kW5Group; ++g) {
-      const float s = f16_to_f32(w5_scales(wt, g)[r]);
-      const uint8_t* p = w5_plane(wt, g) + r * 4;
-      for (int64_t cl = 0; cl < 4; ++cl) {
-        const uint8_t* b = w5_chunk(wt, g, cl) + r * 4;
-        float* o = out + g * kW5Group + cl * 8;
+  // W5 / W6 rows as W8 rows of the same blocks: float(u - offset) * s (every variant uses this one:
+  // an embedding gathers a few rows a step).
+  template <int F>
+  static void row_plane(const uint8_t* wt, int r, int64_t k, float* out) {
+    using P = Plane<F>;
+    for (int64_t g = 0; g < k / P::kGroup; ++g) {
+      const float s = P::scale(wt, g, r);
+      const uint8_t* p = P::plane(wt, g) + r * 4;
+      for (int64_t cl = 0; cl < P::kGroup / 8; ++cl) {
+        const uint8_t* b = P::chunk(wt, g, cl) + r * 4;
+        float* o = out + g * P::kGroup + cl * 8;
         for (int j = 0; j < 4; ++j) {
-          o[j] = float(w5_lo(b[j], p[j], cl) - 16) * s;
-          o[4 + j] = float(w5_hi(b[j], p[j], cl) - 16) * s;
+          o[j] = float(plane_lo<F>(b[j], p[j], cl) - P::kOffset) * s;
+          o[4 + j] = float(plane_hi<F>(b[j], p[j], cl) - P::kOffset) * s;
         }
       }
     }
@@ -145,30 +195,44 @@ struct ScalarQ {
     }
   }
 
-  // sum(u * a) - 16 * sum(a) = sum((u - 16) * a) exactly, then tile_w8's float ops (qgemm.h W5).
-  template <int NT>
-  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
-                      int64_t k, int64_t group, float (*acc)[16]) {
-    (void)group;
+  // sum(u * a) - offset * sum(a) = sum((u - offset) * a) exactly, then tile_w8's float ops (qgemm.h
+  // W5, W6).
+  template <int F, int NT>
+  static void tile_plane(const uint8_t* wt, const int8_t* const* q, const float* const* as,
+                         const int32_t* const* gs, int64_t k, float (*acc)[16]) {
+    using P = Plane<F>;
     for (int i = 0; i < NT; ++i)
       for (int r = 0; r < 16; ++r) acc[i][r] = 0.f;
-    for (int64_t g = 0; g < k / kW5Group; ++g) {
+    for (int64_t g = 0; g < k / P::kGroup; ++g) {
       int32_t ia[NT][16] = {};
-      const uint8_t* p = w5_plane(wt, g);
-      for (int64_t cl = 0; cl < 4; ++cl) {
-        const uint8_t* b = w5_chunk(wt, g, cl);
-        const int64_t c = g * 4 + cl;
+      const uint8_t* p = P::plane(wt, g);
+      for (int64_t cl = 0; cl < P::kGroup / 8; ++cl) {
+        const uint8_t* b = P::chunk(wt, g, cl);
+        const int64_t c = g * P::kGroup / 8 + cl;
         for (int r = 0; r < 16; ++r)
           for (int j = 0; j < 4; ++j) {
-            const int lo = w5_lo(b[r * 4 + j], p[r * 4 + j], cl), hi = w5_hi(b[r * 4 + j], p[r * 4 + j], cl);
+            const uint8_t bb = b[r * 4 + j], pb = p[r * 4 + j];
+            const int lo = plane_lo<F>(bb, pb, cl), hi = plane_hi<F>(bb, pb, cl);
             for (int i = 0; i < NT; ++i) ia[i][r] += lo * q[i][c * 8 + j] + hi * q[i][c * 8 + 4 + j];
           }
       }
       float s[16];
-      for (int r = 0; r < 16; ++r) s[r] = f16_to_f32(w5_scales(wt, g)[r]);
+      for (int r = 0; r < 16; ++r) s[r] = P::scale(wt, g, r);
       for (int i = 0; i < NT; ++i)
-        for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * s[r] * float(ia[i][r] - 16 * gs[i][g]);
+        for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * s[r] * float(ia[i][r] - P::kOffset * gs[i][g]);
     }
+  }
+  template <int NT>
+  static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    (void)group;
+    tile_plane<kW5, NT>(wt, q, as, gs, k, acc);
+  }
+  template <int NT>
+  static void tile_w6(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    (void)group;
+    tile_plane<kW6, NT>(wt, q, as, gs, k, acc);
   }
 };
 
@@ -236,6 +300,8 @@ struct QKernels {
       IsaQ::template tile_w4<NT>(wt, q, as, gs, k, group, acc);
     else if constexpr (F == kW5)
       IsaQ::template tile_w5<NT>(wt, q, as, gs, k, group, acc);
+    else if constexpr (F == kW6)
+      IsaQ::template tile_w6<NT>(wt, q, as, gs, k, group, acc);
     else
       IsaQ::template tile_w8<NT>(wt, q, as, gs, k, group, acc);
   }
@@ -246,6 +312,7 @@ struct QKernels {
   static void tile_rows(int32_t dtype, void* out, int64_t ldo, const int8_t* q, const float* ascale,
                         const int32_t* agsum, const int32_t* idx, int64_t m, const uint8_t* wt, int cols, int64_t k,
                         int64_t group) {
+    // (W6 takes W4's count: AVX2's wider W5 passes sum 2 chunks in int16, which W6's codes overflow)
     constexpr int kMax = F == kW5 ? PassTokens<IsaQ>::w5 : PassTokens<IsaQ>::w48;
     const int es = dtype_size(dtype);
     const int64_t ng = k / group;
@@ -278,9 +345,10 @@ struct QKernels {
     }
   }
 
-  // Bytes of one 16-row tile of a packed w4 / w8 / w5 weight with k columns (qgemm.h).
+  // Bytes of one 16-row tile of a packed w4 / w8 / w5 / w6 weight with k columns (qgemm.h).
   static int64_t tile_bytes(int32_t fmt, int64_t k, int64_t group) {
     if (fmt == kW5) return k / kW5Group * kW5GroupBytes;
+    if (fmt == kW6) return k / kW6Super * kW6SuperBytes;
     return (fmt == kW4 ? 8 * k : 16 * k) + 64 * (k / group);
   }
 
@@ -306,6 +374,11 @@ struct QKernels {
     gemm<kW5>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
   }
 
+  static void gemm_w6(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                      const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+    gemm<kW6>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
+  }
+
   static void gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
     gemm<kW8>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), m, n, k, group, ldo);
@@ -329,7 +402,9 @@ struct QKernels {
       if (fmt == kW4)
         IsaQ::row_w4(wt, int(r % 16), k, group, exact ? exact + r * ng * 2 : nullptr, row);
       else if (fmt == kW5)
-        ScalarQ::row_w5(wt, int(r % 16), k, row);
+        ScalarQ::row_plane<kW5>(wt, int(r % 16), k, row);
+      else if (fmt == kW6)
+        ScalarQ::row_plane<kW6>(wt, int(r % 16), k, row);
       else
         IsaQ::row_w8(wt, int(r % 16), k, group, row);
       Isa::store(dtype, row, o, k);
@@ -355,8 +430,8 @@ struct QKernels {
   }
 
   static const QKernelTable* table(const char* name) {
-    static const QKernelTable t = {name,    quantize_act, gemm_w4,    gemm_w8,
-                                   gemm_w5, Moe<Isa, IsaQ>::run, qembedding, gguf_embedding};
+    static const QKernelTable t = {name,    quantize_act, gemm_w4,    gemm_w8,       gemm_w5,
+                                   gemm_w6, Moe<Isa, IsaQ>::run, qembedding, gguf_embedding};
     return &t;
   }
 };

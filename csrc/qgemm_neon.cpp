@@ -12,6 +12,12 @@ using armserve::w8_scales;
 using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
+using armserve::w6_sc;
+using armserve::w6_d;
+using armserve::Plane;
+using armserve::kW4;
+using armserve::kW5;
+using armserve::kW6;
 
 struct QNeon {
   // One table row dequantized (qgemm_impl.h ScalarQ has the reference and the rules): 4 bytes of
@@ -45,11 +51,14 @@ struct QNeon {
     }
   }
 
-  // W4, and W5 (W5 = true, group 32): each code's bit 4 ORed in from the group's plane (qgemm.h).
-  template <int NT, bool W5>
+  // W4, and W5 (F = kW5, group 32) and W6 (kW6, group 16): each code's high bits ORed in from the
+  // group's plane (qgemm.h). Codes 0..63 are valid signed SDOT operands.
+  template <int NT, int F>
   static void tile_nib(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                        int64_t k, int64_t group, float (*acc)[16]) {
-    const uint8x16_t nib = vdupq_n_u8(0x0f), bit4 = vdupq_n_u8(0x10);
+    constexpr bool PL = F != kW4;
+    constexpr int kBits = F == kW6 ? 2 : 1, kOffset = F == kW6 ? 32 : 16;
+    const uint8x16_t nib = vdupq_n_u8(0x0f), high = vdupq_n_u8(uint8_t(((1 << kBits) - 1) << 4));
     float32x4_t facc[NT][4];
     for (int i = 0; i < NT; ++i)
       for (int h = 0; h < 4; ++h) facc[i][h] = vdupq_n_f32(0.f);
@@ -57,11 +66,12 @@ struct QNeon {
       int32x4_t ia[NT][4];
       for (int i = 0; i < NT; ++i)
         for (int h = 0; h < 4; ++h) ia[i][h] = vdupq_n_s32(0);
-      uint8x16_t pl[4], pl4[4];  // W5: the plane's rows 4h .. 4h+3, and shifted to put bit cl at 4 + cl
-      for (int h = 0; W5 && h < 4; ++h) {
-        pl[h] = vld1q_u8(w5_plane(wt, g) + h * 16);
-        pl4[h] = vshlq_n_u8(pl[h], 4);
-      }
+      uint8x16_t pl[4], pl4[4];  // the plane's rows 4h .. 4h+3, and shifted to put chunk 0's low code bits at 4
+      if constexpr (PL)
+        for (int h = 0; h < 4; ++h) {
+          pl[h] = vld1q_u8(Plane<F>::plane(wt, g) + h * 16);
+          pl4[h] = vshlq_n_u8(pl[h], 4);
+        }
       const int64_t c_first = g * group / 8;
       for (int64_t c = c_first; c < (g + 1) * group / 8; ++c) {
         int8x16_t a0[NT], a1[NT];
@@ -69,14 +79,18 @@ struct QNeon {
           a0[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 8)));
           a1[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 8 + 4)));
         }
-        const uint8_t* cp = W5 ? w5_chunk(wt, g, c - c_first) : chunk(wt, c, g);
-        const int8x16_t right = vdupq_n_s8(int8_t(c_first - c));  // (vshlq by a negative count: right)
+        const uint8_t* cp;
+        if constexpr (PL)
+          cp = Plane<F>::chunk(wt, g, c - c_first);
+        else
+          cp = chunk(wt, c, g);
+        const int8x16_t right = vdupq_n_s8(int8_t(kBits * (c_first - c)));  // (vshlq by a negative count: right)
         for (int h = 0; h < 4; ++h) {  // rows 4h .. 4h+3
           const uint8x16_t b = vld1q_u8(cp + h * 16);
           uint8x16_t ulo = vandq_u8(b, nib), uhi = vshrq_n_u8(b, 4);
-          if (W5) {
-            ulo = vorrq_u8(ulo, vandq_u8(vshlq_u8(pl4[h], right), bit4));
-            uhi = vorrq_u8(uhi, vandq_u8(vshlq_u8(pl[h], right), bit4));
+          if constexpr (PL) {
+            ulo = vorrq_u8(ulo, vandq_u8(vshlq_u8(pl4[h], right), high));
+            uhi = vorrq_u8(uhi, vandq_u8(vshlq_u8(pl[h], right), high));
           }
           const int8x16_t lo = vreinterpretq_s8_u8(ulo), hi = vreinterpretq_s8_u8(uhi);
           for (int i = 0; i < NT; ++i) {
@@ -85,16 +99,23 @@ struct QNeon {
           }
         }
       }
-      const float16_t* hs = reinterpret_cast<const float16_t*>(W5 ? w5_scales(wt, g) : w4_scales(wt, g, group));
       for (int h = 0; h < 4; ++h) {
-        const float32x4_t s = vcvt_f32_f16(vld1_f16(hs + h * 4));
-        for (int i = 0; i < NT; ++i) {
-          if (W5) {  // the integer dot of (u - 16) and a, folded as tile_w8 folds its own
-            const int32x4_t d = vsubq_s32(ia[i][h], vdupq_n_s32(16 * gs[i][g]));
+        if constexpr (PL) {  // the integer dot of (u - offset) and a, folded as tile_w8 folds its own
+          float32x4_t s;
+          if constexpr (F == kW6)  // d * sc, exact
+            s = vmulq_f32(vld1q_f32(w6_d(wt, g) + h * 4),
+                          vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(w6_sc(wt, g) + h * 4))))));
+          else
+            s = vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(w5_scales(wt, g)) + h * 4));
+          for (int i = 0; i < NT; ++i) {
+            const int32x4_t d = vsubq_s32(ia[i][h], vdupq_n_s32(kOffset * gs[i][g]));
             facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(d));
-            continue;
           }
-          const float32x4_t z = vcvt_f32_f16(vld1_f16(hs + 16 + h * 4));
+          continue;
+        }
+        const float16_t* hs = reinterpret_cast<const float16_t*>(w4_scales(wt, g, group));
+        const float32x4_t s = vcvt_f32_f16(vld1_f16(hs + h * 4)), z = vcvt_f32_f16(vld1_f16(hs + 16 + h * 4));
+        for (int i = 0; i < NT; ++i) {
           facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(ia[i][h]));
           facc[i][h] = vfmsq_f32(facc[i][h], z, vdupq_n_f32(as[i][g] * float(gs[i][g])));
         }
@@ -107,13 +128,18 @@ struct QNeon {
   template <int NT>
   static void tile_w4(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile_nib<NT, false>(wt, q, as, gs, k, group, acc);
+    tile_nib<NT, kW4>(wt, q, as, gs, k, group, acc);
   }
-  // (the i8mm variant too: its SMMLA tiles are W4 / W8 only, and the folds agree bit for bit)
+  // (the i8mm variant too: its SMMLA tiles are W4 / W8 only, and the folds agree bit for bit; W6 alike)
   template <int NT>
   static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
-    tile_nib<NT, true>(wt, q, as, gs, k, group, acc);
+    tile_nib<NT, kW5>(wt, q, as, gs, k, group, acc);
+  }
+  template <int NT>
+  static void tile_w6(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile_nib<NT, kW6>(wt, q, as, gs, k, group, acc);
   }
 
   template <int NT>

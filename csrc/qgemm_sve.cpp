@@ -12,8 +12,12 @@ using armserve::w8_scales;
 using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
+using armserve::w6_sc;
+using armserve::w6_d;
+using armserve::Plane;
 using armserve::kW4;
 using armserve::kW5;
+using armserve::kW6;
 using armserve::kW8;
 
 struct QSve {
@@ -62,27 +66,40 @@ struct QSve {
     }
   }
 
-  // The two code vectors of a W4 / W5 chunk byte vector b (low nibbles: columns 8c..8c+3, high:
-  // 8c+4..8c+7); W5 ORs in bit 4 from its plane (qgemm.h: pl, and pl4 = pl << 4, bit cl of chunk cl).
-  template <bool W5>
+  // The two code vectors of a W4 / W5 / W6 chunk byte vector b (low nibbles: columns 8c..8c+3,
+  // high: 8c+4..8c+7); W5 and W6 OR in their high bits from the plane (qgemm.h: pl, and pl4 = pl << 4,
+  // chunk cl's bits at kBits * cl).
+  template <int F>
   static inline void codes(svbool_t p8, svuint8_t b, svuint8_t pl, svuint8_t pl4, int64_t cl, svint8_t& lo,
                            svint8_t& hi) {
     svuint8_t ulo = svand_n_u8_x(p8, b, 0x0f), uhi = svlsr_n_u8_x(p8, b, 4);
-    if (W5) {
-      ulo = svorr_u8_x(p8, ulo, svand_n_u8_x(p8, svlsr_n_u8_x(p8, pl4, uint8_t(cl)), 0x10));
-      uhi = svorr_u8_x(p8, uhi, svand_n_u8_x(p8, svlsr_n_u8_x(p8, pl, uint8_t(cl)), 0x10));
+    if constexpr (F == kW5 || F == kW6) {
+      constexpr int kBits = Plane<F>::kBits;
+      const uint8_t high = uint8_t(((1 << kBits) - 1) << 4), sh = uint8_t(kBits * cl);
+      ulo = svorr_u8_x(p8, ulo, svand_n_u8_x(p8, svlsr_n_u8_x(p8, pl4, sh), high));
+      uhi = svorr_u8_x(p8, uhi, svand_n_u8_x(p8, svlsr_n_u8_x(p8, pl, sh), high));
     }
     lo = svreinterpret_s8_u8(ulo);
     hi = svreinterpret_s8_u8(uhi);
   }
 
-  // F: kW4, kW8 or kW5 (group 32; W4's loop with bit 4 from the plane, W8's fold after the integer
-  // dot of (u - 16) and a).
+  // Chunk c (global index; cl = c - c0 within its group g) of a tile's bytes.
+  template <int F>
+  static inline const uint8_t* chunk_at(const uint8_t* wt, int64_t c, int64_t g, int64_t c0) {
+    if constexpr (F == kW5 || F == kW6)
+      return Plane<F>::chunk(wt, g, c - c0);
+    else
+      return chunk(wt, c, g);
+  }
+
+  // F: kW4, kW8, kW5 (group 32) or kW6 (group 16; W5 and W6: W4's loop with the high bits from the
+  // plane, W8's fold after the integer dot of (u - offset) and a).
   template <int F, int NT>
   static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as,
                       const int32_t* const* gs, int64_t k,
                    int64_t group, float (*acc)[16]) {
-    constexpr bool W4 = F == kW4, W5 = F == kW5, NIB = F != kW8;
+    constexpr bool W4 = F == kW4, PL = F == kW5 || F == kW6, NIB = F != kW8;
+    constexpr int kOffset = F == kW6 ? 32 : 16;  // (W5, W6)
     const int64_t vb = svcntb() < 64 ? int64_t(svcntb()) : 64;  // bytes of a chunk per piece
     const svbool_t p8 = svwhilelt_b8(int64_t(0), vb);
     const svbool_t p32 = svwhilelt_b32(int64_t(0), vb / 4);
@@ -93,12 +110,12 @@ struct QSve {
         svint32_t i0 = svdup_s32(0), i1 = svdup_s32(0), i2 = svdup_s32(0), i3 = svdup_s32(0);
         const int64_t c0 = g * group / cols, c1 = (g + 1) * group / cols;
         svuint8_t pl = svdup_u8(0), pl4 = svdup_u8(0);
-        if (W5) {
-          pl = svld1_u8(p8, w5_plane(wt, g) + piece);
+        if constexpr (PL) {
+          pl = svld1_u8(p8, Plane<F>::plane(wt, g) + piece);
           pl4 = svlsl_n_u8_x(p8, pl, 4);
         }
         // chunk c of this group's tile bytes, this piece of it
-        auto at = [&](int64_t c) { return (W5 ? w5_chunk(wt, g, c - c0) : chunk(wt, c, g)) + piece; };
+        auto at = [&](int64_t c) { return chunk_at<F>(wt, c, g, c0) + piece; };
         if (NT == 1) {
           // Decode: two chunks a step into four chains (low / high nibbles x even / odd chunk; w8:
           // two), summed once per group (integer sums: the same result). One chain of SDOTs held
@@ -108,7 +125,7 @@ struct QSve {
     const svuint8_t b = svld1_u8(p8, at(C));                                                      \
     if (NIB) {                                                                                    \
       svint8_t lo, hi;                                                                            \
-      codes<W5>(p8, b, pl, pl4, (C) - c0, lo, hi);                                                \
+      codes<F>(p8, b, pl, pl4, (C) - c0, lo, hi);                                                 \
       A = svdot_s32(A, lo, svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8))));             \
       B = svdot_s32(B, hi, svreinterpret_s8_s32(svdup_n_s32(load4(q[0] + (C) * 8 + 4))));         \
     } else {                                                                                      \
@@ -128,7 +145,7 @@ struct QSve {
           const svuint8_t b = svld1_u8(p8, at(c));
           if (NIB) {
             svint8_t lo, hi;
-            codes<W5>(p8, b, pl, pl4, c - c0, lo, hi);
+            codes<F>(p8, b, pl, pl4, c - c0, lo, hi);
 #define ARMSERVE_W4_STEP(I, ACC)                                                              \
   if (NT > I) {                                                                               \
     ACC = svdot_s32(ACC, lo, svreinterpret_s8_s32(svdup_n_s32(load4(q[I] + c * 8))));         \
@@ -145,8 +162,11 @@ struct QSve {
           }
         }
         svfloat32_t s, z = svdup_f32(0.f);
-        if (NIB) {  // float16 scales inline (qgemm.h)
-          const uint16_t* h = (W5 ? w5_scales(wt, g) : w4_scales(wt, g, group)) + piece / 4;
+        if constexpr (F == kW6) {  // d * sc, exact
+          s = svmul_f32_x(p32, svld1_f32(p32, w6_d(wt, g) + piece / 4),
+                          svcvt_f32_s32_x(p32, svld1sb_s32(p32, w6_sc(wt, g) + piece / 4)));
+        } else if constexpr (NIB) {  // float16 scales inline (qgemm.h)
+          const uint16_t* h = (F == kW5 ? w5_scales(wt, g) : w4_scales(wt, g, group)) + piece / 4;
           s = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h)));
           if (W4) z = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h + 16)));
         } else {
@@ -155,7 +175,7 @@ struct QSve {
         }
 #define ARMSERVE_FOLD(I, ACC, F)                                                     \
   if (NT > I) {                                                                      \
-    if (W5) ACC = svsub_n_s32_x(p32, ACC, 16 * gs[I][g]); /* the dot of (u - 16) and a */ \
+    if (PL) ACC = svsub_n_s32_x(p32, ACC, kOffset * gs[I][g]); /* the dot of (u - offset) and a */ \
     F = svmla_f32_x(p32, F, svmul_n_f32_x(p32, s, as[I][g]), svcvt_f32_s32_x(p32, ACC)); \
     if (W4) F = svmls_n_f32_x(p32, F, z, as[I][g] * float(gs[I][g]));                 \
   }
@@ -183,6 +203,11 @@ struct QSve {
   static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
     tile<kW5, NT>(wt, q, as, gs, k, group, acc);
+  }
+  template <int NT>
+  static void tile_w6(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                      int64_t k, int64_t group, float (*acc)[16]) {
+    tile<kW6, NT>(wt, q, as, gs, k, group, acc);
   }
 };
 }  // namespace

@@ -20,26 +20,28 @@ from conftest import CACHE, assert_next_token_logprobs_close, hf_model, make_tin
 H, I, E = 64, 96, 6
 
 
-def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: bool = False, w5: bool = False
-                 ) -> tuple[torch.nn.ModuleList, torch.Tensor, torch.Tensor]:
+def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: bool = False, w5: bool = False,
+                 w6: bool = False) -> tuple[torch.nn.ModuleList, torch.Tensor, torch.Tensor]:
     """E gated MLPs with random weights, and their stacked weights as the reference sees them;
-    quantized to w4, w8 or w5 (GGUF Q5_0 blocks) (`split`: gate and up as two shards of the fused
-    layer, as a checkpoint with separate gate_proj / up_proj loads them)."""
+    quantized to w4, w8, w5 (GGUF Q5_0 blocks) or w6 (GGUF Q6_K blocks: hidden and intermediate
+    sizes of 256) (`split`: gate and up as two shards of the fused layer, as a checkpoint with
+    separate gate_proj / up_proj loads them)."""
     torch.manual_seed(0)
-    cfg = SimpleNamespace(hidden_size=H, intermediate_size=I, hidden_act="silu")
-    w13 = torch.randn(E, 2 * I, H) / H**0.5
-    w2 = torch.randn(E, H, I) / I**0.5
+    hidden, inter = (256, 256) if w6 else (H, I)
+    cfg = SimpleNamespace(hidden_size=hidden, intermediate_size=inter, hidden_act="silu")
+    w13 = torch.randn(E, 2 * inter, hidden) / hidden**0.5
+    w2 = torch.randn(E, hidden, inter) / inter**0.5
     experts = torch.nn.ModuleList()
     for e in range(E):
         m = LlamaMLP(cfg)
-        if w4 or w8 or w5:
+        if w4 or w8 or w5 or w6:
             for name, w in (("gate_up_proj", w13[e]), ("down_proj", w2[e])):
                 halves = split and name == "gate_up_proj"
                 shards = [("g", I), ("u", I)] if halves else [("all", w.shape[0])]
                 q = QuantizedLinear(w.shape[1], w.shape[0], False, shards)
                 deq = []
                 for (shard, rows), ws in zip(shards, w.split([r for _, r in shards])):
-                    qt = (quantize_weight(ws, 32, symmetric=False) if w4 else q5_0(ws) if w5
+                    qt = (quantize_weight(ws, 32, symmetric=False) if w4 else q5_0(ws) if w5 else q6_k(ws) if w6
                           else quantize_weight_int8(ws))
                     q.load_shard(shard, qt)
                     # the reference gets the weights the kernels use
@@ -54,6 +56,15 @@ def make_experts(dtype: torch.dtype, w4: bool = False, w8: bool = False, split: 
         if hasattr(m, "finalize"):
             m.finalize()
     return experts, w13.to(dtype), w2.to(dtype)
+
+
+def q6_k(w: torch.Tensor):
+    """w rounded to GGUF Q6_K blocks (the tests' writer: the gguf package cannot), as the loader
+    converts them (w6)."""
+    from armserve.quantization.gguf import convert
+    from test_quantized import q6_k_blocks
+
+    return convert("Q6_K", q6_k_blocks(w.float().numpy()))
 
 
 def q5_0(w: torch.Tensor):
@@ -101,7 +112,7 @@ def test_fused_experts_matches_reference(isa, kind, routing):
 
 
 EXPERT_KINDS = {"bfloat16": dict(), "w4a8": dict(w4=True), "w4a8-split": dict(w4=True, split=True),
-                "w8a8": dict(w8=True), "w4a8-bf16": dict(w4=True), "w5a8": dict(w5=True)}
+                "w8a8": dict(w8=True), "w4a8-bf16": dict(w4=True), "w5a8": dict(w5=True), "w6a8": dict(w6=True)}
 
 
 @pytest.mark.parametrize("routing", ["random", "one_expert", "one_token", "prefill"])
@@ -113,10 +124,10 @@ def test_fused_moe_kernel_equals_expert_by_expert(isa, kind, routing):
     dtype = torch.bfloat16 if kind in ("bfloat16", "w4a8-bf16") else torch.float32
     experts, w13, w2 = make_experts(dtype, **EXPERT_KINDS[kind])
     ke = kernel_experts(experts)
-    assert ke is not None and ke.fmt == {"bfloat16": "bf16", "w8a8": "w8", "w5a8": "w5"}.get(kind, "w4")
+    assert ke is not None and ke.fmt == {"bfloat16": "bf16", "w8a8": "w8", "w5a8": "w5", "w6a8": "w6"}.get(kind, "w4")
     g = torch.Generator().manual_seed(7)
     tokens = {"one_token": 1, "prefill": 300}.get(routing, 13)
-    x = torch.randn(tokens, H, generator=g).to(dtype)
+    x = torch.randn(tokens, w13.shape[2], generator=g).to(dtype)
     weights = torch.rand(tokens, 3, generator=g)
     if routing == "one_expert":
         ids = torch.tensor([[3, 3, 1]] * tokens)

@@ -36,20 +36,62 @@ def random_w5(n: int, k: int) -> QuantizedTensor:
                            (torch.rand(n, k // 32) * 0.05 + 1e-3).half().float(), None, 32)
 
 
-def w5_as_w8(qt: QuantizedTensor) -> QuantizedTensor:
-    """The w8 tensor armserve held for the same Q5_0 blocks before w5: codes u - 16 as int8."""
-    return QuantizedTensor("w8", (qt.codes.to(torch.int16) - 16).to(torch.int8), qt.scales, None, qt.group)
+def plane_as_w8(qt: QuantizedTensor) -> QuantizedTensor:
+    """The w8 tensor armserve held for the same Q5_0 / Q6_K blocks before w5 / w6: codes u - 16 /
+    u - 32 as int8, the same scales."""
+    offset = {"w5": 16, "w6": 32}[qt.fmt]
+    return QuantizedTensor("w8", (qt.codes.to(torch.int16) - offset).to(torch.int8), qt.scales, None, qt.group)
+
+
+def random_w6(n: int, k: int) -> QuantizedTensor:
+    """GGUF Q6_K's meaning (w = d * sc * (u - 32), u in 0..63, an int8 sc per 16 columns, a float16
+    d per 256, of either sign), random codes, sub-scales over the whole int8 range."""
+    d = ((torch.rand(n, k // 256) * 2e-3 + 1e-4) * (torch.randint(0, 2, (n, k // 256)) * 2 - 1)).half().float()
+    sc = torch.randint(-128, 128, (n, k // 16)).float()
+    return QuantizedTensor("w6", torch.randint(0, 64, (n, k), dtype=torch.uint8),
+                           d.repeat_interleave(16, dim=1) * sc, d, 16)
+
+
+def q6_k_blocks(w: np.ndarray) -> np.ndarray:
+    """Float rows [n, k] (k a multiple of 256) as GGUF Q6_K blocks (the gguf package cannot write
+    K-quants): a plain rounding (per 16 columns a scale of amax / 31, rounded to an int8 multiple of
+    the 256 columns' float16 d), laid out as llama.cpp's block_q6_K; its meaning is checked against
+    the gguf package's dequantizer below."""
+    rows, k = w.shape
+    x = w.reshape(rows, k // 256, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31.0
+    d = (scale.max(-1) / 127.0).astype(np.float16)
+    df = d.astype(np.float32)
+    sc = np.clip(np.rint(scale / np.where(df == 0, 1, df)[..., None]), -128, 127).astype(np.int8)
+    s = df[..., None] * sc.astype(np.float32)
+    q = np.clip(np.rint(x / np.where(s == 0, 1, s)[..., None]) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(rows, k // 256, 2, 4, 32)  # per half of 128 values: 4 runs of 32
+    ql = np.concatenate([(q[..., 0, :] & 15) | ((q[..., 2, :] & 15) << 4),
+                         (q[..., 1, :] & 15) | ((q[..., 3, :] & 15) << 4)], axis=-1)
+    qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
+    return np.concatenate([ql.reshape(rows, -1, 128), qh.reshape(rows, -1, 64), sc.view(np.uint8),
+                           d.view(np.uint8).reshape(rows, -1, 2)], axis=-1).reshape(rows, -1)
 
 
 def random_q(fmt: str, n: int, k: int, g: int, symmetric: bool) -> QuantizedTensor:
     if fmt == "w4":
         return quantize_weight(torch.randn(n, k), g, symmetric=symmetric)
+    if fmt == "w6":
+        return random_w6(n, k)
     return random_w8(n, k, g) if fmt == "w8" else random_w5(n, k)
 
 
-def fits(fmt: str, g: int) -> bool:
-    """Whether the format takes groups of g columns (w4: whole 8-column chunks; w5: Q5_0's 32)."""
+def fits(fmt: str, g: int, k: int = 256) -> bool:
+    """Whether the format takes groups of g columns and rows of k (w4: whole 8-column chunks; w5:
+    Q5_0's 32; w6: Q6_K's 16, rows of whole 256-column blocks)."""
+    if fmt == "w6":
+        return g == 16 and k % 256 == 0
     return g % 8 == 0 if fmt == "w4" else (g == 32 if fmt == "w5" else True)
+
+
+# w6's shapes (k a multiple of 256): every token count a tile takes, more than one 256-column block
+W6_SHAPES = [(1, 40, 256, 16), (5, 33, 512, 16), (3, 17, 256, 16), (9, 20, 768, 16), (2, 16, 256, 16),
+             (8, 24, 256, 16)]
 
 
 # (1, 16, 72, 24): an odd number of 8-column chunks per group at one token (the decode loops that take
@@ -61,12 +103,13 @@ if SMALL:
     SHAPES = [(1, 20, 64, 32), (5, 17, 64, 16), (1, 16, 72, 24), (2, 17, 96, 32)]
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_qgemm_matches_reference(isa, fmt, dtype):
     torch.manual_seed(0)
-    for m, n, k, g in SHAPES + ([(5, 33, 160, 32), (3, 17, 64, 32)] if fmt == "w5" else []):
-        if not fits(fmt, g):
+    extra = {"w5": [(5, 33, 160, 32), (3, 17, 64, 32)], "w6": W6_SHAPES}.get(fmt, [])
+    for m, n, k, g in SHAPES + extra:
+        if not fits(fmt, g, k):
             continue
         qt = random_q(fmt, n, k, g, symmetric=(m % 2 == 0))
         x = torch.randn(m, k).to(dtype)
@@ -82,15 +125,15 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
         assert torch.all(out[:, :3] == 7) and torch.all(out[:, 3 + n:] == 7), "wrote outside its columns"
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
 def test_qgemm_row_alone_equals_row_among_others(isa, fmt):
     """Each row of an m-row product is the same bits as that row alone, for every row count the
     tiles take differently (1-9 tokens and more): a speculative verify step's rows must equal
     decode steps' for greedy decoding to be the same with and without speculation."""
     torch.manual_seed(8)
     rows = 17 if not SMALL else 9
-    for n, k, g in [(40, 96, 32), (33, 128, 32)]:
-        if not fits(fmt, g):
+    for n, k, g in [(40, 96, 32), (33, 128, 32), (20, 256, 16)]:
+        if not fits(fmt, g, k):
             continue
         qt = random_q(fmt, n, k, g, symmetric=False)
         packed = pack(qt)
@@ -105,24 +148,29 @@ def test_qgemm_row_alone_equals_row_among_others(isa, fmt):
                 assert torch.equal(out, alone[:m]), (fmt, m, n, k, dtype)
 
 
-def test_w5_gemm_equals_w8_of_the_same_blocks(isa):
-    """w5 (GGUF Q5_0 at 5.5 bits a weight) gives bit for bit what the w8 tiles of the same blocks
-    gave (the int8 path Q5_0 took before): 1 to 9 tokens (each tile width: AVX2 takes 5-8 tokens in
-    one pass, 9 as 8 + 1), every dtype."""
+@pytest.mark.parametrize("fmt", ["w5", "w6"])
+def test_plane_format_gemm_equals_w8_of_the_same_blocks(isa, fmt):
+    """w5 / w6 (GGUF Q5_0 / Q6_K at 5.5 / 6.625 bits a weight) give bit for bit what the w8 tiles of
+    the same blocks gave (the int8 path they took before): 1 to 9 tokens (each tile width: AVX2 takes
+    5-8 w5 tokens in one pass, 9 as 8 + 1), every dtype."""
     torch.manual_seed(6)
-    for m, n, k in [(1, 40, 96), (2, 17, 64), (3, 33, 128), (4, 16, 96), (5, 20, 160), (6, 17, 64), (8, 33, 96),
-                    (9, 20, 64)]:
-        qt = random_w5(n, k)
+    g = 32 if fmt == "w5" else 16
+    for m, n, k in [(1, 40, 256), (2, 17, 512), (3, 33, 256), (4, 16, 256), (5, 20, 768), (6, 17, 256),
+                    (8, 33, 256), (9, 20, 512)]:
+        qt = random_w5(n, k) if fmt == "w5" else random_w6(n, k)
+        w8 = plane_as_w8(qt)
+        mine = qt.as_w8()  # (what a tensor-parallel split inside a Q6_K block falls back to)
+        assert mine.fmt == "w8" and torch.equal(mine.codes, w8.codes) and torch.equal(mine.scales, w8.scales)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.randn(m, k).to(dtype)
-            acts = kernels.quantize_act(x, 32)
+            acts = kernels.quantize_act(x, g)
             got, want = (torch.empty(m, n, dtype=dtype) for _ in range(2))
-            kernels.qgemm("w5", got, 0, acts, pack(qt), n, 32)
-            kernels.qgemm("w8", want, 0, acts, pack(w5_as_w8(qt)), n, 32)
+            kernels.qgemm(fmt, got, 0, acts, pack(qt), n, g)
+            kernels.qgemm("w8", want, 0, acts, pack(w8), n, g)
             assert torch.equal(got, want), (m, n, k, dtype)
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
 def test_qgemm_dense_matches_reference(isa, fmt):
     """The prefill path of quantized layers: the weight dequantized to bf16 panel by panel for the
     dense GEMM's tiles (with the bf16 dot instruction where the variant has one, and without; on
@@ -137,8 +185,8 @@ def test_qgemm_dense_matches_reference(isa, fmt):
         try:
             assert (kernels.dense_isa() == "amx_bf16") == bool(amx)
             # the last: weights wider than one ~1 MiB group of dequantized panels (AMX path)
-            for m, n, k, g in SHAPES + [(130, 70, 192, 32), (40, 1100, 512, 64)]:
-                if g % 8 or not fits(fmt, g):
+            for m, n, k, g in SHAPES + [(130, 70, 192, 32), (40, 1100, 512, 64), (130, 40, 512, 16)]:
+                if g % 8 or not fits(fmt, g, k):
                     continue
                 qt = random_q(fmt, n, k, g, symmetric=(n % 2 == 0))
                 x = torch.randn(m, k).to(torch.bfloat16)
@@ -219,12 +267,68 @@ def test_q5_0_gguf_stays_w5_and_equals_the_int8_path(tiny_llama, tmp_path, monke
 
     fmts, w5 = run()
     assert set(fmts) == {"w5", "w8"}
-    monkeypatch.setitem(gguf._CONVERTERS, "Q5_0", lambda data: w5_as_w8(gguf._q5_0(data)))
+    monkeypatch.setitem(gguf._CONVERTERS, "Q5_0", lambda data: plane_as_w8(gguf._q5_0(data)))
     fmts8, w8 = run()
     assert set(fmts8) == {"w8"}
     assert w5 == w8
     # the Q5_0 layers' bytes: 5.5 bits a weight where w8 took 9
     assert fmts["w5"] * 9 == (fmts8["w8"] - fmts["w8"]) * 5.5
+
+
+def test_q6_k_gguf_stays_w6_and_equals_the_int8_path(tokenizer_dir, tmp_path, monkeypatch):
+    """A GGUF's Q6_K tensors (v, the output projection, down and the token table, which is also the
+    LM head, as Q4_K_M files store down and the head) load as w6 (6.625 bits a weight) and the
+    model's log-probabilities are, bit for bit, those of the same file loaded the way Q6_K was
+    before (int8 tiles with float32 scales per 16), prefill rows and decode steps alike."""
+    from armserve.quantization import gguf
+    from conftest import CACHE, make_tiny_checkpoint
+    from test_engine import tiny
+    from test_tp import write_llama_gguf
+
+    # rows of whole Q6_K blocks: hidden and intermediate sizes multiples of 256
+    hf = make_tiny_checkpoint(os.path.join(CACHE, "tiny-llama-256"), "LlamaForCausalLM", tokenizer_dir,
+                              hidden_size=256, intermediate_size=512)
+    path = str(tmp_path / "q6.gguf")
+    write_llama_gguf(hf, path, q6_k=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13], list(range(3, 3 + 140)))]  # 140: a prefill-sized part
+
+    def run() -> tuple[dict[str, int], list]:
+        llm = tiny(path, tokenizer=hf, dtype="bfloat16")
+        fmts: dict[str, int] = {}
+        for m in llm.llm_engine.model.modules():
+            if isinstance(m, QuantizedLinear):
+                for p in m.parts:
+                    fmts[p.fmt] = fmts.get(p.fmt, 0) + p.packed.numel()
+        outs = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                for o in llm.generate(prompts, params, use_tqdm=False)]
+        return fmts, outs
+
+    fmts, w6 = run()
+    assert set(fmts) == {"w4", "w6", "w8"}  # (w8: k, a float tensor beside its quantized q and v)
+    monkeypatch.setitem(gguf._CONVERTERS, "Q6_K", lambda data: plane_as_w8(gguf._q6_k(data)))
+    fmts8, w8 = run()
+    assert set(fmts8) == {"w4", "w8"}
+    assert w6 == w8
+    # the Q6_K layers' bytes: 6.625 bits a weight where w8 with float32 scales per 16 took 10
+    assert fmts["w6"] * 10 == (fmts8["w8"] - fmts["w8"]) * 6.625
+
+
+def test_w6_splits_by_rows_and_whole_blocks_and_else_falls_back_to_w8():
+    """A tensor-parallel rank's part of a w6 weight: rows, or input columns on 256-column block
+    boundaries, stay w6; columns inside a block (Qwen2.5's down projection, 4864 columns, at TP=2)
+    become the w8 of the same blocks; each is the dequantized weight's slice exactly."""
+    torch.manual_seed(9)
+    qt = random_w6(40, 768)
+    full = qt.dequantize()
+    rows = qt.narrow(0, 16, 20)
+    assert rows.fmt == "w6" and torch.equal(rows.dequantize(), full[16:36])
+    cols = qt.narrow(1, 256, 512)
+    assert cols.fmt == "w6" and cols.szp.shape == (40, 2) and torch.equal(cols.dequantize(), full[:, 256:])
+    half = qt.narrow(1, 384, 384)
+    assert half.fmt == "w8" and torch.equal(half.dequantize(), full[:, 384:])
+    with pytest.raises(ValueError, match="groups of 16"):
+        qt.narrow(1, 8, 256)
 
 
 def test_quantized_linear_with_mixed_shards(isa):
@@ -244,7 +348,7 @@ def test_quantized_linear_with_mixed_shards(isa):
     torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w4", "w5"])
+@pytest.mark.parametrize("fmt", ["w8", "w4", "w5", "w6"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "pytorch"])
 def test_a_layer_keeps_some_row_tiles_bit_for_bit(isa, fmt, kernel, monkeypatch):
     """keep_row_tiles (a draft model's LM head over part of the vocabulary): the kept rows' outputs
@@ -253,9 +357,9 @@ def test_a_layer_keeps_some_row_tiles_bit_for_bit(isa, fmt, kernel, monkeypatch)
     torch.manual_seed(12)
     if not kernel:
         monkeypatch.setattr(kernels, "use_kernel", lambda *a, **kw: False)
-    n, k = 100, 64  # 7 tiles, the last of 4 rows
+    n, k = 100, 256 if fmt == "w6" else 64  # 7 tiles, the last of 4 rows
     layer = QuantizedLinear(k, n, False, [("all", n)])
-    layer.load_shard("all", random_q(fmt, n, k, 32, symmetric=False))
+    layer.load_shard("all", random_q(fmt, n, k, 16 if fmt == "w6" else 32, symmetric=False))
     assert (layer.parts[0].packed is not None) == kernel
     for tiles in ([0, 2, 6], [1], [0, 1, 2, 3, 4, 5, 6]):
         sub, rows = layer.keep_row_tiles(tiles)
@@ -334,11 +438,17 @@ def test_gguf_blocks_convert_exactly(name):
         raw = quantize(rng.standard_normal((6, 512)).astype(np.float32), qtype)
     qt = convert(name, raw)
     want = dequantize(raw, qtype)
-    assert qt.fmt == ("w4" if name.startswith("Q4") else "w5" if name == "Q5_0" else "w8")
+    assert qt.fmt == {"Q5_0": "w5", "Q8_0": "w8", "Q6_K": "w6"}.get(name, "w4")
     np.testing.assert_array_equal(qt.dequantize().numpy(), want)
+    if name == "Q6_K":  # the test's own Q6_K writer (used below) against the gguf package's reading
+        w = rng.standard_normal((6, 512)).astype(np.float32)
+        blocks = q6_k_blocks(w)
+        got = dequantize(blocks, qtype)
+        assert np.abs(got - w).max() < 0.05 * np.abs(w).max()
+        np.testing.assert_array_equal(convert(name, blocks).dequantize().numpy(), got)
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
 def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
     """The layers' C++ pack (kernels.pack_q) and the reference `pack`, which works in row chunks,
     both equal one pass of the reference over all rows; the qgemm tests above check that layout
@@ -349,6 +459,8 @@ def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
     for n, k, g in [(1045, 4096, 32), (21, 96, 96)]:  # 1024 rows a chunk: the last not whole tiles; one group a row
         if fmt == "w5" and g != 32:
             n, k, g = 21, 96, 32
+        if fmt == "w6":
+            n, k, g = (n, k, 16) if k % 256 == 0 else (21, 256, 16)
         qt = (quantize_weight(torch.randn(n, k), g, symmetric=False, search=False) if fmt == "w4"
               else random_q(fmt, n, k, g, False))
         one = torch.empty(packed_bytes(fmt, n, k, g), dtype=torch.uint8)
@@ -361,11 +473,12 @@ def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
 
 
 @pytest.mark.parametrize("fmt,group,exact", [("w4", 32, False), ("w4", 32, True), ("w4", 64, True), ("w8", 32, False),
-                                             ("w8", 16, False), ("w5", 32, False)])
+                                             ("w8", 16, False), ("w5", 32, False), ("w6", 16, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_qembedding_matches_reference(isa, fmt, group, exact, dtype):
     torch.manual_seed(0)
-    n, k, start = 37, 128, 7  # rows not a whole number of 16-row tiles; a vocabulary share from row 7
+    # rows not a whole number of 16-row tiles; a vocabulary share from row 7
+    n, k, start = 37, 256 if fmt == "w6" else 128, 7
     if fmt == "w4":
         qt = quantize_weight(torch.randn(n, k), group, symmetric=False, search=False)
         qt = qt if exact else kernel_scales(qt)  # float32 scales (as Q4_K's d * sc) or float16 ones (Q4_0)

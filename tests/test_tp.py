@@ -164,13 +164,15 @@ def linear_kinds(llm: LLM) -> dict[str, str]:
             if isinstance(m, (Linear, QuantizedLinear))}
 
 
-def write_llama_gguf(hf_folder: str, path: str, f32: bool = False, q5_0: bool = False) -> None:
+def write_llama_gguf(hf_folder: str, path: str, f32: bool = False, q5_0: bool = False, q6_k: bool = False) -> None:
     """A tiny Llama checkpoint as llama.cpp lays out a `llama` GGUF (q/k rows permuted for its
     rotary), its types mixed as K-quant files mix them: q and the MLP in Q4_0 blocks, v, the
     output projection and down in Q8_0, k in F32 (int8 beside its quantized q and v), the token
     table in Q8_0 and no `output` tensor (the LM head is the table, as a quantized GEMM).
     `f32`: a faithful copy instead: every tensor in F32, and the checkpoint's own LM head.
-    `q5_0`: Q5_0 where Q4_0 is and for the token table (Q4_K_M's fallback for rows of 896)."""
+    `q5_0`: Q5_0 where Q4_0 is and for the token table (Q4_K_M's fallback for rows of 896).
+    `q6_k`: Q6_K where Q8_0 is (v, the output projection, down and the token table), as Q4_K_M
+    stores down and the LM head, where rows are whole 256-value blocks."""
     import json
 
     import numpy as np
@@ -195,6 +197,11 @@ def write_llama_gguf(hf_folder: str, path: str, f32: bool = False, q5_0: bool = 
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
         a = np.ascontiguousarray(t.float().numpy())
         qtype = Q.F32 if f32 else (Q.Q5_0 if q5_0 and (qtype == Q.Q4_0 or "token_embd" in name) else qtype)
+        if q6_k and qtype == Q.Q8_0 and a.shape[1] % 256 == 0:
+            from test_quantized import q6_k_blocks  # (the gguf package cannot write K-quants)
+
+            w.add_tensor(name, q6_k_blocks(a), raw_dtype=Q.Q6_K)
+            return
         w.add_tensor(name, a if qtype == Q.F32 else quantize(a, qtype), raw_dtype=None if qtype == Q.F32 else qtype)
 
     add("token_embd.weight", sd["model.embed_tokens.weight"], Q.Q8_0)

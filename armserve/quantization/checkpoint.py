@@ -31,7 +31,8 @@ def armserve_quantization(config) -> dict | None:
 
 def encode(prefix: str, qt: QuantizedTensor, symmetric: bool) -> dict[str, torch.Tensor]:
     """The tensors stored for weight `{prefix}.weight` (`symmetric`: int4 without zero points)."""
-    if qt.fmt not in ("w4", "w8"):  # (w5 comes from GGUF Q5_0 blocks only; `armserve quantize` writes w4 / w8)
+    # (w5 / w6 come from GGUF Q5_0 / Q6_K blocks only; `armserve quantize` writes w4 / w8)
+    if qt.fmt not in ("w4", "w8"):
         raise ValueError(f"cannot store a {qt.fmt} weight in an armserve checkpoint (w4 or w8 only)")
     if qt.fmt == "w8":  # int8 codes are stored as they are (a .qweight of dtype int8 marks the format)
         return {prefix + ".qweight": qt.codes.contiguous(), prefix + ".scales": qt.scales.to(torch.float16)}

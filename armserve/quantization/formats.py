@@ -5,6 +5,8 @@ Dequantized meaning of the formats, per group of `group` input columns:
     w4:  w = scale * u - szp      u in 0..15 (unsigned code), szp = scale * zero point
     w8:  w = scale * q            q in -127..127
     w5:  w = scale * (u - 16)     u in 0..31 (GGUF Q5_0 as stored), group 32
+    w6:  w = scale * (u - 32)     u in 0..63 (GGUF Q6_K as stored), group 16, scale = d * sc with
+                                  an int8 sub-scale sc per group and d (`szp`) per 256 columns
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import torch.nn.functional as F
 class QuantizedTensor:
     """One checkpoint weight [n, k] in an armserve quantized format (unpacked, row-major)."""
 
-    fmt: str  # "w4", "w8" or "w5"
-    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8: int8 [n, k]; w5: uint8 [n, k] values 0..31
+    fmt: str  # "w4", "w8", "w5" or "w6"
+    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8: int8 [n, k]; w5, w6: uint8 [n, k] values 0..31, 0..63
     scales: torch.Tensor  # float32 [n, k // group]
-    szp: torch.Tensor | None  # w4: float32 [n, k // group] (scale * zero point); w8, w5: None
+    # w4: float32 [n, k // group] (scale * zero point); w6: float32 [n, k // 256], the factor d of
+    # each 256 columns' scales (d * an int8); w8, w5: None
+    szp: torch.Tensor | None
     group: int
 
     @property
@@ -36,14 +40,25 @@ class QuantizedTensor:
         s = self.scales.repeat_interleave(g, dim=1)
         if self.fmt == "w4":
             return self.codes.float() * s - self.szp.repeat_interleave(g, dim=1)
-        if self.fmt == "w5":  # (u - 16 as an integer first: the w8 codes of the same blocks, bit for bit)
-            return (self.codes.to(torch.int16) - 16).float() * s
+        if self.fmt in PLANE_OFFSETS:  # (u - offset as an integer first: the w8 codes of the same blocks)
+            return (self.codes.to(torch.int16) - PLANE_OFFSETS[self.fmt]).float() * s
         return self.codes.float() * s
+
+    def as_w8(self) -> QuantizedTensor:
+        """The same weight as w8 (int8 codes u - offset, the same scales), exactly, for a w5 / w6 one."""
+        if self.fmt not in PLANE_OFFSETS:
+            return self
+        codes = (self.codes.to(torch.int16) - PLANE_OFFSETS[self.fmt]).to(torch.int8)
+        return QuantizedTensor("w8", codes, self.scales, None, self.group)
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedTensor:
         """Output rows (dim 0) or input columns (dim 1, whole groups only) [start, start + length),
         copied, so that the rest can be freed (a tensor-parallel rank keeps its part only)."""
         g = self.group if dim == 1 else 1
+        if dim == 1 and self.fmt == "w6":
+            if start % W6_SUPER or length % W6_SUPER:  # (a split inside d's 256 columns: as w8, exactly)
+                return self.as_w8().narrow(dim, start, length)
+            g = W6_SUPER
         if start % g or length % g:
             raise ValueError(f"cannot be split at input columns {start}..{start + length} of {self.shape[1]}: "
                              f"not on the boundaries of its quantization groups of {g} columns (use a "
@@ -52,7 +67,8 @@ class QuantizedTensor:
         def cut(t: torch.Tensor, scale: int) -> torch.Tensor:
             return t.narrow(dim, start // scale, length // scale).clone(memory_format=torch.contiguous_format)
 
-        return QuantizedTensor(self.fmt, cut(self.codes, 1), cut(self.scales, g),
+        sg = self.group if dim == 1 else 1
+        return QuantizedTensor(self.fmt, cut(self.codes, 1), cut(self.scales, sg),
                                None if self.szp is None else cut(self.szp, g), self.group)
 
     def split(self, sizes: list[int]) -> list[QuantizedTensor]:
@@ -176,8 +192,8 @@ def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
     """`qt` with the scales the kernels apply: float16 for w4 and w5 (packed inline, see
     csrc/qgemm.h), float32 for w8. Rounding a scale to float16 moves it by at most 2^-11 of itself,
     far below the 4-bit step; GGUF Q4_0 / Q4_1 / Q5_0 scales are float16 already, so only derived
-    ones (Q4_K's d * sc, `armserve quantize`'s s * zero) change."""
-    if qt.fmt == "w8":
+    ones (Q4_K's d * sc, `armserve quantize`'s s * zero) change. w6 keeps its exact d * sc."""
+    if qt.fmt in ("w8", "w6"):
         return qt
     szp = None if qt.szp is None else qt.szp.half().float()
     return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), szp, qt.group)
@@ -186,11 +202,15 @@ def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
 def packed_bytes(fmt: str, n: int, k: int, group: int) -> int:
     """Bytes of an [n, k] weight packed for the qgemm kernels (`pack`): whole 16-row tiles of
     codes (w4: half a byte a weight, w8: a byte) and 64 bytes of scales per group; w5: 352 bytes
-    per group of 32 columns (low nibbles, the plane of bit 4, float16 scales: 5.5 bits a weight)."""
+    per group of 32 columns (low nibbles, the plane of bit 4, float16 scales: 5.5 bits a weight);
+    w6: 3392 bytes per 256 columns (low nibbles, the plane of bits 4-5, int8 sub-scales, float32 d:
+    6.625 bits a weight)."""
     return -(-n // 16) * tile_bytes(fmt, k, group)
 
 
 W5_GROUP = 32  # the one group size of w5 (GGUF Q5_0's block)
+W6_GROUP, W6_SUPER = 16, 256  # w6's group and the columns sharing one d (GGUF Q6_K's sub-block and block)
+PLANE_OFFSETS = {"w5": 16, "w6": 32}  # the code offset of the formats with a plane of high bits
 
 
 def tile_bytes(fmt: str, k: int, group: int) -> int:
@@ -199,6 +219,11 @@ def tile_bytes(fmt: str, k: int, group: int) -> int:
         if group != W5_GROUP or k % group:
             raise ValueError(f"w5 weights come in groups of {W5_GROUP} columns, not {group} (k = {k})")
         return k // W5_GROUP * 352
+    if fmt == "w6":
+        if group != W6_GROUP or k % W6_SUPER:
+            raise ValueError(f"w6 weights come in groups of {W6_GROUP} columns and rows of a multiple of "
+                             f"{W6_SUPER}, not group {group}, k = {k}")
+        return k // W6_SUPER * 3392
     return (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)
 
 
@@ -237,6 +262,9 @@ def _pack_rows(qt: QuantizedTensor, out: torch.Tensor) -> None:
     if qt.fmt == "w5":
         _pack_w5(codes, scales, out.view(torch.int32).view(tiles, ng, 88))
         return
+    if qt.fmt == "w6":
+        _pack_w6(codes, scales, szp, out.view(tiles, k // W6_SUPER, 3392))
+        return
     words = codes.contiguous().view(torch.int32)  # [n_pad, k // 4]: 4 columns a word
     dst = out.view(torch.int32).view(tiles, ng, -1)  # per tile and group: weight words, then 16 scale words
     if qt.fmt == "w4":
@@ -267,3 +295,25 @@ def _pack_w5(codes: torch.Tensor, scales: torch.Tensor, dst: torch.Tensor) -> No
     dst[:, :, 64:80] = plane.to(torch.uint8).contiguous().view(torch.int32).view(tiles, ng, 16)
     sc = scales.half().view(tiles, 16, ng).permute(0, 2, 1).contiguous().view(torch.int32)  # [tiles, ng, 8]
     dst[:, :, 80:] = sc
+
+
+def _pack_w6(codes: torch.Tensor, scales: torch.Tensor, d: torch.Tensor, dst: torch.Tensor) -> None:
+    """w6 rows (whole tiles, [n_pad, k]; d [n_pad, k // 256]) into dst uint8 [tiles, super-blocks, 3392]
+    (csrc/qgemm.h): per super-block 16 groups of 2 chunks of low nibbles (w4's chunk order) and the
+    plane of bits 4-5, then the int8 sub-scales scales / d [group][row], then float32 d [row]."""
+    tiles, nsb = dst.shape[:2]
+    c = codes.view(tiles, 16, nsb, 16, 2, 2, 4).to(torch.int32)  # [tile, row, sb, group, chunk cl, nibble h, byte j]
+    low = c & 15
+    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5)  # [tile, sb, group, cl, row, j]
+    # plane byte (row, j): bits 2cl..2cl+1 from chunk cl's low-nibble code, 4 + 2cl.. from its high-nibble one
+    shift = (2 * torch.arange(2).view(2, 1, 1) + 4 * torch.arange(2).view(1, 2, 1)).to(torch.int32)
+    plane = ((c >> 4) << shift).sum(dim=(4, 5)).permute(0, 2, 3, 1, 4)  # [tile, sb, group, row, j]
+    groups = torch.cat([nibbles.reshape(tiles, nsb, 16, 128), plane.reshape(tiles, nsb, 16, 64)], dim=-1)
+    dst[:, :, :3072] = groups.to(torch.uint8).reshape(tiles, nsb, 3072)
+    df = d.float().view(tiles, 16, nsb)
+    safe = torch.where(df == 0, torch.ones_like(df), df).repeat_interleave(16, dim=2)
+    sc = scales.float().view(tiles, 16, -1) / safe
+    sc = torch.where(df.repeat_interleave(16, dim=2) == 0, torch.zeros_like(sc), sc)
+    sc = sc.to(torch.int8).view(tiles, 16, nsb, 16).permute(0, 2, 3, 1)  # [tile, sb, group, row]
+    dst[:, :, 3072:3328] = sc.contiguous().view(torch.uint8).reshape(tiles, nsb, 256)
+    dst[:, :, 3328:] = df.permute(0, 2, 1).contiguous().view(torch.uint8).reshape(tiles, nsb, 64)

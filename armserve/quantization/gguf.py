@@ -8,7 +8,7 @@ float detour.
     Q8_0  (32 per block: d, int8 q; w = d * q)                  -> w8, group 32
     Q5_0  (32 per block: d, 5-bit q; w = d * (q - 16))         -> w5, group 32
     Q6_K  (256 per super-block, 16 sub-blocks of 16 with int8 scales, 6-bit q;
-           w = d * sc * (q - 32))                               -> w8, group 16
+           w = d * sc * (q - 32))                               -> w6, group 16 (d per 256 in szp)
 Layouts follow llama.cpp's ggml-common.h block structs (read for the bit positions only).
 Other types are not converted (the caller dequantizes them to float).
 
@@ -29,7 +29,7 @@ from armserve.quantization.formats import QuantizedTensor
 GGUF_ROW_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
 # armserve format and group each converted type becomes (the converters below)
 GGUF_FORMATS = {"Q4_0": ("w4", 32), "Q4_1": ("w4", 32), "Q4_K": ("w4", 32), "Q5_0": ("w5", 32), "Q8_0": ("w8", 32),
-                "Q6_K": ("w8", 16)}
+                "Q6_K": ("w6", 16)}
 
 
 @dataclass
@@ -154,9 +154,11 @@ def _q6_k(data: np.ndarray) -> QuantizedTensor:
         (lo_b & 15) | (((qh >> 2) & 3) << 4),
         (lo_a >> 4) | (((qh >> 4) & 3) << 4),
         (lo_b >> 4) | (((qh >> 6) & 3) << 4),
-    ], axis=3).astype(np.int16) - 32  # [rows, blocks, 2 halves, 4 runs, 32]
-    q = q.reshape(*b.shape[:2], 256).astype(np.int8)
-    return _w8(q, d[..., None] * sc, 16)
+    ], axis=3)  # [rows, blocks, 2 halves, 4 runs, 32], codes 0..63
+    # held as w6, 6.625 bits a weight as in the file (w8 took 10), computed bit for bit as w8 computed
+    # the same blocks: d * sc is exact in float32
+    u = q.reshape(*b.shape[:2], 256)
+    return QuantizedTensor("w6", _rows(u, np.uint8), _rows(d[..., None] * sc, np.float32), _rows(d, np.float32), 16)
 
 
 def _w4(u: np.ndarray, scale: np.ndarray, szp: np.ndarray, group: int) -> QuantizedTensor:

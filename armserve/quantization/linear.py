@@ -111,7 +111,7 @@ class QuantizedLinear(nn.Module):
             def cat(ts: list[torch.Tensor]) -> torch.Tensor:
                 return ts[0] if len(ts) == 1 else torch.cat(ts)  # (one shard: no copy)
 
-            szp = cat([q.szp for q in run]) if fmt == "w4" else None
+            szp = cat([q.szp for q in run]) if run[0].szp is not None else None  # (w4; w6's d)
             qt = kernel_scales(QuantizedTensor(fmt, cat([q.codes for q in run]), cat([q.scales for q in run]), szp,
                                                group))
             del run
