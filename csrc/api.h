@@ -108,14 +108,18 @@ void armserve_gemm_w5(int32_t dtype, void* out, const int8_t* q, const float* as
                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);  // group 32
 void armserve_gemm_w6(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);  // group 16
+// (k / group even)
+void armserve_gemm_w8h(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo);
 // codes [n, k] (fmt 0 = w4: uint8 0..15, 1 = w8: int8, 3 = w5: uint8 0..31, group 32, 4 = w6: uint8
-// 0..63, group 16) and float32 scales [n, k / group] (w4: and szp, the same shape; w6: `szp` is d
-// [n, k / 256], and scales / d are the int8 sub-scales) -> the packed tiles the GEMMs above read
-// (formats.py `pack` is the reference), at load.
+// 0..63, group 16, 5 = w8h: int8, scales float16 values, k / group even) and float32 scales
+// [n, k / group] (w4: and szp, the same shape; w6: `szp` is d [n, k / 256], and scales / d are the
+// int8 sub-scales) -> the packed tiles the GEMMs above read (formats.py `pack` is the reference),
+// at load.
 void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const float* szp, int64_t n, int64_t k,
                      int64_t group, void* packed);
 // Token embedding rows of a quantized table held in the packed tiles above (fmt 0 = w4, 1 = w8,
-// 3 = w5, 4 = w6; n rows, k columns, `group` columns per scale): out [m, k] (dtype) row i =
+// 3 = w5, 4 = w6, 5 = w8h; n rows, k columns, `group` columns per scale): out [m, k] (dtype) row i =
 // dequant(W)[ids[i] - start], or zeros where ids[i] - start is outside [0, n) (a tensor-parallel
 // rank's vocabulary share). Only the rows asked for are dequantized: w4 as float(u) * s - szp, w8 as
 // float(q) * s (w5, w6: float(u - offset) * s), in float32, then rounded to dtype
@@ -134,7 +138,7 @@ void armserve_gguf_embedding(int32_t type, int32_t dtype, void* out, const void*
 // Mixture-of-Experts MLP of one layer (moe_impl.h): out [T, hidden] float32 = the sum over j < top_k
 // of weights[t, j] * E_{ids[t, j]}(x[t]), with E(x) = down(silu(gate(x)) * up(x)). Per expert e,
 // gate[e] and up[e] ([inter, hidden] each) and down[e] ([hidden, inter]) point at w4 (fmt 0), w8
-// (fmt 1), w5 (fmt 3) or w6 (fmt 4) tiles of qgemm.h (groups group_gu and group_dn), or at bf16
+// (fmt 1), w5 (fmt 3), w6 (fmt 4) or w8h (fmt 5) tiles of qgemm.h (groups group_gu and group_dn), or at bf16
 // blocks packed for the dense GEMM (fmt 2, dense_gemm.h; x bf16): the first tile / block of that
 // projection, which may lie inside a fused gate_up weight. inter a multiple of 16; ids in
 // [0, num_experts); top_k <= 64.
@@ -151,7 +155,7 @@ void armserve_gemm_bf16(int32_t out_dtype, void* out, const void* x, const void*
                         int64_t k, int64_t ldo);
 // w [n, k] bf16 -> packed [ceil(n / 16)][ceil(k / 2)][16][2], zero-padded.
 void armserve_pack_bf16(const void* w, int64_t n, int64_t k, void* packed);
-// The same GEMM on quantized weights (the packed tiles of qgemm.h: fmt 0 = w4, 1 = w8, 3 = w5, 4 = w6, `group`
+// The same GEMM on quantized weights (the packed tiles of qgemm.h: fmt 0 = w4, 1 = w8, 3 = w5, 4 = w6, 5 = w8h, `group`
 // columns per scale), dequantized to bf16 one column panel at a time, against bf16 activations:
 // the prefill path of the quantized layers (the w4a8 / w8a8 GEMM keeps the few-row steps).
 void armserve_gemm_q_bf16(int32_t fmt, int32_t out_dtype, void* out, const void* x, const void* wq, int64_t m,
@@ -237,7 +241,8 @@ const char* armserve_signature(const char* name);
   X(armserve_qembedding)                                                                                       \
   X(armserve_gguf_embedding)                                                                                   \
   X(armserve_gemm_w5)                                                                                          \
-  X(armserve_gemm_w6)
+  X(armserve_gemm_w6)                                                                                          \
+  X(armserve_gemm_w8h)
 
 // Everything Python binds (armserve/kernels/library.py asks for this list and each signature).
 #define ARMSERVE_EXPORTS(X)                                                                                    \

@@ -89,20 +89,28 @@ static inline void* wbuf(int64_t bytes) { return tbuf(1, bytes); }
 // low nibble of byte j and column j + 4 in its high nibble; w8: 4 columns, one byte each), w5's /
 // w6's plane of the high bits, then the scales (w4: float16 s[16], s * zero[16]; w8: float32 s[16];
 // w5: float16 s[16]; w6: per super-block of 16 groups, int8 sub-scales and float32 d after the
-// groups, s = d * sc). Loops run over the 16 rows innermost, which the TU's flags vectorise: a row
-// is a lane of the dot instructions.
+// groups, s = d * sc; w8h: w8's chunks, float16 s[16] of a pair of groups after the pair). Loops
+// run over the 16 rows innermost, which the TU's flags vectorise: a row is a lane of the dot
+// instructions.
 static inline void dequant_block(int32_t fmt, const uint8_t* wq, int64_t t, int64_t k, int64_t group, uint16_t* dst) {
-  const bool w4 = fmt == 0, w5 = fmt == 3, w6 = fmt == 4, nib = w4 || w5 || w6, plane = w5 || w6;
+  const bool w4 = fmt == 0, w5 = fmt == 3, w6 = fmt == 4, w8h = fmt == 5, nib = w4 || w5 || w6, plane = w5 || w6;
   const int64_t ng = k / group, per = nib ? 8 : 4, chunks = group / per;
-  const int64_t planes = plane ? 64 : 0, gbytes = chunks * 64 + planes + (w6 ? 0 : w5 ? 32 : 64);
+  const int64_t planes = plane ? 64 : 0, gbytes = chunks * 64 + planes + (w6 ? 0 : w5 || w8h ? 32 : 64);
   const int bits = w6 ? 2 : 1, offset = w6 ? 32 : 16;
   const uint8_t* tile = wq + t * (w6 ? k / 256 * 3392 : ng * gbytes);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);  // one (even, odd) column pair per weight row
   for (int64_t g = 0; g < ng; ++g) {
-    const uint8_t* gp = w6 ? tile + (g >> 4) * 3392 + (g & 15) * gbytes : tile + g * gbytes;
+    // (w8h: a pair of groups' chunks, then their two scale halves)
+    const uint8_t* gp = w6    ? tile + (g >> 4) * 3392 + (g & 15) * gbytes
+                        : w8h ? tile + (g >> 1) * 2 * gbytes + (g & 1) * chunks * 64
+                              : tile + g * gbytes;
     float s[16], z[16];
     uint32_t pw[16] = {};  // w5 / w6: row r's 4 plane bytes (qgemm.h)
-    if (w6) {
+    if (w8h) {
+      uint16_t h[16];
+      std::memcpy(h, tile + (g >> 1) * 2 * gbytes + 2 * chunks * 64 + (g & 1) * 32, 32);
+      for (int r = 0; r < 16; ++r) s[r] = f16_to_f32(h[r]), z[r] = 0.f;
+    } else if (w6) {
       const uint8_t* sb = tile + (g >> 4) * 3392;
       int8_t sc[16];
       std::memcpy(sc, sb + 3072 + (g & 15) * 16, 16);

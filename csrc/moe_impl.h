@@ -95,7 +95,7 @@ struct Moe {
       Q::quantize_act(dtype, x, tokens, hidden, group_gu, xq, xs, xsum);
     }
 
-    // One w4 / w8 / w5 / w6 weight tile over n quantized rows (QKernels::tile_rows).
+    // One w4 / w8 / w5 / w6 / w8h weight tile over n quantized rows (QKernels::tile_rows).
     auto qtile = [&](char* o, int64_t ldo, const int8_t* q, const float* s, const int32_t* sum, const int32_t* idx,
                      int64_t n, const uint8_t* wt, int cols, int64_t k, int64_t group) {
       if (fmt == kW4)
@@ -104,6 +104,8 @@ struct Moe {
         Q::template tile_rows<kW5>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
       else if (fmt == kW6)
         Q::template tile_rows<kW6>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
+      else if (fmt == kW8H)
+        Q::template tile_rows<kW8H>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
       else
         Q::template tile_rows<kW8>(dtype, o, ldo, q, s, sum, idx, n, wt, cols, k, group);
     };

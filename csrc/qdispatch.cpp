@@ -74,6 +74,11 @@ void armserve_gemm_w6(int32_t dtype, void* out, const int8_t* q, const float* as
   qtable()->gemm_w6(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
 }
 
+void armserve_gemm_w8h(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+  qtable()->gemm_w8h(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
+}
+
 void armserve_fused_moe(int32_t fmt, int32_t dtype, float* out, const void* x, int64_t tokens, int64_t hidden,
                         int64_t inter, int32_t top_k, const int64_t* ids, const float* weights, int32_t num_experts,
                         const void* const* gate, const void* const* up, const void* const* down, int64_t group_gu,
@@ -147,12 +152,13 @@ static void pack_w6(const uint8_t* c, const float* scales, const float* d, int64
   }
 }
 
-// codes [n, k] (w4: uint8 0..15, w8: int8, w5: uint8 0..31, w6: uint8 0..63), scales (and w4's szp) float32 [n, k / group] ->
-// the packed tiles of qgemm.h (formats.py `pack` is the PyTorch reference): per 16-row tile and
-// group, the weight words (w4: 4 bytes a row per 8 columns, byte j = u[8c + j] | u[8c + 4 + j] << 4;
+// codes [n, k] (w4: uint8 0..15, w8 and w8h: int8, w5: uint8 0..31, w6: uint8 0..63), scales (and
+// w4's szp) float32 [n, k / group] -> the packed tiles of qgemm.h (formats.py `pack` is the PyTorch
+// reference): per 16-row tile and group, the weight words (w4: 4 bytes a row per 8 columns, byte j = u[8c + j] | u[8c + 4 + j] << 4;
 // w8: 4 codes a row per 4 columns), then 64 bytes of scales (w4: 16 float16 s, then 16 szp; w8:
-// 16 float32 s). Rows past n are zeros. One pass over the weights at load, where PyTorch's strided
-// copies took seconds a model.
+// 16 float32 s; w8h: per pair of groups, both groups' words, then their 2 x 16 float16 s). Rows past
+// n are zeros. One pass over the weights at load, where PyTorch's strided copies took seconds a
+// model.
 void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const float* szp, int64_t n, int64_t k,
                      int64_t group, void* packed) {
   const auto* c = static_cast<const uint8_t*>(codes);
@@ -163,6 +169,25 @@ void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const 
   const int64_t chunk = fmt == 0 ? 8 : 4;  // columns per 4-byte word
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t gi = 0; gi < ng; ++gi) {
+      if (fmt == 5) {  // w8h: a pair of groups' words, then both groups' float16 scales
+        if (gi % 2) continue;
+        for (int64_t cc = gi * group; cc < (gi + 2) * group; cc += 4)
+          for (int64_t r = 0; r < 16; ++r, out += 4) {
+            const int64_t row = t * 16 + r;
+            if (row >= n)
+              std::memset(out, 0, 4);
+            else
+              std::memcpy(out, c + row * k + cc, 4);
+          }
+        for (int64_t h = 0; h < 2; ++h)
+          for (int64_t r = 0; r < 16; ++r) {
+            const int64_t row = t * 16 + r;
+            const uint16_t hs = armserve_conv::f32_to_f16(row < n ? scales[row * ng + gi + h] : 0.0f);
+            std::memcpy(out + 32 * h + 2 * r, &hs, 2);
+          }
+        out += 64;
+        continue;
+      }
       for (int64_t cc = gi * group; cc < (gi + 1) * group; cc += chunk) {
         for (int64_t r = 0; r < 16; ++r, out += 4) {
           const int64_t row = t * 16 + r;

@@ -44,6 +44,11 @@
 //       192 * (g % 16); its sub-scales at 3392 * (g / 16) + 3072 + 16 * (g % 16), d at + 3328.
 //       s = d * sc is exact in float32 (11 by 8 significant bits): the W8 tiles of the same Q6_K
 //       blocks stored it; with sum(u a) - 32 (code sum) the GEMM returns their outputs bit for bit.
+//   W8H: W8 with float16 scales (GGUF Q8_0's d is one: 8.5 bits a weight, W8 took 9), for an even
+//       number of groups: the scales of groups 2p and 2p + 1 share one 64-byte block after both
+//       groups' chunks (16 float16 s of group 2p, then 16 of 2p + 1). Chunk c of group g at
+//       64 * (c + g / 2), the scales of pair p at 64 * ((p + 1) * 2 * G / 4 + p). The same sums and
+//       float ops as W8: bit for bit W8's outputs for the same codes and scales.
 #pragma once
 #include <cstdint>
 
@@ -59,6 +64,7 @@ struct QKernelTable {  // member types from the exported functions (api.h)
   decltype(&armserve_gemm_w8) gemm_w8;
   decltype(&armserve_gemm_w5) gemm_w5;
   decltype(&armserve_gemm_w6) gemm_w6;
+  decltype(&armserve_gemm_w8h) gemm_w8h;
   decltype(&armserve_fused_moe) fused_moe;  // moe_impl.h: the experts' GEMMs and SiLU of this variant
   decltype(&armserve_qembedding) qembedding;  // rows of a packed table, dequantized (qgemm_impl.h)
   decltype(&armserve_gguf_embedding) gguf_embedding;  // rows of a GGUF table as stored (gguf_rows.h)

@@ -12,6 +12,8 @@ using armserve::load4;
 using armserve::chunk;
 using armserve::w4_scales;
 using armserve::w8_scales;
+using armserve::w8h_chunk;
+using armserve::w8h_scales;
 using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
@@ -222,7 +224,8 @@ struct QAvx2 : EmbedRowsAvx2 {
     tile_nib<NT, kW6>(wt, q, as, gs, k, group, acc);
   }
 
-  template <int NT>
+  // (H: the W8H layout, float16 scales: the same sums and float ops)
+  template <int NT, bool H = false>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
     (void)gs;
@@ -231,10 +234,12 @@ struct QAvx2 : EmbedRowsAvx2 {
     for (int64_t g = 0; g < k / group; ++g) {
       __m256i ia[NT][2];
       for (int i = 0; i < NT; ++i) ia[i][0] = ia[i][1] = _mm256_setzero_si256();
-      prefetch_ahead(chunk(wt, g * group / 4, g), (group / 4 + 1) * 64);
+      const int64_t c0 = g * group / 4;
+      prefetch_ahead(H ? w8h_chunk(wt, c0, g) : chunk(wt, c0, g), (group / 4 + 1) * 64);
       for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
         for (int h = 0; h < 2; ++h) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk(wt, c, g) + h * 32));
+          const uint8_t* cp = H ? w8h_chunk(wt, c, g) : chunk(wt, c, g);
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + h * 32));
           for (int i = 0; i < NT; ++i) {
             // a * w = |a| * (w * sign(a)): keeps maddubs' unsigned operand within 0..127
             const __m256i a = _mm256_set1_epi32(load4(q[i] + c * 4));
@@ -243,7 +248,9 @@ struct QAvx2 : EmbedRowsAvx2 {
         }
       }
       for (int h = 0; h < 2; ++h) {
-        const __m256 s = _mm256_loadu_ps(w8_scales(wt, g, group) + h * 8);
+        const __m256 s =
+            H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w8h_scales(wt, g, group) + h * 8)))
+              : _mm256_loadu_ps(w8_scales(wt, g, group) + h * 8);
         for (int i = 0; i < NT; ++i)
           facc[i][h] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(as[i][g])), _mm256_cvtepi32_ps(ia[i][h]),
                                        facc[i][h]);
@@ -253,6 +260,11 @@ struct QAvx2 : EmbedRowsAvx2 {
       _mm256_storeu_ps(acc[i], facc[i][0]);
       _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
     }
+  }  template <int NT>
+  static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                       int64_t k, int64_t group, float (*acc)[16]) {
+    tile_w8<NT, true>(wt, q, as, gs, k, group, acc);
   }
+
 };
 }  // namespace

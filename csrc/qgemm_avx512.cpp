@@ -112,7 +112,8 @@ struct QAvx512 : QAvx2 {
     tile_plane<kW6, NT>(wt, q, as, gs, k, acc);
   }
 
-  template <int NT>
+  // (H: the W8H layout, float16 scales: the same sums and float ops)
+  template <int NT, bool H = false>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
     // w * a = (w + 128) * a - 128 a: the weight bytes flipped to unsigned (one xor per chunk, shared
@@ -129,28 +130,36 @@ struct QAvx512 : QAvx2 {
       for (int i = 0; i < NT; ++i) ia[i] = ib[i] = _mm512_setzero_si512();
       int64_t c = g * group / 4;
       const int64_t end = (g + 1) * group / 4;
-      prefetch_ahead(chunk(wt, c, g), (group / 4 + 1) * 64);
+      auto at = [&](int64_t cc) { return H ? w8h_chunk(wt, cc, g) : chunk(wt, cc, g); };
+      prefetch_ahead(at(c), (group / 4 + 1) * 64);
 #pragma GCC unroll 4
       for (; c + 2 <= end; c += 2) {
-        const __m512i b0 = _mm512_xor_si512(_mm512_loadu_si512(chunk(wt, c, g)), flip);
-        const __m512i b1 = _mm512_xor_si512(_mm512_loadu_si512(chunk(wt, c + 1, g)), flip);
+        const __m512i b0 = _mm512_xor_si512(_mm512_loadu_si512(at(c)), flip);
+        const __m512i b1 = _mm512_xor_si512(_mm512_loadu_si512(at(c + 1)), flip);
         for (int i = 0; i < NT; ++i) {
           ia[i] = _mm512_dpbusd_epi32(ia[i], b0, _mm512_set1_epi32(load4(q[i] + c * 4)));
           ib[i] = _mm512_dpbusd_epi32(ib[i], b1, _mm512_set1_epi32(load4(q[i] + c * 4 + 4)));
         }
       }
       if (c < end) {
-        const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(chunk(wt, c, g)), flip);
+        const __m512i b = _mm512_xor_si512(_mm512_loadu_si512(at(c)), flip);
         for (int i = 0; i < NT; ++i) ia[i] = _mm512_dpbusd_epi32(ia[i], b, _mm512_set1_epi32(load4(q[i] + c * 4)));
       }
-      const __m512 s = _mm512_loadu_ps(w8_scales(wt, g, group));
+      const __m512 s =
+          H ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w8h_scales(wt, g, group))))
+            : _mm512_loadu_ps(w8_scales(wt, g, group));
       for (int i = 0; i < NT; ++i) {
         const __m512i isum = _mm512_sub_epi32(_mm512_add_epi32(ia[i], ib[i]), _mm512_set1_epi32(128 * gs[i][g]));
         facc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, _mm512_set1_ps(as[i][g])), _mm512_cvtepi32_ps(isum), facc[i]);
       }
     }
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(acc[i], facc[i]);
+  }  template <int NT>
+  static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                       int64_t k, int64_t group, float (*acc)[16]) {
+    tile_w8<NT, true>(wt, q, as, gs, k, group, acc);
   }
+
 };
 }  // namespace
 

@@ -3,6 +3,7 @@
 //   template <int NT> tile_w8(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
 //   template <int NT> tile_w5(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])   (group 32)
 //   template <int NT> tile_w6(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])   (group 16)
+//   template <int NT> tile_w8h(wt, q[NT], as[NT], gsum[NT], k, group, acc[NT][16])
 // computing, for one 16-row weight tile and NT tokens, the 16 outputs (`as` are each token's
 // per-group activation scales). See qgemm.h for the packed layout. Same anonymous-namespace rule as
 // kernels_impl.h: nothing here may be merged across TUs compiled with different flags.
@@ -35,7 +36,14 @@ static inline const float* w8_scales(const uint8_t* wt, int64_t g, int64_t group
 }
 
 // The packed formats (qgemm.h; 2 is the fused MoE's bf16 blocks, not a qgemm tile).
-enum : int32_t { kW4 = 0, kW8 = 1, kW5 = 3, kW6 = 4 };
+enum : int32_t { kW4 = 0, kW8 = 1, kW5 = 3, kW6 = 4, kW8H = 5 };
+// W8H: W8's chunks with float16 scales, two groups' in one 64-byte block after the pair's chunks
+// (an even number of groups): chunk c of group g at 64 * (c + g / 2).
+static inline const uint8_t* w8h_chunk(const uint8_t* wt, int64_t c, int64_t g) { return chunk(wt, c, g >> 1); }
+static inline const uint16_t* w8h_scales(const uint8_t* wt, int64_t g, int64_t group) {
+  const int64_t p = g >> 1;
+  return reinterpret_cast<const uint16_t*>(wt + ((p + 1) * 2 * (group / 4) + p) * 64 + (g & 1) * 32);
+}
 // W5 (group 32 only): per group 352 bytes: chunks cl = 0..3 of low nibbles, the bit-4 plane, 16 float16 s.
 constexpr int64_t kW5Group = 32, kW5GroupBytes = 352;
 static inline const uint8_t* w5_chunk(const uint8_t* wt, int64_t g, int64_t cl) {
@@ -134,6 +142,16 @@ struct ScalarQ {
     }
   }
 
+  static void row_w8h(const uint8_t* wt, int r, int64_t k, int64_t group, float* out) {
+    for (int64_t g = 0; g < k / group; ++g) {
+      const float s = f16_to_f32(w8h_scales(wt, g, group)[r]);
+      for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
+        const int8_t* b = reinterpret_cast<const int8_t*>(w8h_chunk(wt, c, g)) + r * 4;
+        for (int j = 0; j < 4; ++j) out[c * 4 + j] = float(b[j]) * s;
+      }
+    }
+  }
+
   // W5 / W6 rows as W8 rows of the same blocks: float(u - offset) * s (every variant uses this one:
   // an embedding gathers a few rows a step).
   template <int F>
@@ -175,7 +193,8 @@ struct ScalarQ {
     }
   }
 
-  template <int NT>
+  // (H: the W8H layout, float16 scales: the same integer sums and float ops)
+  template <int NT, bool H = false>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
     (void)gs;
@@ -184,15 +203,21 @@ struct ScalarQ {
     for (int64_t g = 0; g < k / group; ++g) {
       int32_t ia[NT][16] = {};
       for (int64_t c = g * group / 4; c < (g + 1) * group / 4; ++c) {
-        const int8_t* w = reinterpret_cast<const int8_t*>(chunk(wt, c, g));
+        const int8_t* w = reinterpret_cast<const int8_t*>(H ? w8h_chunk(wt, c, g) : chunk(wt, c, g));
         for (int r = 0; r < 16; ++r)
           for (int j = 0; j < 4; ++j)
             for (int i = 0; i < NT; ++i) ia[i][r] += int32_t(w[r * 4 + j]) * q[i][c * 4 + j];
       }
-      const float* s = w8_scales(wt, g, group);
+      float s[16];
+      for (int r = 0; r < 16; ++r) s[r] = H ? f16_to_f32(w8h_scales(wt, g, group)[r]) : w8_scales(wt, g, group)[r];
       for (int i = 0; i < NT; ++i)
         for (int r = 0; r < 16; ++r) acc[i][r] += as[i][g] * s[r] * float(ia[i][r]);
     }
+  }
+  template <int NT>
+  static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                       int64_t k, int64_t group, float (*acc)[16]) {
+    tile_w8<NT, true>(wt, q, as, gs, k, group, acc);
   }
 
   // sum(u * a) - offset * sum(a) = sum((u - offset) * a) exactly, then tile_w8's float ops (qgemm.h
@@ -302,6 +327,8 @@ struct QKernels {
       IsaQ::template tile_w5<NT>(wt, q, as, gs, k, group, acc);
     else if constexpr (F == kW6)
       IsaQ::template tile_w6<NT>(wt, q, as, gs, k, group, acc);
+    else if constexpr (F == kW8H)
+      IsaQ::template tile_w8h<NT>(wt, q, as, gs, k, group, acc);
     else
       IsaQ::template tile_w8<NT>(wt, q, as, gs, k, group, acc);
   }
@@ -349,6 +376,7 @@ struct QKernels {
   static int64_t tile_bytes(int32_t fmt, int64_t k, int64_t group) {
     if (fmt == kW5) return k / kW5Group * kW5GroupBytes;
     if (fmt == kW6) return k / kW6Super * kW6SuperBytes;
+    if (fmt == kW8H) return 16 * k + 32 * (k / group);
     return (fmt == kW4 ? 8 * k : 16 * k) + 64 * (k / group);
   }
 
@@ -379,6 +407,11 @@ struct QKernels {
     gemm<kW6>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
   }
 
+  static void gemm_w8h(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
+                       const uint8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
+    gemm<kW8H>(dtype, out, q, ascale, agsum, w, m, n, k, group, ldo);
+  }
+
   static void gemm_w8(int32_t dtype, void* out, const int8_t* q, const float* ascale, const int32_t* agsum,
                       const int8_t* w, int64_t m, int64_t n, int64_t k, int64_t group, int64_t ldo) {
     gemm<kW8>(dtype, out, q, ascale, agsum, reinterpret_cast<const uint8_t*>(w), m, n, k, group, ldo);
@@ -405,6 +438,8 @@ struct QKernels {
         ScalarQ::row_plane<kW5>(wt, int(r % 16), k, row);
       else if (fmt == kW6)
         ScalarQ::row_plane<kW6>(wt, int(r % 16), k, row);
+      else if (fmt == kW8H)
+        ScalarQ::row_w8h(wt, int(r % 16), k, group, row);
       else
         IsaQ::row_w8(wt, int(r % 16), k, group, row);
       Isa::store(dtype, row, o, k);
@@ -430,8 +465,8 @@ struct QKernels {
   }
 
   static const QKernelTable* table(const char* name) {
-    static const QKernelTable t = {name,    quantize_act, gemm_w4,    gemm_w8,       gemm_w5,
-                                   gemm_w6, Moe<Isa, IsaQ>::run, qembedding, gguf_embedding};
+    static const QKernelTable t = {name,    quantize_act,        gemm_w4,    gemm_w8,       gemm_w5, gemm_w6,
+                                   gemm_w8h, Moe<Isa, IsaQ>::run, qembedding, gguf_embedding};
     return &t;
   }
 };

@@ -9,6 +9,8 @@ using armserve::load4;
 using armserve::chunk;
 using armserve::w4_scales;
 using armserve::w8_scales;
+using armserve::w8h_chunk;
+using armserve::w8h_scales;
 using armserve::w5_chunk;
 using armserve::w5_plane;
 using armserve::w5_scales;
@@ -130,7 +132,7 @@ struct QNeon {
                       int64_t k, int64_t group, float (*acc)[16]) {
     tile_nib<NT, kW4>(wt, q, as, gs, k, group, acc);
   }
-  // (the i8mm variant too: its SMMLA tiles are W4 / W8 only, and the folds agree bit for bit; W6 alike)
+  // (the i8mm variant too: its SMMLA tiles are W4 / W8 only, and the folds agree bit for bit; W6, W8H alike)
   template <int NT>
   static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
@@ -142,7 +144,8 @@ struct QNeon {
     tile_nib<NT, kW6>(wt, q, as, gs, k, group, acc);
   }
 
-  template <int NT>
+  // (H: the W8H layout, float16 scales: the same sums and float ops)
+  template <int NT, bool H = false>
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
     (void)gs;  // signed x signed: no offset to correct
@@ -157,18 +160,26 @@ struct QNeon {
         int8x16_t a[NT];
         for (int i = 0; i < NT; ++i) a[i] = vreinterpretq_s8_s32(vdupq_n_s32(load4(q[i] + c * 4)));
         for (int h = 0; h < 4; ++h) {
-          const int8x16_t w = vld1q_s8(reinterpret_cast<const int8_t*>(chunk(wt, c, g)) + h * 16);
+          const uint8_t* cp = H ? w8h_chunk(wt, c, g) : chunk(wt, c, g);
+          const int8x16_t w = vld1q_s8(reinterpret_cast<const int8_t*>(cp) + h * 16);
           for (int i = 0; i < NT; ++i) ia[i][h] = vdotq_s32(ia[i][h], w, a[i]);
         }
       }
       for (int h = 0; h < 4; ++h) {
-        const float32x4_t s = vld1q_f32(w8_scales(wt, g, group) + h * 4);
+        const float32x4_t s =
+            H ? vcvt_f32_f16(vld1_f16(reinterpret_cast<const float16_t*>(w8h_scales(wt, g, group)) + h * 4))
+              : vld1q_f32(w8_scales(wt, g, group) + h * 4);
         for (int i = 0; i < NT; ++i) facc[i][h] = vfmaq_f32(facc[i][h], vmulq_n_f32(s, as[i][g]), vcvtq_f32_s32(ia[i][h]));
       }
     }
     for (int i = 0; i < NT; ++i)
       for (int h = 0; h < 4; ++h) vst1q_f32(acc[i] + h * 4, facc[i][h]);
+  }  template <int NT>
+  static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                       int64_t k, int64_t group, float (*acc)[16]) {
+    tile_w8<NT, true>(wt, q, as, gs, k, group, acc);
   }
+
 };
 
 // i8mm (Graviton3/4, Grace, Neoverse N2/V1): SMMLA multiplies a 2x8 int8 matrix (2 tokens x 8

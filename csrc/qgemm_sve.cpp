@@ -19,6 +19,9 @@ using armserve::kW4;
 using armserve::kW5;
 using armserve::kW6;
 using armserve::kW8;
+using armserve::kW8H;
+using armserve::w8h_chunk;
+using armserve::w8h_scales;
 
 struct QSve {
   // One table row dequantized (qgemm_impl.h ScalarQ has the reference and the rules): its codes,
@@ -88,17 +91,19 @@ struct QSve {
   static inline const uint8_t* chunk_at(const uint8_t* wt, int64_t c, int64_t g, int64_t c0) {
     if constexpr (F == kW5 || F == kW6)
       return Plane<F>::chunk(wt, g, c - c0);
+    else if constexpr (F == kW8H)
+      return w8h_chunk(wt, c, g);
     else
       return chunk(wt, c, g);
   }
 
-  // F: kW4, kW8, kW5 (group 32) or kW6 (group 16; W5 and W6: W4's loop with the high bits from the
-  // plane, W8's fold after the integer dot of (u - offset) and a).
+  // F: kW4, kW8, kW8H (W8's loop, float16 scales), kW5 (group 32) or kW6 (group 16; W5 and W6:
+  // W4's loop with the high bits from the plane, W8's fold after the integer dot of (u - offset) and a).
   template <int F, int NT>
   static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as,
                       const int32_t* const* gs, int64_t k,
                    int64_t group, float (*acc)[16]) {
-    constexpr bool W4 = F == kW4, PL = F == kW5 || F == kW6, NIB = F != kW8;
+    constexpr bool W4 = F == kW4, PL = F == kW5 || F == kW6, NIB = F != kW8 && F != kW8H;
     constexpr int kOffset = F == kW6 ? 32 : 16;  // (W5, W6)
     const int64_t vb = svcntb() < 64 ? int64_t(svcntb()) : 64;  // bytes of a chunk per piece
     const svbool_t p8 = svwhilelt_b8(int64_t(0), vb);
@@ -170,7 +175,10 @@ struct QSve {
           s = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h)));
           if (W4) z = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, h + 16)));
         } else {
-          s = svld1_f32(p32, w8_scales(wt, g, group) + piece / 4);
+          if constexpr (F == kW8H)
+            s = svcvt_f32_f16_x(p32, svreinterpret_f16_u32(svld1uh_u32(p32, w8h_scales(wt, g, group) + piece / 4)));
+          else
+            s = svld1_f32(p32, w8_scales(wt, g, group) + piece / 4);
           z = svdup_f32(0.f);  // unused: signed x signed needs no offset
         }
 #define ARMSERVE_FOLD(I, ACC, F)                                                     \
@@ -198,6 +206,11 @@ struct QSve {
   static void tile_w8(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                       int64_t k, int64_t group, float (*acc)[16]) {
     tile<kW8, NT>(wt, q, as, gs, k, group, acc);
+  }
+  template <int NT>
+  static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
+                       int64_t k, int64_t group, float (*acc)[16]) {
+    tile<kW8H, NT>(wt, q, as, gs, k, group, acc);
   }
   template <int NT>
   static void tile_w5(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,

@@ -73,19 +73,29 @@ def q6_k_blocks(w: np.ndarray) -> np.ndarray:
                            d.view(np.uint8).reshape(rows, -1, 2)], axis=-1).reshape(rows, -1)
 
 
+def random_w8h(n: int, k: int, group: int) -> QuantizedTensor:
+    """w8 with float16-valued scales (GGUF Q8_0's d), as w8h."""
+    qt = random_w8(n, k, group)
+    return QuantizedTensor("w8h", qt.codes, qt.scales.half().float(), None, group)
+
+
 def random_q(fmt: str, n: int, k: int, g: int, symmetric: bool) -> QuantizedTensor:
     if fmt == "w4":
         return quantize_weight(torch.randn(n, k), g, symmetric=symmetric)
     if fmt == "w6":
         return random_w6(n, k)
+    if fmt == "w8h":
+        return random_w8h(n, k, g)
     return random_w8(n, k, g) if fmt == "w8" else random_w5(n, k)
 
 
 def fits(fmt: str, g: int, k: int = 256) -> bool:
     """Whether the format takes groups of g columns and rows of k (w4: whole 8-column chunks; w5:
-    Q5_0's 32; w6: Q6_K's 16, rows of whole 256-column blocks)."""
+    Q5_0's 32; w6: Q6_K's 16, rows of whole 256-column blocks; w8h: an even number of groups)."""
     if fmt == "w6":
         return g == 16 and k % 256 == 0
+    if fmt == "w8h":
+        return k % (2 * g) == 0
     return g % 8 == 0 if fmt == "w4" else (g == 32 if fmt == "w5" else True)
 
 
@@ -103,7 +113,7 @@ if SMALL:
     SHAPES = [(1, 20, 64, 32), (5, 17, 64, 16), (1, 16, 72, 24), (2, 17, 96, 32)]
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6", "w8h"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_qgemm_matches_reference(isa, fmt, dtype):
     torch.manual_seed(0)
@@ -125,7 +135,7 @@ def test_qgemm_matches_reference(isa, fmt, dtype):
         assert torch.all(out[:, :3] == 7) and torch.all(out[:, 3 + n:] == 7), "wrote outside its columns"
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6", "w8h"])
 def test_qgemm_row_alone_equals_row_among_others(isa, fmt):
     """Each row of an m-row product is the same bits as that row alone, for every row count the
     tiles take differently (1-9 tokens and more): a speculative verify step's rows must equal
@@ -148,19 +158,22 @@ def test_qgemm_row_alone_equals_row_among_others(isa, fmt):
                 assert torch.equal(out, alone[:m]), (fmt, m, n, k, dtype)
 
 
-@pytest.mark.parametrize("fmt", ["w5", "w6"])
-def test_plane_format_gemm_equals_w8_of_the_same_blocks(isa, fmt):
-    """w5 / w6 (GGUF Q5_0 / Q6_K at 5.5 / 6.625 bits a weight) give bit for bit what the w8 tiles of
-    the same blocks gave (the int8 path they took before): 1 to 9 tokens (each tile width: AVX2 takes
-    5-8 w5 tokens in one pass, 9 as 8 + 1), every dtype."""
+@pytest.mark.parametrize("fmt", ["w5", "w6", "w8h"])
+def test_compact_format_gemm_equals_w8_of_the_same_blocks(isa, fmt):
+    """w5 / w6 / w8h (GGUF Q5_0 / Q6_K / Q8_0 at 5.5 / 6.625 / 8.5 bits a weight) give bit for bit
+    what the w8 tiles (float32 scales) of the same blocks gave (the int8 path they took before): 1
+    to 9 tokens (each tile width: AVX2 takes 5-8 w5 tokens in one pass, 9 as 8 + 1), every dtype."""
     torch.manual_seed(6)
-    g = 32 if fmt == "w5" else 16
+    g = {"w5": 32, "w6": 16, "w8h": 32}[fmt]
     for m, n, k in [(1, 40, 256), (2, 17, 512), (3, 33, 256), (4, 16, 256), (5, 20, 768), (6, 17, 256),
                     (8, 33, 256), (9, 20, 512)]:
-        qt = random_w5(n, k) if fmt == "w5" else random_w6(n, k)
-        w8 = plane_as_w8(qt)
-        mine = qt.as_w8()  # (what a tensor-parallel split inside a Q6_K block falls back to)
-        assert mine.fmt == "w8" and torch.equal(mine.codes, w8.codes) and torch.equal(mine.scales, w8.scales)
+        qt = {"w5": random_w5, "w6": random_w6}[fmt](n, k) if fmt != "w8h" else random_w8h(n, k, g)
+        if fmt == "w8h":
+            w8 = QuantizedTensor("w8", qt.codes, qt.scales, None, g)
+        else:
+            w8 = plane_as_w8(qt)
+            mine = qt.as_w8()  # (what a tensor-parallel split inside a Q6_K block falls back to)
+            assert mine.fmt == "w8" and torch.equal(mine.codes, w8.codes) and torch.equal(mine.scales, w8.scales)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.randn(m, k).to(dtype)
             acts = kernels.quantize_act(x, g)
@@ -170,7 +183,7 @@ def test_plane_format_gemm_equals_w8_of_the_same_blocks(isa, fmt):
             assert torch.equal(got, want), (m, n, k, dtype)
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6", "w8h"])
 def test_qgemm_dense_matches_reference(isa, fmt):
     """The prefill path of quantized layers: the weight dequantized to bf16 panel by panel for the
     dense GEMM's tiles (with the bf16 dot instruction where the variant has one, and without; on
@@ -243,8 +256,9 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
 
 def test_q5_0_gguf_stays_w5_and_equals_the_int8_path(tiny_llama, tmp_path, monkeypatch):
     """A GGUF's Q5_0 tensors (here q, gate, up and the token table, which is also the LM head) load
-    as w5 (5.5 bits a weight) and the model's log-probabilities are, bit for bit, those of the
-    same file loaded the way Q5_0 was before (int8 tiles), prefill rows and decode steps alike."""
+    as w5 (5.5 bits a weight), its Q8_0 ones as w8h (8.5), and the model's log-probabilities are,
+    bit for bit, those of the same file loaded the way they were before (int8 tiles with float32
+    scales), prefill rows and decode steps alike."""
     from armserve.quantization import gguf
     from test_engine import tiny
     from test_tp import write_llama_gguf
@@ -266,13 +280,21 @@ def test_q5_0_gguf_stays_w5_and_equals_the_int8_path(tiny_llama, tmp_path, monke
         return fmts, outs
 
     fmts, w5 = run()
-    assert set(fmts) == {"w5", "w8"}
+    assert set(fmts) == {"w5", "w8h", "w8"}  # (w8h: the Q8_0 tensors; w8: k, a float tensor beside q and v)
     monkeypatch.setitem(gguf._CONVERTERS, "Q5_0", lambda data: plane_as_w8(gguf._q5_0(data)))
     fmts8, w8 = run()
-    assert set(fmts8) == {"w8"}
+    assert set(fmts8) == {"w8h", "w8"}
     assert w5 == w8
     # the Q5_0 layers' bytes: 5.5 bits a weight where w8 took 9
     assert fmts["w5"] * 9 == (fmts8["w8"] - fmts["w8"]) * 5.5
+    # and the Q8_0 ones (w8h: float16 scales, 8.5 bits a weight) as w8 with float32 scales: the same bits
+    q8 = gguf._q8_0
+    monkeypatch.setitem(gguf._CONVERTERS, "Q8_0",
+                        lambda data: QuantizedTensor("w8", q8(data).codes, q8(data).scales, None, 32))
+    fmts88, w88 = run()
+    assert set(fmts88) == {"w8"}
+    assert w88 == w5
+    assert fmts["w8h"] * 9 == (fmts88["w8"] - fmts8["w8"]) * 8.5
 
 
 def test_q6_k_gguf_stays_w6_and_equals_the_int8_path(tokenizer_dir, tmp_path, monkeypatch):
@@ -348,7 +370,7 @@ def test_quantized_linear_with_mixed_shards(isa):
     torch.testing.assert_close(layer(x), want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("fmt", ["w8", "w4", "w5", "w6"])
+@pytest.mark.parametrize("fmt", ["w8", "w4", "w5", "w6", "w8h"])
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernels", "pytorch"])
 def test_a_layer_keeps_some_row_tiles_bit_for_bit(isa, fmt, kernel, monkeypatch):
     """keep_row_tiles (a draft model's LM head over part of the vocabulary): the kept rows' outputs
@@ -438,7 +460,7 @@ def test_gguf_blocks_convert_exactly(name):
         raw = quantize(rng.standard_normal((6, 512)).astype(np.float32), qtype)
     qt = convert(name, raw)
     want = dequantize(raw, qtype)
-    assert qt.fmt == {"Q5_0": "w5", "Q8_0": "w8", "Q6_K": "w6"}.get(name, "w4")
+    assert qt.fmt == {"Q5_0": "w5", "Q8_0": "w8h", "Q6_K": "w6"}.get(name, "w4")
     np.testing.assert_array_equal(qt.dequantize().numpy(), want)
     if name == "Q6_K":  # the test's own Q6_K writer (used below) against the gguf package's reading
         w = rng.standard_normal((6, 512)).astype(np.float32)
@@ -448,7 +470,7 @@ def test_gguf_blocks_convert_exactly(name):
         np.testing.assert_array_equal(convert(name, blocks).dequantize().numpy(), got)
 
 
-@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6"])
+@pytest.mark.parametrize("fmt", ["w4", "w8", "w5", "w6", "w8h"])
 def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
     """The layers' C++ pack (kernels.pack_q) and the reference `pack`, which works in row chunks,
     both equal one pass of the reference over all rows; the qgemm tests above check that layout
@@ -461,6 +483,8 @@ def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
             n, k, g = 21, 96, 32
         if fmt == "w6":
             n, k, g = (n, k, 16) if k % 256 == 0 else (21, 256, 16)
+        if fmt == "w8h" and k // g % 2:
+            n, k, g = 21, 192, 96
         qt = (quantize_weight(torch.randn(n, k), g, symmetric=False, search=False) if fmt == "w4"
               else random_q(fmt, n, k, g, False))
         one = torch.empty(packed_bytes(fmt, n, k, g), dtype=torch.uint8)
@@ -473,7 +497,8 @@ def test_pack_kernel_and_row_chunks_equal_one_pass(fmt):
 
 
 @pytest.mark.parametrize("fmt,group,exact", [("w4", 32, False), ("w4", 32, True), ("w4", 64, True), ("w8", 32, False),
-                                             ("w8", 16, False), ("w5", 32, False), ("w6", 16, False)])
+                                             ("w8", 16, False), ("w5", 32, False), ("w6", 16, False),
+                                             ("w8h", 32, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_qembedding_matches_reference(isa, fmt, group, exact, dtype):
     torch.manual_seed(0)

@@ -64,11 +64,11 @@ def checkpoint_tensors(src: ModelSource) -> list[tuple[str, int, int, int | None
     if src.is_gguf:
         from armserve.model_loader.gguf import _reader  # the header parse the load shares
         from armserve.quantization.formats import packed_bytes
-        from armserve.quantization.gguf import GGUF_FORMATS
+        from armserve.quantization.gguf import gguf_format
 
         for t in _reader(os.path.join(src.folder, src.gguf_file)).tensors:
             numel, k, kind = int(t.n_elements), int(t.shape[0]), t.tensor_type.name
-            fmt = GGUF_FORMATS.get(kind)
+            fmt = gguf_format(kind, k)
             held = packed_bytes(fmt[0], numel // k, k, fmt[1]) if fmt and len(t.shape) == 2 else None
             out.append((t.name, numel, int(t.n_bytes), held, kind))
         return out

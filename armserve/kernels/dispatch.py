@@ -21,7 +21,7 @@ from armserve.kernels.library import DTYPE_CODES
 # of a decode step: beyond `SMALL_OP_ROWS` rows PyTorch's threaded ops are the better choice.
 SMALL_OP_ROWS = 64
 
-# From this many rows the int8-weight (w8: GGUF Q8_0 / Q5_K; and w5 / w6, Q5_0 / Q6_K, which the w8
+# From this many rows the int8-weight (w8 / w8h: GGUF Q8_0; and w5 / w6, Q5_0 / Q6_K, which the w8
 # tiles held before and whose results stay those bit for bit) parts of a bf16 quantized layer
 # dequantize their weight panel by panel for the dense bf16 GEMM instead of quantizing the
 # activations for the w8a8 GEMM: the dequantization is then shared by enough rows, and the bf16
@@ -48,8 +48,8 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     "dense_pack" / "qgemm_pack" a weight about to be prepacked at load), or for "attention" the
     model dtype. Each rule below is what the kernel takes (dtype, layout; attention walks head_dim
     in 16-lane vectors) and, for the matmuls, where it beats PyTorch (the constants above); a
-    quantized layer's "qgemm_dense" needs its part's `fmt` ("w4" / "w8" / "w5" / "w6"), "moe" the experts'
-    fmt.
+    quantized layer's "qgemm_dense" needs its part's `fmt` ("w4" / "w8" / "w8h" / "w5" /
+    "w6"), "moe" the experts' fmt.
     Without the library every answer is no."""
     lib = library._lib if library._loaded else library.load()
     if lib is None:
@@ -66,8 +66,9 @@ def use_kernel(op: str, x: torch.Tensor | torch.dtype, head_dim: int | None = No
     if op == "qgemm_pack":  # whenever the kernels are on (the layer then keeps no PyTorch copy)
         return True
     if op == "qgemm_dense":
-        if fmt not in ("w4", "w8", "w5", "w6"):
-            raise ValueError(f"use_kernel('qgemm_dense') needs the part's fmt ('w4', 'w8', 'w5' or 'w6'), got {fmt!r}")
+        if fmt not in ("w4", "w8", "w8h", "w5", "w6"):
+            raise ValueError(f"use_kernel('qgemm_dense') needs the part's fmt ('w4', 'w8', 'w8h', 'w5' or 'w6'), "
+                             f"got {fmt!r}")
         if fmt == "w4" and library.dense_isa() != "amx_bf16":
             return False
         return dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] >= QDENSE_MIN_ROWS and library.bf16_dot()

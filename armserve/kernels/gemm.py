@@ -62,7 +62,7 @@ def _pack(kernel: str, w: torch.Tensor, dtype: torch.dtype, shape) -> torch.Tens
 
 
 # The packed formats' codes in the C ABI (csrc/api.h; the fused MoE's bf16 blocks are 2).
-Q_FORMATS = {"w4": 0, "w8": 1, "w5": 3, "w6": 4}
+Q_FORMATS = {"w4": 0, "w8": 1, "w5": 3, "w6": 4, "w8h": 5}
 
 
 def pack_q(qt) -> torch.Tensor:
@@ -74,7 +74,8 @@ def pack_q(qt) -> torch.Tensor:
     n, k = qt.codes.shape
     codes, scales = qt.codes.contiguous(), qt.scales.float().contiguous()
     szp = qt.szp.float().contiguous() if qt.fmt in ("w4", "w6") else None  # (w6: its d)
-    assert k % qt.group == 0 and qt.group % (4 if qt.fmt == "w8" else 8) == 0 and scales.shape == (n, k // qt.group)
+    assert k % qt.group == 0 and qt.group % (4 if qt.fmt in ("w8", "w8h") else 8) == 0
+    assert scales.shape == (n, k // qt.group)
     out = torch.empty(packed_bytes(qt.fmt, n, k, qt.group), dtype=torch.uint8)
     call("armserve_pack_q", Q_FORMATS[qt.fmt], codes.data_ptr(), scales.data_ptr(),
          0 if szp is None else szp.data_ptr(), n, k, qt.group, out.data_ptr())
@@ -150,7 +151,7 @@ def quantize_act(x: torch.Tensor, group: int,
 
 def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
           packed: torch.Tensor, n: int, group: int) -> None:
-    """out[:, col:col + n] = acts x W^T for a packed "w4", "w8", "w5" or "w6" weight (csrc/qgemm.h)."""
+    """out[:, col:col + n] = acts x W^T for a packed "w4", "w8", "w8h", "w5" or "w6" weight (csrc/qgemm.h)."""
     q, scale, gsum = acts
     call(f"armserve_gemm_{fmt}", DTYPE_CODES[out.dtype],
          out.data_ptr() + col * out.element_size(), q.data_ptr(), scale.data_ptr(), gsum.data_ptr(),
@@ -159,7 +160,7 @@ def qgemm(fmt: str, out: torch.Tensor, col: int, acts: tuple[torch.Tensor, torch
 
 def qgemm_dense(fmt: str, out: torch.Tensor, col: int, x: torch.Tensor, packed: torch.Tensor, n: int,
                 group: int) -> None:
-    """out[:, col:col + n] = x (bf16 [m, k]) @ W^T for a packed "w4", "w8", "w5" or "w6" weight, dequantized to
+    """out[:, col:col + n] = x (bf16 [m, k]) @ W^T for a packed "w4", "w8", "w8h", "w5" or "w6" weight, dequantized to
     bf16 panel by panel for the dense GEMM's tiles (prefill-sized m; csrc/dense_gemm_impl.h)."""
     x = x.contiguous()
     call("armserve_gemm_q_bf16", Q_FORMATS[fmt], DTYPE_CODES[out.dtype],
@@ -170,7 +171,7 @@ def qgemm_dense(fmt: str, out: torch.Tensor, col: int, x: torch.Tensor, packed: 
 def qembedding(ids: torch.Tensor, packed: torch.Tensor, fmt: str, n: int, k: int, group: int, dtype: torch.dtype,
                start: int = 0, exact: torch.Tensor | None = None) -> torch.Tensor:
     """Embedding rows [m, k] of `dtype` for int64 ids [m] from a table of n rows kept as a packed "w4",
-    "w8", "w5" or "w6" weight (csrc/qgemm.h): row ids[i] - start dequantized, zeros where that is outside [0, n).
+    "w8", "w8h", "w5" or "w6" weight (csrc/qgemm.h): row ids[i] - start dequantized, zeros where that is outside [0, n).
     `exact`: float32 [n, k / group, 2] (scale, scale * zero point) of a w4 table whose scales are not
     float16 values (GGUF Q4_K), used instead of the packed float16 ones."""
     assert ids.dtype == torch.int64 and ids.dim() == 1
@@ -203,9 +204,9 @@ def fused_moe(fmt: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     """One MoE layer's experts in one call (csrc/moe_impl.h): float32 [T, hidden] =
     sum_j weights[t, j] * down(silu(gate(x[t])) * up(x[t])) of expert ids[t, j].
 
-    `gate`, `up`, `down`: int64 [E] tensors of each expert's weight addresses ("w4" / "w8" / "w5" / "w6" tiles of
-    the quantized GEMM with groups `group_gu` / `group_dn`, or "bf16" blocks of `pack_bf16`); the
-    caller keeps the weights alive. ids int64 [T, top_k] in [0, E), weights float32 [T, top_k]."""
+    `gate`, `up`, `down`: int64 [E] tensors of each expert's weight addresses ("w4" / "w8" / "w8h" /
+    "w5" / "w6" tiles of the quantized GEMM with groups `group_gu` / `group_dn`, or "bf16" blocks of
+    `pack_bf16`); the caller keeps the weights alive. ids int64 [T, top_k] in [0, E), weights float32 [T, top_k]."""
     x = x.contiguous()
     tokens, hidden = x.shape
     top_k = ids.shape[1]

@@ -4,6 +4,8 @@ the packed layout the qgemm kernels read (csrc/qgemm.h).
 Dequantized meaning of the formats, per group of `group` input columns:
     w4:  w = scale * u - szp      u in 0..15 (unsigned code), szp = scale * zero point
     w8:  w = scale * q            q in -127..127
+    w8h: w8 whose scales are float16 values (GGUF Q8_0) and whose rows hold an even number of
+         groups: packed with float16 scales, two groups' to a block (8.5 bits a weight, not 9)
     w5:  w = scale * (u - 16)     u in 0..31 (GGUF Q5_0 as stored), group 32
     w6:  w = scale * (u - 32)     u in 0..63 (GGUF Q6_K as stored), group 16, scale = d * sc with
                                   an int8 sub-scale sc per group and d (`szp`) per 256 columns
@@ -22,11 +24,11 @@ import torch.nn.functional as F
 class QuantizedTensor:
     """One checkpoint weight [n, k] in an armserve quantized format (unpacked, row-major)."""
 
-    fmt: str  # "w4", "w8", "w5" or "w6"
-    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8: int8 [n, k]; w5, w6: uint8 [n, k] values 0..31, 0..63
+    fmt: str  # "w4", "w8", "w8h", "w5" or "w6"
+    codes: torch.Tensor  # w4: uint8 [n, k] values 0..15; w8, w8h: int8 [n, k]; w5, w6: uint8 [n, k] values 0..31, 0..63
     scales: torch.Tensor  # float32 [n, k // group]
     # w4: float32 [n, k // group] (scale * zero point); w6: float32 [n, k // 256], the factor d of
-    # each 256 columns' scales (d * an int8); w8, w5: None
+    # each 256 columns' scales (d * an int8); w8, w8h, w5: None
     szp: torch.Tensor | None
     group: int
 
@@ -55,6 +57,8 @@ class QuantizedTensor:
         """Output rows (dim 0) or input columns (dim 1, whole groups only) [start, start + length),
         copied, so that the rest can be freed (a tensor-parallel rank keeps its part only)."""
         g = self.group if dim == 1 else 1
+        if dim == 1 and self.fmt == "w8h" and length // self.group % 2:  # (w8h packs groups in pairs)
+            return QuantizedTensor("w8", self.codes, self.scales, None, self.group).narrow(dim, start, length)
         if dim == 1 and self.fmt == "w6":
             if start % W6_SUPER or length % W6_SUPER:  # (a split inside d's 256 columns: as w8, exactly)
                 return self.as_w8().narrow(dim, start, length)
@@ -192,8 +196,9 @@ def kernel_scales(qt: QuantizedTensor) -> QuantizedTensor:
     """`qt` with the scales the kernels apply: float16 for w4 and w5 (packed inline, see
     csrc/qgemm.h), float32 for w8. Rounding a scale to float16 moves it by at most 2^-11 of itself,
     far below the 4-bit step; GGUF Q4_0 / Q4_1 / Q5_0 scales are float16 already, so only derived
-    ones (Q4_K's d * sc, `armserve quantize`'s s * zero) change. w6 keeps its exact d * sc."""
-    if qt.fmt in ("w8", "w6"):
+    ones (Q4_K's d * sc, `armserve quantize`'s s * zero) change. w6 keeps its exact d * sc; w8h's
+    scales are float16 values (GGUF Q8_0's d)."""
+    if qt.fmt in ("w8", "w6", "w8h"):
         return qt
     szp = None if qt.szp is None else qt.szp.half().float()
     return QuantizedTensor(qt.fmt, qt.codes, qt.scales.half().float(), szp, qt.group)
@@ -204,7 +209,7 @@ def packed_bytes(fmt: str, n: int, k: int, group: int) -> int:
     codes (w4: half a byte a weight, w8: a byte) and 64 bytes of scales per group; w5: 352 bytes
     per group of 32 columns (low nibbles, the plane of bit 4, float16 scales: 5.5 bits a weight);
     w6: 3392 bytes per 256 columns (low nibbles, the plane of bits 4-5, int8 sub-scales, float32 d:
-    6.625 bits a weight)."""
+    6.625 bits a weight); w8h: 32 bytes of float16 scales per group."""
     return -(-n // 16) * tile_bytes(fmt, k, group)
 
 
@@ -224,6 +229,10 @@ def tile_bytes(fmt: str, k: int, group: int) -> int:
             raise ValueError(f"w6 weights come in groups of {W6_GROUP} columns and rows of a multiple of "
                              f"{W6_SUPER}, not group {group}, k = {k}")
         return k // W6_SUPER * 3392
+    if fmt == "w8h":
+        if k % (2 * group):
+            raise ValueError(f"w8h weights hold an even number of groups of {group} columns, not k = {k}")
+        return 16 * k + 32 * (k // group)
     return (8 * k if fmt == "w4" else 16 * k) + 64 * (k // group)
 
 
@@ -264,6 +273,13 @@ def _pack_rows(qt: QuantizedTensor, out: torch.Tensor) -> None:
         return
     if qt.fmt == "w6":
         _pack_w6(codes, scales, szp, out.view(tiles, k // W6_SUPER, 3392))
+        return
+    if qt.fmt == "w8h":  # per pair of groups: both groups' words, then their 2 x 16 float16 scales
+        w = codes.contiguous().view(torch.int32).view(tiles, 16, ng // 2, 2 * g // 4).permute(0, 2, 3, 1)
+        sc = scales.half().view(tiles, 16, ng // 2, 2).permute(0, 2, 3, 1).contiguous().view(torch.int32)
+        dst = out.view(torch.int32).view(tiles, ng // 2, -1)
+        dst[:, :, :-16] = w.reshape(tiles, ng // 2, -1)
+        dst[:, :, -16:] = sc.reshape(tiles, ng // 2, 16)
         return
     words = codes.contiguous().view(torch.int32)  # [n_pad, k // 4]: 4 columns a word
     dst = out.view(torch.int32).view(tiles, ng, -1)  # per tile and group: weight words, then 16 scale words

@@ -5,7 +5,8 @@ float detour.
     Q4_1  (32 per block: d, m, 4-bit q; w = d * q + m)          -> w4, group 32, szp = -m
     Q4_K  (256 per super-block, 8 sub-blocks of 32 with 6-bit scale and min;
            w = d * sc * q - dmin * mn)                          -> w4, group 32, szp = dmin * mn
-    Q8_0  (32 per block: d, int8 q; w = d * q)                  -> w8, group 32
+    Q8_0  (32 per block: d, int8 q; w = d * q)                  -> w8h, group 32 (w8 for an odd
+                                                                   number of blocks a row)
     Q5_0  (32 per block: d, 5-bit q; w = d * (q - 16))         -> w5, group 32
     Q6_K  (256 per super-block, 16 sub-blocks of 16 with int8 scales, 6-bit q;
            w = d * sc * (q - 32))                               -> w6, group 16 (d per 256 in szp)
@@ -28,8 +29,17 @@ from armserve.quantization.formats import QuantizedTensor
 # ggml_type codes of the types whose rows the `gguf_embedding` kernel reads as stored (csrc/gguf_rows.h)
 GGUF_ROW_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14, "BF16": 30}
 # armserve format and group each converted type becomes (the converters below)
-GGUF_FORMATS = {"Q4_0": ("w4", 32), "Q4_1": ("w4", 32), "Q4_K": ("w4", 32), "Q5_0": ("w5", 32), "Q8_0": ("w8", 32),
+# (Q8_0: w8 where a row has an odd number of blocks; `gguf_format`)
+GGUF_FORMATS = {"Q4_0": ("w4", 32), "Q4_1": ("w4", 32), "Q4_K": ("w4", 32), "Q5_0": ("w5", 32), "Q8_0": ("w8h", 32),
                 "Q6_K": ("w6", 16)}
+
+
+def gguf_format(type_name: str, k: int) -> tuple[str, int] | None:
+    """armserve format and group a GGUF tensor of this type with rows of k values becomes, or None."""
+    fmt = GGUF_FORMATS.get(type_name)
+    if fmt == ("w8h", 32) and k % 64:
+        return "w8", 32
+    return fmt
 
 
 @dataclass
@@ -124,7 +134,10 @@ def _q8_0(data: np.ndarray) -> QuantizedTensor:
     b = _blocks(data, 34)
     d = _f16(b[..., 0:2])
     q = b[..., 2:34].view(np.int8)
-    return _w8(q, d, 32)
+    # held with its float16 d as stored (w8h: 8.5 bits a weight, w8's float32 scales took 9), where
+    # a row has an even number of blocks (the layout pairs them); the same products either way
+    qt = _w8(q, d, 32)
+    return QuantizedTensor("w8h", qt.codes, qt.scales, None, 32) if b.shape[1] % 2 == 0 else qt
 
 
 def _q5_0(data: np.ndarray) -> QuantizedTensor:
