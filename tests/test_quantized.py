@@ -254,30 +254,37 @@ def test_quantized_layer_takes_the_dense_path_for_prefill_rows():
                 kernels.set_amx(before)
 
 
+def formats_and_logprobs(path: str, tokenizer: str) -> tuple[dict[str, int], list]:
+    """A bf16 model's packed bytes per quantized format, and its greedy tokens with their top-5
+    log-probabilities for a short prompt and a prefill-sized one (140 rows)."""
+    from test_engine import tiny
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13], list(range(3, 3 + 140)))]
+    llm = tiny(path, tokenizer=tokenizer, dtype="bfloat16")
+    fmts: dict[str, int] = {}
+    for m in llm.llm_engine.model.modules():
+        if isinstance(m, QuantizedLinear):
+            for p in m.parts:
+                fmts[p.fmt] = fmts.get(p.fmt, 0) + p.packed.numel()
+    outs = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+    return fmts, outs
+
+
 def test_q5_0_gguf_stays_w5_and_equals_the_int8_path(tiny_llama, tmp_path, monkeypatch):
     """A GGUF's Q5_0 tensors (here q, gate, up and the token table, which is also the LM head) load
     as w5 (5.5 bits a weight), its Q8_0 ones as w8h (8.5), and the model's log-probabilities are,
     bit for bit, those of the same file loaded the way they were before (int8 tiles with float32
     scales), prefill rows and decode steps alike."""
     from armserve.quantization import gguf
-    from test_engine import tiny
     from test_tp import write_llama_gguf
 
     path = str(tmp_path / "q5.gguf")
     write_llama_gguf(tiny_llama, path, q5_0=True)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13], list(range(3, 3 + 140)))]  # 140: a prefill-sized part
 
     def run() -> tuple[dict[str, int], list]:
-        llm = tiny(path, tokenizer=tiny_llama, dtype="bfloat16")
-        fmts: dict[str, int] = {}
-        for m in llm.llm_engine.model.modules():
-            if isinstance(m, QuantizedLinear):
-                for p in m.parts:
-                    fmts[p.fmt] = fmts.get(p.fmt, 0) + p.packed.numel()
-        outs = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                for o in llm.generate(prompts, params, use_tqdm=False)]
-        return fmts, outs
+        return formats_and_logprobs(path, tiny_llama)
 
     fmts, w5 = run()
     assert set(fmts) == {"w5", "w8h", "w8"}  # (w8h: the Q8_0 tensors; w8: k, a float tensor beside q and v)
@@ -304,7 +311,6 @@ def test_q6_k_gguf_stays_w6_and_equals_the_int8_path(tokenizer_dir, tmp_path, mo
     before (int8 tiles with float32 scales per 16), prefill rows and decode steps alike."""
     from armserve.quantization import gguf
     from conftest import CACHE, make_tiny_checkpoint
-    from test_engine import tiny
     from test_tp import write_llama_gguf
 
     # rows of whole Q6_K blocks: hidden and intermediate sizes multiples of 256
@@ -312,19 +318,9 @@ def test_q6_k_gguf_stays_w6_and_equals_the_int8_path(tokenizer_dir, tmp_path, mo
                               hidden_size=256, intermediate_size=512)
     path = str(tmp_path / "q6.gguf")
     write_llama_gguf(hf, path, q6_k=True)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=5)
-    prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13], list(range(3, 3 + 140)))]  # 140: a prefill-sized part
 
     def run() -> tuple[dict[str, int], list]:
-        llm = tiny(path, tokenizer=hf, dtype="bfloat16")
-        fmts: dict[str, int] = {}
-        for m in llm.llm_engine.model.modules():
-            if isinstance(m, QuantizedLinear):
-                for p in m.parts:
-                    fmts[p.fmt] = fmts.get(p.fmt, 0) + p.packed.numel()
-        outs = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-                for o in llm.generate(prompts, params, use_tqdm=False)]
-        return fmts, outs
+        return formats_and_logprobs(path, hf)
 
     fmts, w6 = run()
     assert set(fmts) == {"w4", "w6", "w8"}  # (w8: k, a float tensor beside its quantized q and v)
