@@ -207,7 +207,8 @@ def _worker_main(config, rank: int, world: int, comm: CommSpec, conn, bind: str 
         src = model_loader.resolve_model_path(config.model)
         hf = model_loader.load_config(src, config.hf_overrides)
         dtype, cache_dtype = resolve_dtypes(config, model_loader.checkpoint_dtype(hf), src.is_gguf)
-        model = model_loader.load_model(src, hf, dtype, config.quantization, ParallelContext(rank, world, group))
+        model = model_loader.load_model(src, hf, dtype, config.quantization, ParallelContext(rank, world, group),
+                                        share_weights=bool(config.share_weights))
         from armserve.layers.rotary_embedding import trim_rope_tables
 
         trim_rope_tables(model, config.positions_reached())  # (as rank 0 does: torch_backend)

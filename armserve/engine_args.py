@@ -68,6 +68,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="keys to set on the model's config after it is read, as a JSON object (vLLM's), e.g. "
                         "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": "
                         "[\"no\", \"yes\"], \"is_original_qwen3_reranker\": true}' for the original Qwen3-Reranker")
+    p.add_argument("--share-weights", action=argparse.BooleanOptionalAction, default=UNSET,
+                   help="map the packed weights from a file under ~/.cache/armserve/weights that every engine loading "
+                        "the same model maps too: engines on one machine hold one copy (default: on with "
+                        "--data-parallel-size > 1)")
     p.add_argument("--speculative-config", default=UNSET, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys as a JSON object, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/speculative_decoding.md)')
@@ -77,7 +81,7 @@ ENGINE_FLAGS = ("dtype", "max_model_len", "max_num_batched_tokens", "max_num_seq
                 "enable_prefix_caching", "kv_cache_space", "kv_cache_dtype", "seed", "enforce_eager", "chat_template",
                 "tensor_parallel_size", "backend", "quantization", "grammar_compile_timeout", "runner", "tokenizer",
                 "max_logprobs", "generation_config", "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
-                "max_cpu_loras", "hf_overrides")
+                "max_cpu_loras", "hf_overrides", "share_weights")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

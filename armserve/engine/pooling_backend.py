@@ -76,7 +76,8 @@ class PoolingBackend:
         if getattr(hf, "classifier_from_token", None):
             hf.classifier_token_ids = _token_ids(self.tokenizer, hf.classifier_from_token)
         self.dtype, _ = resolve_dtypes(config, model_loader.checkpoint_dtype(hf), src.is_gguf)
-        self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, model_class=cls)
+        self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, model_class=cls,
+                                             share_weights=bool(config.share_weights))
         self.pooler = replace(pooler_config(src, hf, cls.default_pooling_type, cls.pooling_task),
                               use_sep_token=cls.uses_sep_token,
                               score_template=config.chat_template or getattr(hf, "rerank_template", None))

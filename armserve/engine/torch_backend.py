@@ -78,7 +78,8 @@ class TorchBackend:
             # (before any weight is read: a plan that does not fit fails in seconds, not after loading)
             self.memory_plan = plan_memory(config, src, hf, self.dtype, self.kv_cache_dtype)
             logger.info("memory plan of %s:\n  %s", config.model, "\n  ".join(self.memory_plan.lines()))
-            self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, parallel)
+            self.model = model_loader.load_model(src, hf, self.dtype, config.quantization, parallel,
+                                                 share_weights=bool(config.share_weights))
         except BaseException:
             if self.tp_workers is not None:
                 self.tp_workers.close()

@@ -137,14 +137,16 @@ def checkpoint_weights(src: ModelSource, config, dequantize: bool = False
 
 
 def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str | None = None,
-               parallel: ParallelContext | None = None, model_class: type[nn.Module] | None = None) -> nn.Module:
+               parallel: ParallelContext | None = None, model_class: type[nn.Module] | None = None,
+               share_weights: bool = False) -> nn.Module:
     """Build the model for `config` in `dtype` and fill it from the checkpoint.
 
     Quantized weights (GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q8_0/Q6_K, `armserve quantize` output) stay
     quantized unless `quantization == "none"`. `parallel`: the tensor-parallel rank to build (its
     layers keep only their part of each weight, layers/linear.py); None: the whole model.
     `model_class`: the class to build (the pooling runner's adaptation of a decoder); None: the
-    one `config.architectures` names.
+    one `config.architectures` names. `share_weights`: map the large weights from a file that
+    every engine loading the same model maps too (weight_cache.py).
     """
     dequantize = quantization == "none"
     cls = model_class or get_model_class(config.architectures[0])
@@ -165,6 +167,14 @@ def load_model(src: ModelSource, config, dtype: torch.dtype, quantization: str |
         )
     model.process_weights_after_loading()  # repack the weights into the kernel layouts once
     model.eval()
+    if share_weights:
+        from armserve import kernels
+        from armserve.model_loader.weight_cache import cache_key, share_weights as share
+
+        files = [os.path.join(src.folder, src.gguf_file)] if src.is_gguf else sorted(
+            os.path.join(src.folder, n) for n in os.listdir(src.folder) if n.endswith((".safetensors", ".json")))
+        share(model, cache_key([gguf._file_key(f) for f in files], str(dtype), quantization, cls.__name__,
+                               (parallel.rank, parallel.world) if parallel else None, kernels.available()))
     release_free_heap()
     return model
 
