@@ -265,6 +265,26 @@ def test_tp2_quantized_equals_tp1(tiny_llama, tiny_checkpoints, tmp_path, kind):
         assert (b.in_features, b.out_features) == half, name
 
 
+def test_tp2_with_shared_weights_equals_tp1(tiny_llama, tmp_path, monkeypatch):
+    """Tensor-parallel ranks map their shares of the weights from a file each (share_weights) and give
+    TP=1's greedy tokens; the ranks' group (its shared-memory all-reduce buffer, at an address the
+    group keeps) is not a weight and stays where it is."""
+    from armserve.model_loader import weight_cache
+
+    monkeypatch.setenv("ARMSERVE_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setattr(weight_cache, "MIN_BYTES", 4096)  # (rank 0's every packed weight; rank 1 keeps 1 MiB)
+    path = str(tmp_path / "llama.gguf")
+    write_llama_gguf(tiny_llama, path)
+    one = tiny(path, tokenizer=tiny_llama, max_model_len=256)
+    two = tiny(path, tokenizer=tiny_llama, tensor_parallel_size=2, max_model_len=256, share_weights=True)
+    prompts = [{"prompt_token_ids": p} for p in mixed_prompts(one.get_tokenizer())]
+    assert_same_greedy(one, two, prompts, atol=1e-4)
+    files = sorted(f for f in os.listdir(tmp_path / "cache" / "weights") if f.endswith(".bin"))
+    assert len(files) == 2, files  # one per rank
+    mapped = {weight_cache.mapped_file(p.packed) for p in two.llm_engine.model.layers[0].mlp.down_proj.parts}
+    assert mapped == {str(tmp_path / "cache" / "weights" / f) for f in files} & mapped and None not in mapped
+
+
 class _PartialSums:
     """A collective that leaves each rank's partial sum (a test adds them up itself) and keeps what
     a rank sends to a gather."""

@@ -121,8 +121,9 @@ def _large_storages(model: nn.Module) -> list[tuple[int, list[torch.Tensor]]]:
 
 
 def _tensors_in(obj: Any, seen: set[int], depth: int) -> Iterator[torch.Tensor]:
-    """Tensors held by `obj` (a tensor, a dict, list or tuple of them, a dataclass or plain object
-    with tensor attributes), not looking into modules (walked on their own) or further than `depth`."""
+    """Tensors held by `obj` (a tensor, a dict, list or tuple of them, an object of a layer or
+    quantization class with tensor attributes: `_holds_weights`), not looking into modules (walked
+    on their own) or further than `depth`."""
     if id(obj) in seen or depth < 0:
         return
     seen.add(id(obj))
@@ -130,6 +131,8 @@ def _tensors_in(obj: Any, seen: set[int], depth: int) -> Iterator[torch.Tensor]:
         yield obj
     elif isinstance(obj, (nn.Module, type, types.ModuleType, types.FunctionType, types.MethodType,
                           types.BuiltinFunctionType)):
+        return
+    elif not isinstance(obj, (dict, list, tuple)) and not _holds_weights(type(obj)):
         return
     elif isinstance(obj, dict):
         for v in obj.values():
@@ -143,6 +146,18 @@ def _tensors_in(obj: Any, seen: set[int], depth: int) -> Iterator[torch.Tensor]:
     elif hasattr(obj, "__dict__") and not isinstance(obj, (str, bytes, int, float)):
         for v in vars(obj).values():
             yield from _tensors_in(v, seen, depth - 1)
+
+
+# Objects of these packages hold a layer's weights (a quantized layer's packed parts, a quantized
+# embedding's table); nothing else is looked into. Not the tensor-parallel context either: its
+# all-reduce buffer is shared memory the ranks exchange through, at an address the group keeps.
+_WEIGHT_HOLDERS = ("armserve.quantization.", "armserve.layers.", "armserve.models.")
+
+
+def _holds_weights(cls: type) -> bool:
+    from armserve.layers.linear import ParallelContext
+
+    return cls.__module__.startswith(_WEIGHT_HOLDERS) and not issubclass(cls, ParallelContext)
 
 
 def _bytes(t: torch.Tensor, nbytes: int) -> torch.Tensor:
