@@ -104,8 +104,10 @@ def _large_storages(model: nn.Module) -> list[tuple[int, list[torch.Tensor]]]:
     loading the same model)."""
     found: dict[int, tuple[int, list[torch.Tensor]]] = {}
     seen: set[int] = set()
+    # (non-persistent buffers are runtime tables, e.g. the rotary cos/sin kept by address: wherever held)
+    skip = {id(m._buffers[b]) for m in model.modules() for b in m._non_persistent_buffers_set
+            if m._buffers.get(b) is not None}
     for m in model.modules():
-        skip = {id(m._buffers[b]) for b in m._non_persistent_buffers_set if m._buffers.get(b) is not None}
         for name, value in vars(m).items():
             if name == "_modules":
                 continue
