@@ -364,7 +364,9 @@ class EngineConfig:
     data_parallel_size: int = 1
     # Map the large weights (packed as the kernels read them) from a file under
     # cache_dir("weights") that every engine loading the same model maps too, so engines on one
-    # machine hold one copy (model_loader/weight_cache.py). None: on with data_parallel_size > 1.
+    # machine hold one copy (model_loader/weight_cache.py). None: on with data_parallel_size > 1
+    # on a machine of one NUMA node (across nodes a shared page is remote memory for all engines
+    # but one, and decode is bound by read bandwidth).
     share_weights: bool | None = None
     # Ranks one model is split over (armserve/distributed.py), each a process on its own cores
     # (one '|'-separated group each in ARMSERVE_THREADS_BIND, or the allowed cores split evenly);
@@ -513,7 +515,9 @@ class EngineConfig:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = max(OFFLINE_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
         if self.share_weights is None:
-            self.share_weights = self.data_parallel_size > 1
+            from armserve.memory import numa_node_count
+
+            self.share_weights = self.data_parallel_size > 1 and numa_node_count() == 1
 
     def positions_reached(self) -> int:
         """How many positions a step can rotate (after `finalize`): max_model_len, plus the rows a

@@ -71,7 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--share-weights", action=argparse.BooleanOptionalAction, default=UNSET,
                    help="map the packed weights from a file under ~/.cache/armserve/weights that every engine loading "
                         "the same model maps too: engines on one machine hold one copy (default: on with "
-                        "--data-parallel-size > 1)")
+                        "--data-parallel-size > 1 on a machine of one NUMA node)")
     p.add_argument("--speculative-config", default=UNSET, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys as a JSON object, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 5}\' (docs/speculative_decoding.md)')

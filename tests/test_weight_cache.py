@@ -111,3 +111,20 @@ def test_a_cache_that_cannot_be_written_costs_only_the_sharing(models, tmp_path,
     assert outputs(llm) == want
     assert list(weight_files(llm)) == [None]
     assert "weights not shared" in caplog.text
+
+
+def test_sharing_is_the_default_for_data_parallel_engines_on_one_numa_node(monkeypatch):
+    from armserve import memory
+    from armserve.config import EngineConfig
+
+    def resolved(nodes: int, **kw) -> bool | None:
+        monkeypatch.setattr(memory, "numa_node_count", lambda: nodes)
+        cfg = EngineConfig(model="m", **kw)
+        cfg.finalize(512)
+        return cfg.share_weights
+
+    assert resolved(1, data_parallel_size=2) is True
+    assert resolved(1) is False
+    assert resolved(2, data_parallel_size=2) is False  # (a shared page is remote memory for some engine)
+    assert resolved(2, data_parallel_size=2, share_weights=True) is True
+    assert resolved(1, data_parallel_size=2, share_weights=False) is False
