@@ -145,7 +145,7 @@ def _tensors_in(obj: Any, seen: set[int], depth: int) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
             yield from _tensors_in(getattr(obj, f.name, None), seen, depth - 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (str, bytes, int, float)):
+    elif hasattr(obj, "__dict__"):
         for v in vars(obj).values():
             yield from _tensors_in(v, seen, depth - 1)
 
