@@ -154,11 +154,11 @@ static void pack_w6(const uint8_t* c, const float* scales, const float* d, int64
 
 // codes [n, k] (w4: uint8 0..15, w8 and w8h: int8, w5: uint8 0..31, w6: uint8 0..63), scales (and
 // w4's szp) float32 [n, k / group] -> the packed tiles of qgemm.h (formats.py `pack` is the PyTorch
-// reference): per 16-row tile and group, the weight words (w4: 4 bytes a row per 8 columns, byte j = u[8c + j] | u[8c + 4 + j] << 4;
-// w8: 4 codes a row per 4 columns), then 64 bytes of scales (w4: 16 float16 s, then 16 szp; w8:
-// 16 float32 s; w8h: per pair of groups, both groups' words, then their 2 x 16 float16 s). Rows past
-// n are zeros. One pass over the weights at load, where PyTorch's strided copies took seconds a
-// model.
+// reference): per 16-row tile and group, the weight words (w4: 4 bytes a row per 8 columns, byte
+// j = u[8c + j] | u[8c + 4 + j] << 4; w8, w8h: 4 codes a row per 4 columns), then 64 bytes of
+// scales (w4: 16 float16 s, then 16 szp; w8: 16 float32 s; w8h: after every second group, that
+// pair's 2 x 16 float16 s). Rows past n are zeros. One pass over the weights at load, where
+// PyTorch's strided copies took seconds a model.
 void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const float* szp, int64_t n, int64_t k,
                      int64_t group, void* packed) {
   const auto* c = static_cast<const uint8_t*>(codes);
@@ -169,25 +169,6 @@ void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const 
   const int64_t chunk = fmt == 0 ? 8 : 4;  // columns per 4-byte word
   for (int64_t t = 0; t < tiles; ++t) {
     for (int64_t gi = 0; gi < ng; ++gi) {
-      if (fmt == 5) {  // w8h: a pair of groups' words, then both groups' float16 scales
-        if (gi % 2) continue;
-        for (int64_t cc = gi * group; cc < (gi + 2) * group; cc += 4)
-          for (int64_t r = 0; r < 16; ++r, out += 4) {
-            const int64_t row = t * 16 + r;
-            if (row >= n)
-              std::memset(out, 0, 4);
-            else
-              std::memcpy(out, c + row * k + cc, 4);
-          }
-        for (int64_t h = 0; h < 2; ++h)
-          for (int64_t r = 0; r < 16; ++r) {
-            const int64_t row = t * 16 + r;
-            const uint16_t hs = armserve_conv::f32_to_f16(row < n ? scales[row * ng + gi + h] : 0.0f);
-            std::memcpy(out + 32 * h + 2 * r, &hs, 2);
-          }
-        out += 64;
-        continue;
-      }
       for (int64_t cc = gi * group; cc < (gi + 1) * group; cc += chunk) {
         for (int64_t r = 0; r < 16; ++r, out += 4) {
           const int64_t row = t * 16 + r;
@@ -201,13 +182,20 @@ void armserve_pack_q(int32_t fmt, const void* codes, const float* scales, const 
           }
         }
       }
+      if (fmt == 5 && gi % 2 == 0) continue;  // (w8h: the pair's scales follow its second group)
       for (int64_t r = 0; r < 16; ++r) {
         const int64_t row = t * 16 + r;
         const float s = row < n ? scales[row * ng + gi] : 0.0f;
         if (fmt == 0) {
-          const uint16_t hs = armserve_conv::f32_to_f16(s), hz = armserve_conv::f32_to_f16(row < n ? szp[row * ng + gi] : 0.0f);
+          const uint16_t hs = armserve_conv::f32_to_f16(s);
+          const uint16_t hz = armserve_conv::f32_to_f16(row < n ? szp[row * ng + gi] : 0.0f);
           std::memcpy(out + 2 * r, &hs, 2);
           std::memcpy(out + 32 + 2 * r, &hz, 2);
+        } else if (fmt == 5) {
+          const uint16_t h0 = armserve_conv::f32_to_f16(row < n ? scales[row * ng + gi - 1] : 0.0f);
+          const uint16_t h1 = armserve_conv::f32_to_f16(s);
+          std::memcpy(out + 2 * r, &h0, 2);
+          std::memcpy(out + 32 + 2 * r, &h1, 2);
         } else {
           std::memcpy(out + 4 * r, &s, 4);
         }

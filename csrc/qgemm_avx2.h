@@ -54,8 +54,8 @@ struct QAvx2 : EmbedRowsAvx2 {
   template <int NT, int F>
   static void tile_nib(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                        int64_t k, int64_t group, float (*acc)[16]) {
-    constexpr bool PL = F != kW4;
-    constexpr int kBits = F == kW6 ? 2 : 1, kOffset = F == kW6 ? 32 : 16;
+    constexpr bool PL = Plane<F>::kBits > 0;
+    constexpr int kBits = Plane<F>::kBits, kOffset = Plane<F>::kOffset;
     const __m256i nib = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1),
                   high = _mm256_set1_epi8(char(((1 << kBits) - 1) << 4));
     constexpr int64_t kStep = F == kW6 ? 1 : F == kW5 ? 2 : 4;
@@ -260,7 +260,8 @@ struct QAvx2 : EmbedRowsAvx2 {
       _mm256_storeu_ps(acc[i], facc[i][0]);
       _mm256_storeu_ps(acc[i] + 8, facc[i][1]);
     }
-  }  template <int NT>
+  }
+  template <int NT>
   static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                        int64_t k, int64_t group, float (*acc)[16]) {
     tile_w8<NT, true>(wt, q, as, gs, k, group, acc);

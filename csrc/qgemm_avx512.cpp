@@ -154,7 +154,8 @@ struct QAvx512 : QAvx2 {
       }
     }
     for (int i = 0; i < NT; ++i) _mm512_storeu_ps(acc[i], facc[i]);
-  }  template <int NT>
+  }
+  template <int NT>
   static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                        int64_t k, int64_t group, float (*acc)[16]) {
     tile_w8<NT, true>(wt, q, as, gs, k, group, acc);

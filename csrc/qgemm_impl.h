@@ -70,9 +70,12 @@ static inline const float* w6_d(const uint8_t* wt, int64_t g) {
 
 // W5 and W6, the plane formats: W4's chunks of low nibbles, a plane of each code's high kBits bits
 // (chunk cl's at bits kBits * cl of a plane byte for the low nibble's code, 4 + kBits * cl for the
-// high one's), w = s * (u - kOffset). The kernels take their layout from here.
+// high one's), w = s * (u - kOffset). The kernels take their layout from here; the other formats
+// have no plane (kBits 0).
 template <int F>
-struct Plane;
+struct Plane {
+  static constexpr int kBits = 0, kOffset = 0;
+};
 template <>
 struct Plane<kW5> {
   static constexpr int kBits = 1, kOffset = 16;

@@ -11,8 +11,6 @@ using armserve::w4_scales;
 using armserve::w8_scales;
 using armserve::w8h_chunk;
 using armserve::w8h_scales;
-using armserve::w5_chunk;
-using armserve::w5_plane;
 using armserve::w5_scales;
 using armserve::w6_sc;
 using armserve::w6_d;
@@ -58,8 +56,8 @@ struct QNeon {
   template <int NT, int F>
   static void tile_nib(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                        int64_t k, int64_t group, float (*acc)[16]) {
-    constexpr bool PL = F != kW4;
-    constexpr int kBits = F == kW6 ? 2 : 1, kOffset = F == kW6 ? 32 : 16;
+    constexpr bool PL = Plane<F>::kBits > 0;
+    constexpr int kBits = Plane<F>::kBits, kOffset = Plane<F>::kOffset;
     const uint8x16_t nib = vdupq_n_u8(0x0f), high = vdupq_n_u8(uint8_t(((1 << kBits) - 1) << 4));
     float32x4_t facc[NT][4];
     for (int i = 0; i < NT; ++i)
@@ -174,7 +172,8 @@ struct QNeon {
     }
     for (int i = 0; i < NT; ++i)
       for (int h = 0; h < 4; ++h) vst1q_f32(acc[i] + h * 4, facc[i][h]);
-  }  template <int NT>
+  }
+  template <int NT>
   static void tile_w8h(const uint8_t* wt, const int8_t* const* q, const float* const* as, const int32_t* const* gs,
                        int64_t k, int64_t group, float (*acc)[16]) {
     tile_w8<NT, true>(wt, q, as, gs, k, group, acc);

@@ -9,8 +9,6 @@ using armserve::load4;
 using armserve::chunk;
 using armserve::w4_scales;
 using armserve::w8_scales;
-using armserve::w5_chunk;
-using armserve::w5_plane;
 using armserve::w5_scales;
 using armserve::w6_sc;
 using armserve::w6_d;
@@ -76,7 +74,7 @@ struct QSve {
   static inline void codes(svbool_t p8, svuint8_t b, svuint8_t pl, svuint8_t pl4, int64_t cl, svint8_t& lo,
                            svint8_t& hi) {
     svuint8_t ulo = svand_n_u8_x(p8, b, 0x0f), uhi = svlsr_n_u8_x(p8, b, 4);
-    if constexpr (F == kW5 || F == kW6) {
+    if constexpr (Plane<F>::kBits > 0) {
       constexpr int kBits = Plane<F>::kBits;
       const uint8_t high = uint8_t(((1 << kBits) - 1) << 4), sh = uint8_t(kBits * cl);
       ulo = svorr_u8_x(p8, ulo, svand_n_u8_x(p8, svlsr_n_u8_x(p8, pl4, sh), high));
@@ -89,7 +87,7 @@ struct QSve {
   // Chunk c (global index; cl = c - c0 within its group g) of a tile's bytes.
   template <int F>
   static inline const uint8_t* chunk_at(const uint8_t* wt, int64_t c, int64_t g, int64_t c0) {
-    if constexpr (F == kW5 || F == kW6)
+    if constexpr (Plane<F>::kBits > 0)
       return Plane<F>::chunk(wt, g, c - c0);
     else if constexpr (F == kW8H)
       return w8h_chunk(wt, c, g);
@@ -103,8 +101,8 @@ struct QSve {
   static void tile(const uint8_t* wt, const int8_t* const* q, const float* const* as,
                       const int32_t* const* gs, int64_t k,
                    int64_t group, float (*acc)[16]) {
-    constexpr bool W4 = F == kW4, PL = F == kW5 || F == kW6, NIB = F != kW8 && F != kW8H;
-    constexpr int kOffset = F == kW6 ? 32 : 16;  // (W5, W6)
+    constexpr bool W4 = F == kW4, PL = Plane<F>::kBits > 0, NIB = F != kW8 && F != kW8H;
+    constexpr int kOffset = Plane<F>::kOffset;
     const int64_t vb = svcntb() < 64 ? int64_t(svcntb()) : 64;  // bytes of a chunk per piece
     const svbool_t p8 = svwhilelt_b8(int64_t(0), vb);
     const svbool_t p32 = svwhilelt_b32(int64_t(0), vb / 4);
