@@ -35,12 +35,11 @@ CHILD = r'''
 import json, sys, time
 from armserve import LLM, SamplingParams
 from armserve.quantization import QuantizedLinear, gguf
-from armserve.quantization.formats import QuantizedTensor
 
 if sys.argv[1] == "before":  # Q6_K and Q8_0 as W8 tiles with float32 scales (the same codes and scales)
     q6, q8 = gguf._q6_k, gguf._q8_0
     gguf._CONVERTERS["Q6_K"] = lambda d: q6(d).as_w8()
-    gguf._CONVERTERS["Q8_0"] = lambda d: (lambda t: QuantizedTensor("w8", t.codes, t.scales, None, 32))(q8(d))
+    gguf._CONVERTERS["Q8_0"] = lambda d: q8(d).as_w8()
 llm = LLM(sys.argv[2], max_model_len=2048, kv_cache_space=0.1)
 nbytes = {}
 for m in llm.llm_engine.model.modules():

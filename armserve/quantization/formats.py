@@ -47,7 +47,10 @@ class QuantizedTensor:
         return self.codes.float() * s
 
     def as_w8(self) -> QuantizedTensor:
-        """The same weight as w8 (int8 codes u - offset, the same scales), exactly, for a w5 / w6 one."""
+        """The same weight as w8, exactly: a w5 / w6 one's int8 codes u - offset, a w8h one's codes as
+        they are, the same scales (a split the compact layouts cannot hold)."""
+        if self.fmt == "w8h":
+            return QuantizedTensor("w8", self.codes, self.scales, None, self.group)
         if self.fmt not in PLANE_OFFSETS:
             return self
         codes = (self.codes.to(torch.int16) - PLANE_OFFSETS[self.fmt]).to(torch.int8)
@@ -58,7 +61,7 @@ class QuantizedTensor:
         copied, so that the rest can be freed (a tensor-parallel rank keeps its part only)."""
         g = self.group if dim == 1 else 1
         if dim == 1 and self.fmt == "w8h" and length // self.group % 2:  # (w8h packs groups in pairs)
-            return QuantizedTensor("w8", self.codes, self.scales, None, self.group).narrow(dim, start, length)
+            return self.as_w8().narrow(dim, start, length)
         if dim == 1 and self.fmt == "w6":
             if start % W6_SUPER or length % W6_SUPER:  # (a split inside d's 256 columns: as w8, exactly)
                 return self.as_w8().narrow(dim, start, length)

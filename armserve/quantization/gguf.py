@@ -136,8 +136,8 @@ def _q8_0(data: np.ndarray) -> QuantizedTensor:
     q = b[..., 2:34].view(np.int8)
     # held with its float16 d as stored (w8h: 8.5 bits a weight, w8's float32 scales took 9), where
     # a row has an even number of blocks (the layout pairs them); the same products either way
-    qt = _w8(q, d, 32)
-    return QuantizedTensor("w8h", qt.codes, qt.scales, None, 32) if b.shape[1] % 2 == 0 else qt
+    fmt, _ = gguf_format("Q8_0", b.shape[1] * 32)
+    return QuantizedTensor(fmt, _rows(q, np.int8), _rows(d, np.float32), None, 32)
 
 
 def _q5_0(data: np.ndarray) -> QuantizedTensor:
@@ -176,10 +176,6 @@ def _q6_k(data: np.ndarray) -> QuantizedTensor:
 
 def _w4(u: np.ndarray, scale: np.ndarray, szp: np.ndarray, group: int) -> QuantizedTensor:
     return QuantizedTensor("w4", _rows(u, np.uint8), _rows(scale, np.float32), _rows(szp, np.float32), group)
-
-
-def _w8(q: np.ndarray, scale: np.ndarray, group: int) -> QuantizedTensor:
-    return QuantizedTensor("w8", _rows(q, np.int8), _rows(scale, np.float32), None, group)
 
 
 def _rows(a: np.ndarray, dtype: type) -> torch.Tensor:
